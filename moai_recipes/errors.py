@@ -1,0 +1,31 @@
+"""The one error type for a user's mistake, and the entry-point guard that turns it into exit code 2."""
+
+import functools
+import sys
+
+
+class UserError(Exception):
+    """A mistake the user can fix: unknown name, bad value, missing file, a plan that cannot fit.
+
+    The message says what is wrong and what to do; entry points print it without a traceback.
+    """
+
+
+EXIT_USER_ERROR = 2
+
+
+def exit_on_user_error(main):
+    """Wrap an entry point: a UserError prints one clean message and exits with code 2."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr, flush=True)
+            sys.exit(130)
+
+    return wrapper

@@ -1,0 +1,71 @@
+"""Parallelise a model in one place and one order: activation checkpointing, then FSDP2.
+
+torchtitan's order: recomputation wraps each transformer layer first, then `fully_shard` shards
+every layer and finally the root, so each layer's parameters are all-gathered just in time.
+"""
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+
+# Selective recompute keeps what is expensive to redo (matmuls, attention) and recomputes the
+# cheap, memory-hungry pointwise ops (norms, SiLU, residual adds) in the backward pass.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Recompute(nn.Module):
+    """Runs a transformer layer under torch.utils.checkpoint (full or selective)."""
+
+    def __init__(self, layer: nn.Module, policy: str):
+        super().__init__()
+        self.layer = layer
+        self.policy = policy
+
+    def forward(self, *args, **kwargs):
+        if self.policy == "full":
+            return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
+        contexts = partial(create_selective_checkpoint_contexts, _selective_policy)
+        return checkpoint(self.layer, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+def apply_recompute(layers: nn.ModuleList, policy: str) -> None:
+    """Wrap every layer of `layers` for recomputation; `none` leaves them as they are."""
+    assert policy in RECOMPUTE_POLICIES, policy
+    if policy == "none":
+        return
+    for i, layer in enumerate(layers):
+        layers[i] = Recompute(layer, policy)
+
+
+def shard_model(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, param_dtype: torch.dtype,
+                reshard_after_forward: bool = True, cpu_offload: bool = False) -> None:
+    """FSDP2: shard each transformer layer, then the root (embeddings, final norm, output)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for i, layer in enumerate(layers):
+        # The last layer is all-gathered again at once by the backward pass: keeping it saves a gather.
+        last = i == len(layers) - 1
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=reshard_after_forward and not last)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
