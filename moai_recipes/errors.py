@@ -1,6 +1,7 @@
 """The one error type for a user's mistake, and the entry-point guard that turns it into exit code 2."""
 
 import functools
+import os
 import sys
 
 
@@ -22,7 +23,9 @@ def exit_on_user_error(main):
         try:
             return main(*args, **kwargs)
         except UserError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            # Every worker of a launched group hits the same mistake: one message is enough.
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr, flush=True)

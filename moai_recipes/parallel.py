@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 
@@ -32,28 +33,18 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class Recompute(nn.Module):
-    """Runs a transformer layer under torch.utils.checkpoint (full or selective)."""
-
-    def __init__(self, layer: nn.Module, policy: str):
-        super().__init__()
-        self.layer = layer
-        self.policy = policy
-
-    def forward(self, *args, **kwargs):
-        if self.policy == "full":
-            return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
-        contexts = partial(create_selective_checkpoint_contexts, _selective_policy)
-        return checkpoint(self.layer, *args, use_reentrant=False, context_fn=contexts, **kwargs)
-
-
 def apply_recompute(layers: nn.ModuleList, policy: str) -> None:
-    """Wrap every layer of `layers` for recomputation; `none` leaves them as they are."""
+    """Recompute each layer's activations in the backward pass (`full` or `selective`).
+
+    The composable `checkpoint` hooks the layer in place, so parameter names (and with them the
+    checkpoint conversion) stay the same whatever the policy.
+    """
     assert policy in RECOMPUTE_POLICIES, policy
     if policy == "none":
         return
-    for i, layer in enumerate(layers):
-        layers[i] = Recompute(layer, policy)
+    context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) if policy == "selective" else None
+    for layer in layers:
+        checkpoint(layer, context_fn=context_fn) if context_fn else checkpoint(layer)
 
 
 def shard_model(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, param_dtype: torch.dtype,

@@ -1,0 +1,103 @@
+"""Flavors: virtual accelerators of a given size, resolved to a device type and a device count.
+
+A MoAI flavor is a total memory on a device type (`4xlarge` = 2048 GB of MI250 = 16 cards, which
+PyTorch sees as 32 devices of 64 GB). `flavor.device=h100` re-expresses the same total memory on
+other hardware. The CPU flavors run a given number of processes on this machine with gloo.
+"""
+
+import math
+import os
+from dataclasses import dataclass
+
+import psutil
+
+from moai_recipes.errors import UserError
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device as PyTorch sees it (an MI250 card is two of these), with peak figures for planning."""
+
+    name: str
+    kind: str  # "gpu" or "cpu"
+    memory_gb: float  # per device; the CPU's is the host memory, shared by its processes
+    per_card: int  # devices per physical card (MI250: 2 GCDs)
+    per_node: int  # devices per node
+    bf16_tflops: float  # dense peak per device
+    fp32_tflops: float
+    hbm_gbps: float  # memory bandwidth per device, GB/s
+    intra_node_gbps: float  # per-device bandwidth to its peers in a node (NVLink / Infinity Fabric), GB/s
+    inter_node_gbps: float  # per-device network bandwidth across nodes, GB/s
+
+
+def _host_memory_gb() -> float:
+    return psutil.virtual_memory().total / 2**30
+
+
+DEVICES = {
+    "mi250": Device("mi250", "gpu", 64, 2, 8, 191.5, 47.9, 1638, 100, 25),
+    "mi300x": Device("mi300x", "gpu", 192, 1, 8, 1307, 163.4, 5300, 64, 50),
+    "a100": Device("a100", "gpu", 80, 1, 8, 312, 19.5, 2039, 300, 25),
+    "h100": Device("h100", "gpu", 80, 1, 8, 989, 67, 3350, 450, 50),
+    "h200": Device("h200", "gpu", 141, 1, 8, 989, 67, 4800, 450, 50),
+    "cpu": Device("cpu", "cpu", 0, 1, 1, 0.2, 0.2, 20, 10, 10),
+}
+
+
+@dataclass(frozen=True)
+class Flavor:
+    name: str  # display name, e.g. 4xLarge.2048GB
+    device: Device
+    num_devices: int
+    device_memory_gb: float  # the per-device budget the planner must respect
+
+    @property
+    def total_memory_gb(self) -> float:
+        return self.num_devices * self.device_memory_gb
+
+    @property
+    def backend(self) -> str:
+        # NCCL on NVIDIA, RCCL behind the same name on ROCm; gloo on the CPU.
+        return "nccl" if self.device.kind == "gpu" else "gloo"
+
+    def describe(self) -> str:
+        cards = ""
+        if self.device.per_card > 1:
+            cards = f" ({self.num_devices // self.device.per_card} {self.device.name.upper()} cards)"
+        return (f"{self.name}: {self.num_devices} x {self.device.name} device{'s' if self.num_devices > 1 else ''}"
+                f"{cards}, {self.device_memory_gb:.4g} GB each, {self.total_memory_gb:.5g} GB in all")
+
+
+def resolve_flavor(*, name: str, device: str, memory_gb: float | None, processes: int | None,
+                   device_memory_gb: float | None) -> Flavor:
+    """Turn a flavor config into a device type, a device count and a per-device memory budget."""
+    if device not in DEVICES:
+        raise UserError(f"flavor.device={device} is not a known device; valid: {', '.join(DEVICES)}")
+    dev = DEVICES[device]
+    if processes is not None and processes < 1:
+        raise UserError(f"flavor.processes={processes} must be at least 1")
+    if memory_gb is not None and memory_gb <= 0:
+        raise UserError(f"flavor.memory_gb={memory_gb} must be positive")
+    if device_memory_gb is not None and device_memory_gb <= 0:
+        raise UserError(f"flavor.device_memory_gb={device_memory_gb} must be positive")
+    if dev.kind == "cpu":
+        n = processes or 1
+        per_device = device_memory_gb or _host_memory_gb() / n
+    elif processes is not None:
+        n, per_device = processes, device_memory_gb or dev.memory_gb
+    elif memory_gb is not None:
+        # The same total memory on this device type: enough devices to hold it.
+        n = max(1, math.ceil(memory_gb / dev.memory_gb - 1e-9))
+        per_device = device_memory_gb or dev.memory_gb
+    else:
+        raise UserError(f"flavor {name} needs memory_gb or processes")
+    return Flavor(name=name, device=dev, num_devices=n, device_memory_gb=per_device)
+
+
+def local_capacity(flavor: Flavor) -> int:
+    """How many devices of the flavor's kind this machine offers to one node's processes."""
+    if flavor.device.kind == "cpu":
+        return os.cpu_count() or 1
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

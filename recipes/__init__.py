@@ -1,0 +1,1 @@
+"""Recipes: one file per recipe, run from the repository root as `python -m recipes.<name>`."""
