@@ -65,8 +65,8 @@ class Tokenizer:
     def __init__(self, base: HuggingFaceBaseTokenizer, *, chat_template: str | None = None, name: str = "tokenizer"):
         self._base, self._hf, self.name = base, base.tokenizer, name
         config, gen = base.config or {}, base.generation_config or {}
-        self._special = {k: base._get_token_from_config(config, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        self._special = {k: v for k, v in self._special.items() if v is not None}
+        special = {k: base._get_token_from_config(config, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self._special = {k: v for k, v in special.items() if v is not None}
         # Qwen names no BOS token: nothing is prepended then, but bos_id stays an int for callers.
         self._add_bos = "bos_token" in self._special and config.get("add_bos_token", True) is not False
         self.eos_id: int = base.eos_id
@@ -89,14 +89,16 @@ class Tokenizer:
         for needed in ("tokenizer.json", "tokenizer_config.json"):
             if not (folder / needed).exists():
                 raise UserError(
-                    f"checkpoint folder {folder} has no {needed}: a fast Hugging Face tokenizer is needed; write it with "
-                    f"AutoTokenizer.from_pretrained(...).save_pretrained('{folder}')")
+                    f"checkpoint folder {folder} has no {needed}: a fast Hugging Face tokenizer is needed; "
+                    f"write it with AutoTokenizer.from_pretrained(...).save_pretrained('{folder}')")
         gen = folder / "generation_config.json"
         try:
-            base = _BaseTokenizer(str(folder / "tokenizer.json"), tokenizer_config_json_path=str(folder / "tokenizer_config.json"),
+            base = _BaseTokenizer(str(folder / "tokenizer.json"),
+                                  tokenizer_config_json_path=str(folder / "tokenizer_config.json"),
                                   generation_config_path=str(gen) if gen.exists() else None)
         except ValueError as e:
-            raise UserError(f"cannot read the tokenizer in {folder}: {e}; set eos_token in its tokenizer_config.json") from None
+            raise UserError(f"cannot read the tokenizer in {folder}: {e}; "
+                            "set eos_token in its tokenizer_config.json") from None
         return cls(base, chat_template=_read_chat_template(folder, base.config), name=str(folder))
 
     def _encode_text(self, text: str):
@@ -114,7 +116,8 @@ class Tokenizer:
     def render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
         """The conversation as text, through the chat template."""
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self._special)
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=None, documents=None, **self._special)
         except jinja2.TemplateError as e:
             raise UserError(f"the chat template of {self.name} rejects this conversation: {e}") from None
 
@@ -154,7 +157,8 @@ class Tokenizer:
                 turn = upto[len(os.path.commonprefix([before, upto])):]
                 start = full.find(turn, cursor)
                 if start < 0:
-                    raise UserError(f"cannot find assistant turn {i} in the rendering of the chat template of {self.name}")
+                    raise UserError(f"cannot find assistant turn {i} where the chat template of {self.name} "
+                                    "renders the conversation")
                 end = start + len(turn)
             spans.append((start, end))
             cursor = end

@@ -92,7 +92,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     shard_model(model, model.layers, mesh=world.mesh, param_dtype=getattr(torch, plan.param_dtype),
                 reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
     model.to_empty(device="cpu" if plan.cpu_offload else world.device)
-    init_buffers(model)
+    init_buffers(model, device=world.device)
     load_weights(model, ckpt)
 
     # 5. Optimizer and schedule.

@@ -1,0 +1,60 @@
+"""Flavors resolve to devices as the MoAI reference says. Run: pytest tests/test_flavors.py"""
+
+import pytest
+
+from moai_recipes.config import load_config
+from moai_recipes.errors import UserError
+from moai_recipes.flavors import resolve_flavor
+from moai_recipes.launch import needs_launch
+
+
+def flavor(*overrides):
+    return resolve_flavor(**load_config("full_finetune", list(overrides)).flavor)
+
+
+@pytest.mark.parametrize("name, display, devices", [
+    ("small", "Small.64GB", 1), ("medium", "Medium.128GB", 2), ("xlarge", "xLarge.512GB", 8),
+    ("1.5xlarge", "1.5xLarge.768GB", 12), ("4xlarge", "4xLarge.2048GB", 32), ("8xlarge", "8xLarge.4096GB", 64),
+    ("48xlarge", "48xLarge.24576GB", 384),
+])
+def test_moai_flavors_are_mi250_devices_of_64gb(name, display, devices):
+    f = flavor(f"flavor={name}")
+    assert (f.name, f.device.name, f.num_devices, f.device_memory_gb) == (display, "mi250", devices, 64)
+    assert f.total_memory_gb == devices * 64 and f.backend == "nccl"
+
+
+def test_4xlarge_is_16_cards_and_the_same_memory_on_h100():
+    f = flavor("flavor=4xlarge")
+    assert "16 MI250 cards" in f.describe() and "2048 GB in all" in f.describe()
+    h = flavor("flavor=4xlarge", "flavor.device=h100")
+    assert h.device.name == "h100" and h.num_devices == 26 and h.device_memory_gb == 80  # ceil(2048 / 80)
+    assert flavor("flavor=4xlarge", "flavor.device=mi300x").num_devices == 11
+
+
+@pytest.mark.parametrize("name, n", [("cpu", 1), ("cpu-2", 2), ("cpu-4", 4)])
+def test_cpu_flavors_run_processes_with_gloo(name, n):
+    f = flavor(f"flavor={name}")
+    assert f.num_devices == n and f.backend == "gloo" and f.device.kind == "cpu"
+    assert flavor(f"flavor={name}", "flavor.device_memory_gb=0.5").device_memory_gb == 0.5
+
+
+def test_a_flavor_this_machine_cannot_provide_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(UserError) as e:
+        needs_launch(flavor("flavor=4xlarge"))
+    msg = str(e.value)
+    assert "32 mi250 devices" in msg and "recipes.plan" in msg and "torchrun" in msg
+
+
+def test_a_world_of_the_wrong_size_is_refused(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(UserError, match="3 processes"):
+        needs_launch(flavor("flavor=cpu-2"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert needs_launch(flavor("flavor=cpu-2")) is False
+
+
+def test_unknown_device_is_refused():
+    with pytest.raises(UserError, match="h100"):
+        flavor("flavor=4xlarge", "flavor.device=tpu")

@@ -1,0 +1,159 @@
+"""The full fine-tuning recipe end to end, in real processes (2-process gloo runs included).
+
+Run: pytest tests/test_full_finetune.py   (about two minutes on two cores)
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, make_hf_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+def run_recipe(*args, module="recipes.full_finetune", env=None, timeout=600):
+    env = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    sd = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        sd.update(load_file(f))
+    return sd
+
+
+@pytest.fixture(scope="module")
+def instruct_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    rows = [{"instruction": f"Say the number {i} in words.", "input": "", "output": f"The number is {i}."}
+            for i in range(24)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_the_demo_learns_and_writes_everything(tmp_path):
+    out = tmp_path / "run"
+    r = run_recipe("logger=stdout", "epochs=6", "batch_size=8", "optimizer.lr=3e-3", "optimizer.warmup_steps=3",
+                   f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = metrics(out)
+    assert len(rows) == 60 and [row["step"] for row in rows] == list(range(1, 61))
+    for key in ("step", "loss", "lr", "tokens", "tokens_per_sec", "step_time_s", "grad_norm", "peak_memory_bytes"):
+        assert all(key in row for row in rows), key
+    first, last = rows[0]["loss"], sum(row["loss"] for row in rows[-5:]) / 5
+    assert last < first / 3, (first, last)  # it learns
+    assert "[Step 1/60] | Loss: " in r.stdout and "| Duration: " in r.stdout and "tokens/sec" in r.stdout
+    assert "Configuration for parallelism is selected" in r.stdout and "before:" in r.stdout and "after:" in r.stdout
+    for name in ("config.yaml", "plan.json", "loss.png", "model/config.json", "model/model.safetensors", "model/tokenizer.json"):
+        assert (out / name).exists(), name
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_same_losses_on_any_flavor_and_micro_batch(tmp_path, hf_checkpoints, instruct_file):
+    common = [f"model.checkpoint_dir={hf_checkpoints['llama']}", "dataset=instruct", f"dataset.path={instruct_file}",
+              "batch_size=6", "max_steps=4", "optimizer.lr=1e-3", "optimizer.warmup_steps=0", "logger=stdout"]
+    losses = {}
+    for name, extra in {"cpu": ["flavor=cpu"], "cpu-2": ["flavor=cpu-2"], "cpu-mbs1": ["flavor=cpu", "plan.micro_batch_size=1"],
+                        "cpu-4": ["flavor=cpu-4"]}.items():
+        r = run_recipe(*common, *extra, f"output_dir={tmp_path / name}")
+        assert r.returncode == 0, r.stdout + r.stderr
+        losses[name] = [row["loss"] for row in metrics(tmp_path / name)]
+    ref = losses["cpu"]
+    assert len(ref) == 4 and ref[-1] < ref[0]
+    for name, got in losses.items():
+        for a, b in zip(ref, got):
+            assert abs(a - b) <= 1e-4 * abs(a), (name, ref, got)
+
+
+@pytest.mark.parametrize("family, flavor, options", [
+    ("llama", "cpu", {}),
+    ("mistral", "cpu", {"dtype": "bfloat16"}),
+    ("qwen2", "cpu-2", {"tie": True, "max_shard_size": "60KB"}),
+])
+def test_lr_zero_returns_the_input_weights_bit_for_bit(tmp_path, family, flavor, options, instruct_file):
+    ckpt = make_hf_checkpoint(tmp_path / "in", family, **options)
+    out = tmp_path / "run"
+    r = run_recipe(f"model.checkpoint_dir={ckpt}", f"flavor={flavor}", "dataset=instruct", f"dataset.path={instruct_file}",
+                   "optimizer.lr=0", "max_steps=1", "batch_size=4", "logger=stdout", f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    model_dir = out / "model"
+    assert sorted(p.name for p in model_dir.iterdir()) == sorted(p.name for p in ckpt.iterdir())
+    before, after = tensors(ckpt), tensors(model_dir)
+    assert before.keys() == after.keys()
+    for name in before:
+        assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(model_dir)
+
+
+def test_under_torchrun_it_joins_the_given_world(tmp_path, hf_checkpoints, instruct_file):
+    out = tmp_path / "run"
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                        "-m", "recipes.full_finetune", "flavor=cpu-2", f"model.checkpoint_dir={hf_checkpoints['mistral']}",
+                        "dataset=instruct", f"dataset.path={instruct_file}", "max_steps=2", "batch_size=4",
+                        "logger=stdout", f"output_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(metrics(out)) == 2 and "2 process(es)" in r.stdout
+
+
+def test_an_earlier_run_is_never_overwritten(tmp_path):
+    out = tmp_path / "run"
+    assert run_recipe("logger=stdout", "max_steps=2", f"output_dir={out}").returncode == 0
+    kept = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    again = run_recipe("logger=stdout", "max_steps=2", f"output_dir={out}")
+    assert again.returncode == 2 and "holds an earlier run" in again.stderr and "Traceback" not in again.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == kept
+
+
+@pytest.mark.parametrize("args, words", [
+    (["model.checkpoint_dir=/nonexistent/ckpt"], ["model.checkpoint_dir", "/nonexistent/ckpt"]),
+    (["dataset=instruct"], ["dataset.path"]),
+    (["dataset=instruct", "dataset.path=/nonexistent.jsonl"], ["/nonexistent.jsonl"]),
+    (["flavor=4xlarge"], ["recipes.plan", "mi250"]),
+    (["flavor=cpu-2", "model.checkpoint_dir=/nonexistent/ckpt"], ["/nonexistent/ckpt"]),
+    (["model=llama3_8b"], ["model.checkpoint_dir", "meta-llama"]),
+    (["plan.micro_batch_size=99"], ["plan.micro_batch_size=99"]),
+])
+def test_user_mistakes_exit_2_with_one_clear_message(tmp_path, args, words):
+    r = run_recipe("logger=stdout", f"output_dir={tmp_path / 'run'}", *args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("error:") == 1, r.stderr
+    for w in words:
+        assert w in r.stderr, (w, r.stderr)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_malformed_row_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "a", "input": "", "output": "b"}\n{"instruction": "a", "output": \n')
+    r = run_recipe("logger=stdout", "dataset=instruct", f"dataset.path={bad}", f"output_dir={tmp_path / 'run'}",
+                   "flavor=cpu-2")
+    assert r.returncode == 2 and "bad.jsonl:2" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_wandb_records_offline_when_not_logged_in(tmp_path):
+    out = tmp_path / "run"
+    env = {"WANDB_MODE": "", "WANDB_API_KEY": "", "NETRC": str(tmp_path / "no-netrc"), "HOME": str(tmp_path)}
+    r = run_recipe("logger=wandb", "max_steps=3", f"output_dir={out}", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((out / "wandb").iterdir())
+    assert "wandb sync" in r.stdout

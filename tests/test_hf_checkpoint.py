@@ -1,0 +1,234 @@
+"""Hugging Face checkpoints in and out, plain and FSDP2-sharded, checked against transformers.
+
+Run: python -m pytest tests/test_hf_checkpoint.py -q
+"""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from conftest import make_hf_checkpoint
+from moai_recipes.errors import UserError
+from moai_recipes.hf_checkpoint import INDEX, HFCheckpoint, load_weights, save_weights
+from moai_recipes.models import build_model, init_buffers
+
+SEQ = 128
+
+
+def make_llama32_tied(folder: Path) -> Path:
+    """Llama 3.2 style: tied embeddings and llama3 scaled RoPE (conftest makes neither)."""
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16384, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def add_lm_head(folder: Path) -> Path:
+    """Some tied checkpoints store lm_head.weight anyway (a copy of the embeddings)."""
+    tensors = load_file(folder / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(hf_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("inputs")
+    return {
+        "llama": hf_checkpoints["llama"],
+        "mistral": hf_checkpoints["mistral"],
+        "qwen2_tied": make_hf_checkpoint(root / "qwen2_tied", "qwen2", tie=True),
+        "qwen2_tied_lm_head": add_lm_head(make_hf_checkpoint(root / "qwen2_lm_head", "qwen2", tie=True, seed=2)),
+        "llama_sharded": make_hf_checkpoint(root / "llama_sharded", "llama", max_shard_size="100KB", seed=3),
+        "mistral_bf16": make_hf_checkpoint(root / "mistral_bf16", "mistral", dtype="bfloat16", seed=4),
+        "llama32_tied": make_llama32_tied(root / "llama32_tied"),
+    }
+
+
+def tune_model(ckpt: HFCheckpoint) -> torch.nn.Module:
+    """The recipe's order: build on meta, give memory, recompute RoPE, load."""
+    with torch.device("meta"):
+        model = build_model(ckpt.spec, max_seq_len=SEQ)
+    model.to_empty(device="cpu")
+    init_buffers(model, device="cpu")
+    load_weights(model, ckpt)
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model(tokens).logits
+
+
+def tokens_for(ckpt: HFCheckpoint) -> torch.Tensor:
+    return torch.randint(0, ckpt.spec.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    """Same files, tensor names per file, dtypes, shapes, bit-identical tensors, same other files."""
+    assert sorted(p.name for p in a.iterdir() if p.is_file()) == sorted(p.name for p in b.iterdir())
+    ca, cb = HFCheckpoint.open(a), HFCheckpoint.open(b)
+    assert {f: sorted(n) for f, n in ca.files.items()} == {f: sorted(n) for f, n in cb.files.items()}
+    assert ca.dtypes == cb.dtypes and ca.shapes == cb.shapes
+    for fname, names in ca.files.items():
+        with safe_open(a / fname, "pt") as fa, safe_open(b / fname, "pt") as fb:
+            assert all(torch.equal(fa.get_tensor(n), fb.get_tensor(n)) for n in names), fname
+    for path in a.iterdir():
+        if path.is_file() and not path.name.endswith((".safetensors", INDEX)):
+            assert path.read_bytes() == (b / path.name).read_bytes(), path.name
+    if (a / INDEX).exists():
+        ia, ib = json.loads((a / INDEX).read_text()), json.loads((b / INDEX).read_text())
+        assert ia["weight_map"] == ib["weight_map"]
+        size = sum(math.prod(shape) * cb.dtypes[n].itemsize for n, shape in cb.shapes.items())
+        assert ib["metadata"]["total_size"] == ia["metadata"]["total_size"] == size
+
+
+CASES = ["llama", "mistral", "qwen2_tied", "qwen2_tied_lm_head", "llama_sharded", "mistral_bf16", "llama32_tied"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_load_matches_transformers_and_save_mirrors_input(case, checkpoints, tmp_path):
+    folder = checkpoints[case]
+    ckpt = HFCheckpoint.open(folder)
+    model = tune_model(ckpt)
+    tokens = tokens_for(ckpt)
+    with torch.no_grad():
+        logits = model(tokens)
+    torch.testing.assert_close(logits, hf_logits(folder, tokens), atol=1e-4, rtol=0)
+
+    save_weights(model, ckpt, tmp_path / "out", rank=0)
+    assert_same_checkpoint(folder, tmp_path / "out")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the temporary folder was renamed
+    torch.testing.assert_close(hf_logits(tmp_path / "out", tokens), logits, atol=1e-4, rtol=0)
+
+
+def test_input_description(checkpoints):
+    ckpt = HFCheckpoint.open(checkpoints["llama_sharded"])
+    assert len(ckpt.files) > 1 and sum(map(len, ckpt.files.values())) == len(ckpt.shapes) == 21
+    assert ckpt.shapes["model.layers.0.self_attn.k_proj.weight"] == (32, 64)
+    assert set(HFCheckpoint.open(checkpoints["mistral_bf16"]).dtypes.values()) == {torch.bfloat16}
+
+
+def test_save_copies_extras_but_not_other_weights_or_subfolders(checkpoints, tmp_path):
+    folder = shutil.copytree(checkpoints["mistral"], tmp_path / "in")
+    (folder / "special_tokens_map.json").write_text("{}")
+    (folder / "pytorch_model.bin").write_bytes(b"stale")
+    (folder / "original").mkdir()
+    (folder / "original" / "consolidated.00.pth").write_bytes(b"meta format")
+    ckpt = HFCheckpoint.open(folder)
+    save_weights(tune_model(ckpt), ckpt, tmp_path / "out", rank=0)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+        "tokenizer.json", "tokenizer_config.json"]
+    with pytest.raises(FileExistsError):
+        save_weights(tune_model(ckpt), ckpt, tmp_path / "out", rank=0)
+
+
+def test_malformed_inputs_are_user_errors(checkpoints, tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        HFCheckpoint.open(tmp_path / "nowhere")
+
+    no_config = shutil.copytree(checkpoints["mistral"], tmp_path / "no_config")
+    (no_config / "config.json").unlink()
+    with pytest.raises(UserError, match="no config.json"):
+        HFCheckpoint.open(no_config)
+
+    no_weights = shutil.copytree(checkpoints["mistral"], tmp_path / "no_weights")
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(UserError, match="no \\*.safetensors"):
+        HFCheckpoint.open(no_weights)
+
+    missing_file = shutil.copytree(checkpoints["llama_sharded"], tmp_path / "missing_file")
+    (missing_file / "model-00002-of-00006.safetensors").unlink()
+    with pytest.raises(UserError, match="model-00002-of-00006.safetensors, missing"):
+        HFCheckpoint.open(missing_file)
+
+    int_weights = shutil.copytree(checkpoints["mistral"], tmp_path / "int_weights")
+    tensors = load_file(int_weights / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int8)
+    save_file(tensors, int_weights / "model.safetensors")
+    with pytest.raises(UserError, match="model.norm.weight is I8"):
+        HFCheckpoint.open(int_weights)
+
+    unknown = shutil.copytree(checkpoints["mistral"], tmp_path / "unknown")
+    save_file({**load_file(unknown / "model.safetensors"), "vision_tower.weight": torch.zeros(2)},
+              unknown / "model.safetensors")
+    with pytest.raises(UserError, match="vision_tower.weight is not part of a mistral model"):
+        HFCheckpoint.open(unknown)
+
+
+def test_weights_that_do_not_fit_config_json_are_user_errors(checkpoints, tmp_path):
+    wrong_shape = shutil.copytree(checkpoints["llama"], tmp_path / "wrong_shape")
+    config = json.loads((wrong_shape / "config.json").read_text())
+    (wrong_shape / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    ckpt = HFCheckpoint.open(wrong_shape)
+    with pytest.raises(UserError, match=r"mlp.down_proj.weight has shape \[64, 160\] but its config.json needs "
+                                        r"\[64, 96\]"):
+        tune_model(ckpt)
+
+    more_layers = shutil.copytree(checkpoints["llama"], tmp_path / "more_layers")
+    (more_layers / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(UserError, match="no weights for layers.2"):
+        tune_model(HFCheckpoint.open(more_layers))
+
+    fewer_layers = shutil.copytree(checkpoints["llama"], tmp_path / "fewer_layers")
+    (fewer_layers / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    with pytest.raises(UserError, match="model.layers.1.* has no place"):
+        tune_model(HFCheckpoint.open(fewer_layers))
+
+
+# ---- two processes, gloo, FSDP2 -------------------------------------------------------------
+
+
+def _sharded_worker(rank: int, world_size: int, rendezvous: str, jobs: list[tuple[str, str, str]]) -> None:
+    """Build on meta, shard, load, run, save: the recipe's path on two CPU processes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moai_recipes.parallel import shard_model
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        for folder, out_dir, logits_file in jobs:
+            ckpt = HFCheckpoint.open(folder)
+            with torch.device("meta"):
+                model = build_model(ckpt.spec, max_seq_len=SEQ)
+            shard_model(model, model.layers, mesh=mesh, param_dtype=torch.float32)
+            model.to_empty(device="cpu")
+            init_buffers(model, device="cpu")
+            load_weights(model, ckpt)
+            with torch.no_grad():
+                logits = model.eval()(tokens_for(ckpt))
+            if rank == 0:
+                torch.save(logits, logits_file)
+            save_weights(model, ckpt, Path(out_dir), rank=rank)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_two_processes_load_and_save(checkpoints, tmp_path):
+    import torch.multiprocessing as mp
+
+    cases = ["llama_sharded", "qwen2_tied"]
+    jobs = [(str(checkpoints[c]), str(tmp_path / c), str(tmp_path / f"{c}.pt")) for c in cases]
+    # fork: the workers inherit torch, torchtune and transformers already imported (spawn re-imports, ~20 s)
+    mp.start_processes(_sharded_worker, args=(2, str(tmp_path / "rendezvous"), jobs), nprocs=2, join=True,
+                       start_method="fork")
+    for case, (folder, out_dir, logits_file) in zip(cases, jobs):
+        assert_same_checkpoint(Path(folder), Path(out_dir))
+        tokens = tokens_for(HFCheckpoint.open(folder))
+        torch.testing.assert_close(torch.load(logits_file), hf_logits(Path(folder), tokens), atol=1e-4, rtol=0)

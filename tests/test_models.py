@@ -1,0 +1,136 @@
+"""Model specs and torchtune builds, checked against transformers. Run: python -m pytest tests/test_models.py -q"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import yaml
+
+from moai_recipes.errors import UserError
+from moai_recipes.models import build_model, init_buffers, read_spec, spec_for, spec_from_hf_config
+from moai_recipes.tiny import tiny_checkpoint_dir
+
+MODEL_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs" / "model").glob("*.yaml"))
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=16384, rms_norm_eps=1e-5)
+
+
+def architecture(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())["architecture"]
+
+
+def hf_config(family: str, **kwargs) -> dict:
+    """config.json as transformers (5.x) writes it."""
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}
+    return cls[family](**{**SMALL, **kwargs}).to_dict()
+
+
+# Tied llama needs scaled RoPE (next test); tied mistral does not exist.
+@pytest.mark.parametrize("family, tie", [("llama", False), ("mistral", False), ("qwen2", False), ("qwen2", True)])
+def test_spec_from_hf_config(family, tie):
+    spec = spec_from_hf_config(hf_config(family, rope_theta=123456.0, tie_word_embeddings=tie))
+    assert (spec.family, spec.vocab_size, spec.num_layers, spec.num_heads, spec.num_kv_heads) == (family, 256, 2, 4, 2)
+    assert (spec.embed_dim, spec.intermediate_dim, spec.head_dim, spec.max_position_embeddings) == (64, 160, 16, 16384)
+    assert (spec.rope_base, spec.norm_eps, spec.rope_scaling) == (123456.0, 1e-5, None)
+    assert spec.tie_word_embeddings is tie
+    assert spec.attention_bias is (family == "qwen2")
+    assert spec.torch_dtype == "float32"
+
+
+def test_llama3_rope_scaling_in_both_config_layouts():
+    # transformers 5 writes rope_parameters (theta and scaling together); the Hub's files have
+    # rope_theta and rope_scaling at the top, older ones with "type" for "rope_type".
+    new = spec_from_hf_config(hf_config("llama", tie_word_embeddings=True,
+                                        rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE}))
+    old = {k: v for k, v in hf_config("llama").items() if k != "rope_parameters"}
+    old.update(rope_theta=500000.0, tie_word_embeddings=True, torch_dtype="bfloat16")
+    hub = spec_from_hf_config({**old, "rope_scaling": LLAMA3_ROPE})
+    older = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"}
+    oldest = spec_from_hf_config({**old, "rope_scaling": {**older, "type": "llama3"}})
+    assert new.rope_scaling == hub.rope_scaling == oldest.rope_scaling == LLAMA3_ROPE
+    assert new.rope_base == hub.rope_base == 500000.0
+    assert hub.torch_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: p.stem)
+def test_model_config_builds_on_meta_and_matches_transformers(path):
+    top = yaml.safe_load(path.read_text())
+    assert set(top) == {"name", "hf_repo", "checkpoint_dir", "architecture"} and top["name"] == path.stem
+    spec = spec_for(architecture=top["architecture"], checkpoint_dir=top["checkpoint_dir"])
+    with torch.device("meta"):
+        model = build_model(spec, max_seq_len=4096)
+        reference = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**top["architecture"]))
+    assert all(p.is_meta for p in model.parameters())
+    assert spec.num_params() == sum(p.numel() for p in model.parameters())
+    assert spec.num_params() == sum(p.numel() for p in reference.parameters())
+
+
+@pytest.mark.parametrize("name, billions", [("llama3_8b", 8.03), ("llama3_70b", 70.6), ("qwen2_5_0_5b", 0.494),
+                                            ("mistral", 7.24), ("llama3_2_1b", 1.24), ("qwen2_5_72b", 72.7)])
+def test_known_sizes(name, billions):
+    spec = spec_for(architecture=architecture(MODEL_CONFIGS[0].parent / f"{name}.yaml"), checkpoint_dir=None)
+    assert spec.num_params() == pytest.approx(billions * 1e9, rel=0.01)
+
+
+def test_tiny_config_is_the_embedded_checkpoint():
+    planned = spec_for(architecture=architecture(MODEL_CONFIGS[0].parent / "tiny.yaml"), checkpoint_dir=None)
+    assert read_spec(tiny_checkpoint_dir()) == planned
+
+
+def test_scaled_rope_frequencies_equal_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    # The real RoPE of Llama 3.2 1B, on a model with one thin layer.
+    arch = {**architecture(MODEL_CONFIGS[0].parent / "llama3_2_1b.yaml"), "num_hidden_layers": 1, "vocab_size": 8,
+            "intermediate_size": 8}
+    model = build_model(spec_for(architecture=arch, checkpoint_dir=None), max_seq_len=16)
+    reference = LlamaRotaryEmbedding(config=transformers.AutoConfig.for_model(**arch)).inv_freq
+    assert torch.equal(model.layers[0].attn.pos_embeddings.theta, reference)
+
+
+def test_init_buffers_after_to_empty_restores_rope_caches():
+    spec = spec_from_hf_config(hf_config("mistral"))
+    eager = build_model(spec, max_seq_len=32)
+    with torch.device("meta"):
+        model = build_model(spec, max_seq_len=32)
+    model.to_empty(device="cpu")
+    init_buffers(model, device="cpu")
+    assert torch.equal(model.layers[0].attn.pos_embeddings.cache, eager.layers[0].attn.pos_embeddings.cache)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "gpt2"}, "supported: llama, mistral, qwen2"),
+    (hf_config("llama", tie_word_embeddings=True), "ties its word embeddings"),
+    (hf_config("llama", head_dim=32), "head_dim=32"),
+    (hf_config("llama", attention_bias=True), "attention_bias"),
+    (hf_config("llama", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type 'llama3'"),
+    (hf_config("llama", rope_parameters={"rope_theta": 1e4, **LLAMA3_ROPE, "high_freq_factor": 2.0}), "fixes"),
+    (hf_config("qwen2", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "no RoPE scaling"),
+    (hf_config("qwen2", use_sliding_window=True, sliding_window=64), "sliding-window"),
+    ({"model_type": "llama", "hidden_size": 64}, "missing"),
+])
+def test_unsupported_configs_are_user_errors(config, message):
+    with pytest.raises(UserError, match=message):
+        spec_from_hf_config(config)
+
+
+def test_read_spec_user_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        read_spec(tmp_path / "nowhere")
+    with pytest.raises(UserError, match="no config.json"):
+        read_spec(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        read_spec(tmp_path)
+
+
+def test_spec_for_prefers_config_json_of_the_same_family(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(hf_config("llama", num_hidden_layers=3)))
+    arch = architecture(MODEL_CONFIGS[0].parent / "llama3_8b.yaml")
+    assert spec_for(architecture=arch, checkpoint_dir=tmp_path).num_layers == 3
+    with pytest.raises(UserError, match="holds a llama model"):
+        spec_for(architecture=architecture(MODEL_CONFIGS[0].parent / "mistral.yaml"), checkpoint_dir=tmp_path)
