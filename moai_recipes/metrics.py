@@ -50,6 +50,19 @@ class RunLog:
         if tracker["kind"] == "wandb" and wandb_mode(tracker["mode"]) != "disabled":
             self._wandb = _start_wandb(self.output_dir, config=config, plan=plan, tracker=tracker)
 
+    @classmethod
+    def start(cls, out: Path, cfg, *, flavor: str, plan: dict, total_steps: int) -> "RunLog":
+        """Create the run's folder with its resolved config.yaml and plan.json, and the log."""
+        from omegaconf import OmegaConf
+
+        from moai_recipes.outputs import write_config, write_json
+
+        out.mkdir(parents=True, exist_ok=True)
+        write_config(out, cfg)
+        write_json(out / "plan.json", {"flavor": flavor, "chosen": plan})
+        return cls(out, total_steps=total_steps, config=OmegaConf.to_container(cfg, resolve=True), plan=plan,
+                   tracker=dict(cfg.logger))
+
     def info(self, text: str) -> None:
         self._bar.write(text, file=sys.stdout) if not self._bar.disable else print(text, flush=True)
 

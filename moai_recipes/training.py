@@ -102,6 +102,24 @@ def max_over_ranks(value: float, world: World) -> float:
     return _all_reduce([value], world.device, op=dist.ReduceOp.MAX)[0]
 
 
+def train_loop(model: nn.Module, optimizer, scheduler, inputs, *, micro_batch_size: int, max_grad_norm: float | None,
+               world: World, log) -> None:
+    """Run every step of the run: the same global batch, loss and gradients on any flavor."""
+    model.train()
+    for step in range(inputs.total_steps):
+        with StepTimer(world.device) as timer:
+            result = train_step(model, optimizer, inputs.dataset, inputs.batches, step, micro_batch_size=micro_batch_size,
+                                max_grad_norm=max_grad_norm, world=world, pad_id=inputs.tokenizer.pad_id)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+        peak = max_over_ranks(peak_memory_bytes(world.device), world)
+        if log:
+            log.step(step=step + 1, loss=result.loss, lr=lr, tokens=result.tokens,
+                     tokens_per_sec=result.tokens / timer.seconds, step_time_s=timer.seconds,
+                     grad_norm=result.grad_norm, peak_memory_bytes=int(peak), target_tokens=result.target_tokens)
+    model.eval()
+
+
 class StepTimer:
     def __init__(self, device: torch.device):
         self.device = device
@@ -114,17 +132,3 @@ class StepTimer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.seconds = time.perf_counter() - self.start
-
-
-def greedy_continuation(model: nn.Module, prompt: list[int], *, max_new_tokens: int, stop_ids: list[int],
-                        device: torch.device) -> list[int]:
-    """Greedy decoding without a cache (the demo's sample); every rank runs it so FSDP's gathers match."""
-    tokens = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            logits = model(torch.tensor([tokens], device=device))
-            nxt = int(logits[0, -1].argmax())
-            if nxt in stop_ids:
-                break
-            tokens.append(nxt)
-    return tokens[len(prompt):]
