@@ -95,7 +95,25 @@ class RecipeConfig:
     sample_max_new_tokens: int = 24
 
 
+@dataclass
+class LoraConfig:
+    attn_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    apply_to_mlp: bool = False
+    apply_to_output: bool = False
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    quantize_base: bool = False  # QLoRA: the frozen base in NF4
+
+
+@dataclass
+class LoraRecipeConfig(RecipeConfig):
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    save_merged: bool = True  # also write model/, the base with the adapters merged in
+
+
 ConfigStore.instance().store(name="full_finetune_schema", node=RecipeConfig)
+ConfigStore.instance().store(name="lora_finetune_schema", node=LoraRecipeConfig)
 
 USAGE = """usage: python -m recipes.{recipe} [--cfg job] [--config-path DIR] [--config-name NAME] [key=value ...]
 
@@ -136,7 +154,7 @@ def _split_argv(argv: list[str], recipe: str) -> tuple[dict, list[str]]:
     return flags, overrides
 
 
-def _explain(e: Exception, overrides: list[str], config_dir: Path) -> str:
+def _explain(e: Exception, overrides: list[str], config_dir: Path, recipe: str) -> str:
     """Turn Hydra's and OmegaConf's exceptions into one sentence that says what to do."""
     msg = str(e).strip()
     cause = e.__cause__ or e.__context__
@@ -154,21 +172,24 @@ def _explain(e: Exception, overrides: list[str], config_dir: Path) -> str:
         key = getattr(cause, "full_key", None)
         if "not in struct" in text or "Key '" in text and "not in" in text:
             parent = key.rsplit(".", 1)[0] if key and "." in key else None
-            return f"unknown key '{key}'{_did_you_mean(key, parent)}; see the keys with --cfg job"
+            return f"unknown key '{key}'{_did_you_mean(key, parent, recipe)}; see the keys with --cfg job"
         return f"bad value for '{key}': {text}" if key else text
     return msg.splitlines()[0] if msg else type(e).__name__
 
 
-def _did_you_mean(key: str | None, parent: str | None) -> str:
+def _did_you_mean(key: str | None, parent: str | None, recipe: str) -> str:
     if not key:
         return ""
-    fields = _schema_keys(parent)
+    fields = _schema_keys(parent, recipe)
     near = difflib.get_close_matches(key.rsplit(".", 1)[-1], fields, n=1)
     return f" (did you mean {(parent + '.') if parent else ''}{near[0]}?)" if near else ""
 
 
-def _schema_keys(parent: str | None) -> list[str]:
-    node = OmegaConf.structured(RecipeConfig)
+def _schema_keys(parent: str | None, recipe: str) -> list[str]:
+    try:  # the recipe's own schema, as registered in Hydra's ConfigStore
+        node = ConfigStore.instance().load(f"{recipe}_schema.yaml").node
+    except Exception:
+        node = OmegaConf.structured(RecipeConfig)
     for part in (parent.split(".") if parent else []):
         node = node.get(part) if isinstance(node, DictConfig) else None
     return list(node.keys()) if isinstance(node, DictConfig) else []
@@ -186,7 +207,7 @@ def load_config(recipe: str, argv: list[str] | None = None) -> DictConfig:
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
             cfg = compose(config_name=flags["config_name"], overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
-        raise UserError(_explain(e, overrides, config_dir)) from None
+        raise UserError(_explain(e, overrides, config_dir, flags["config_name"])) from None
     if cfg.output_dir is None:
         cfg.output_dir = f"outputs/{recipe}/{datetime.now():%Y-%m-%d_%H-%M-%S}"
     validate(cfg)

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -139,7 +140,8 @@ def _check_matches(model: torch.nn.Module, ckpt: HFCheckpoint, names: dict[str, 
 
 
 @torch.no_grad()
-def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Set a (possibly sharded) parameter from the whole tensor, which every rank holds."""
     full = full.to(param.dtype)
     if isinstance(param, DTensor):
         # Every rank read the whole tensor from the file: keep this rank's shard, no communication.
@@ -163,10 +165,10 @@ def load_weights(model: torch.nn.Module, ckpt: HFCheckpoint, *, allow_missing: t
             for hf in hf_names:
                 if names[hf] in params:  # skips rotary inv_freq and the tied lm_head
                     (tensor,) = _convert(ckpt.spec, {hf: f.get_tensor(hf)}, to_tune=True).values()
-                    _copy_into(params[names[hf]], tensor)
+                    copy_full_into(params[names[hf]], tensor)
 
 
-def _full_tensor(param: torch.Tensor) -> torch.Tensor:
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
     """The whole parameter on the CPU, as a fresh tensor (a collective for DTensors)."""
     if isinstance(param, DTensor):
         local = param.to_local()
@@ -177,12 +179,22 @@ def _full_tensor(param: torch.Tensor) -> torch.Tensor:
     return param.detach().to("cpu", copy=True)
 
 
-def save_weights(model: torch.nn.Module, ckpt: HFCheckpoint, out_dir: Path, *, rank: int) -> None:
+def hf_name(spec: ModelSpec, tune_name: str) -> str:
+    """The Hugging Face name of a torchtune parameter name (through the family's converter)."""
+    module = tune_name.rsplit(".", 2)[-2]
+    # The converter permutes q and k, so their meta stand-ins need the real shapes.
+    rows = {"q_proj": spec.num_heads * spec.head_dim, "k_proj": spec.num_kv_heads * spec.head_dim}.get(module, 1)
+    return next(iter(_convert(spec, {tune_name: torch.empty(rows, spec.embed_dim, device="meta")}, to_tune=False)))
+
+
+def save_weights(model: torch.nn.Module, ckpt: HFCheckpoint, out_dir: Path, *, rank: int,
+                 transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
     """Write `model` to `out_dir` laid out exactly as `ckpt`: files, tensor names, dtypes, index, other files.
 
     Every rank must call it (gathering sharded parameters is a collective); only rank 0 writes,
     into a temporary sibling folder renamed to `out_dir` at the end. Raises FileExistsError if
     `out_dir` exists. Other ranks return without waiting for rank 0 to finish writing.
+    `transform(torchtune_name, whole_tensor)` may change a weight on its way out (LoRA merges its adapters).
     """
     out_dir = Path(out_dir)
     if out_dir.exists():
@@ -193,7 +205,7 @@ def save_weights(model: torch.nn.Module, ckpt: HFCheckpoint, out_dir: Path, *, r
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        total_size = sum(_save_file(params, ckpt, names, fname, tmp) for fname in ckpt.files)
+        total_size = sum(_save_file(params, ckpt, names, fname, tmp, transform) for fname in ckpt.files)
         if rank == 0:
             _write_index_and_extras(ckpt, tmp, total_size)
             os.rename(tmp, out_dir)
@@ -203,7 +215,7 @@ def save_weights(model: torch.nn.Module, ckpt: HFCheckpoint, out_dir: Path, *, r
         raise
 
 
-def _save_file(params: dict, ckpt: HFCheckpoint, names: dict, fname: str, tmp: Path | None) -> int:
+def _save_file(params: dict, ckpt: HFCheckpoint, names: dict, fname: str, tmp: Path | None, transform) -> int:
     """Gather, convert and (if `tmp`, i.e. on rank 0) write one input file's tensors; returns its byte size."""
     tensors, size = {}, 0
     with _open(ckpt.folder / fname) as f:
@@ -213,7 +225,10 @@ def _save_file(params: dict, ckpt: HFCheckpoint, names: dict, fname: str, tmp: P
                 tensor = f.get_tensor(hf)
             else:
                 source = "tok_embeddings.weight" if tune == _TIED_OUTPUT and ckpt.spec.tie_word_embeddings else tune
-                (tensor,) = _convert(ckpt.spec, {tune: _full_tensor(params[source])}, to_tune=False).values()
+                whole = full_tensor(params[source])
+                if transform is not None:
+                    whole = transform(source, whole)
+                (tensor,) = _convert(ckpt.spec, {tune: whole}, to_tune=False).values()
             assert tuple(tensor.shape) == ckpt.shapes[hf], (hf, tensor.shape, ckpt.shapes[hf])
             size += tensor.numel() * ckpt.dtypes[hf].itemsize
             if tmp is not None:

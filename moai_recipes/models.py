@@ -178,31 +178,33 @@ def spec_for(*, architecture: Mapping, checkpoint_dir: str | Path | None) -> Mod
     return spec
 
 
-def build_model(spec: ModelSpec, *, max_seq_len: int) -> TransformerDecoder:
+def build_model(spec: ModelSpec, *, max_seq_len: int, lora: dict | None = None) -> TransformerDecoder:
     """Build the torchtune decoder for `spec` (allocates only on the current device; use meta).
 
-    `max_seq_len` is the length of the RoPE cache.
+    `max_seq_len` is the length of the RoPE cache. `lora` (LoraOptions.builder_kwargs()) builds the
+    same architecture with torchtune's LoRA builders: adapters on the chosen modules.
     """
-    from torchtune.models.llama3 import llama3
-    from torchtune.models.llama3_1 import llama3_1
-    from torchtune.models.llama3_2 import llama3_2
-    from torchtune.models.mistral import mistral
-    from torchtune.models.qwen2 import qwen2
+    from torchtune.models import llama3, llama3_1, llama3_2, mistral, qwen2
 
     check_supported(spec)
     common = dict(vocab_size=spec.vocab_size, num_layers=spec.num_layers, num_heads=spec.num_heads,
                   num_kv_heads=spec.num_kv_heads, embed_dim=spec.embed_dim, intermediate_dim=spec.intermediate_dim,
                   max_seq_len=max_seq_len, norm_eps=spec.norm_eps, rope_base=spec.rope_base)
+
+    def builder(module, name: str):
+        return getattr(module, f"lora_{name}") if lora is not None else getattr(module, name)
+
+    common.update(lora or {})
     if spec.family == "qwen2":
-        return qwen2(**common, tie_word_embeddings=spec.tie_word_embeddings)
+        return builder(qwen2, "qwen2")(**common, tie_word_embeddings=spec.tie_word_embeddings)
     if spec.family == "mistral":
-        return mistral(**common)
+        return builder(mistral, "mistral")(**common)
     if spec.rope_scaling is None:
-        return llama3(**common)
+        return builder(llama3, "llama3")(**common)
     factor = spec.rope_scaling["factor"]
     if spec.tie_word_embeddings:
-        return llama3_2(**common, scale_factor=factor, tie_word_embeddings=True)
-    return llama3_1(**common, scale_factor=factor)
+        return builder(llama3_2, "llama3_2")(**common, scale_factor=factor, tie_word_embeddings=True)
+    return builder(llama3_1, "llama3_1")(**common, scale_factor=factor)
 
 
 def init_buffers(model: torch.nn.Module, *, device: torch.device | str) -> None:
