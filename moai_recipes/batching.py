@@ -31,6 +31,11 @@ class GlobalBatches:
             self._order = (epoch, torch.randperm(self.num_samples, generator=g).tolist())
         return self._order[1]
 
+    def samples_before(self, step: int) -> int:
+        """The global data position after `step` steps: how many samples the run has consumed."""
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        return epoch * self.num_samples + min(pos * self.batch_size, self.num_samples)
+
     def global_indices(self, step: int) -> list[int]:
         """Dataset indices of the global batch of `step` (0-based, counting across epochs)."""
         epoch, pos = divmod(step, self.steps_per_epoch)

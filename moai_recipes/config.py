@@ -93,6 +93,11 @@ class RecipeConfig:
     output_dir: Optional[str] = None
     dtype: str = "auto"
     sample_max_new_tokens: int = 24
+    resume: str = "auto"  # auto | never | a checkpoint folder
+    checkpoint_every: Optional[int] = None  # steps
+    checkpoint_keep: int = 2
+    skip_nonfinite_steps: int = 0
+    max_restarts: int = 3  # restarts of the processes after a worker dies, resuming from the last checkpoint
 
 
 @dataclass
@@ -230,6 +235,11 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.max_steps is None or cfg.max_steps >= 1, f"max_steps={cfg.max_steps} must be at least 1 (or null)")
     _check(cfg.dtype in ("auto", "fp32", "bf16"), f"dtype={cfg.dtype}: valid values are auto, fp32, bf16")
     _check(cfg.sample_max_new_tokens >= 0, "sample_max_new_tokens must be >= 0")
+    _check(cfg.checkpoint_every is None or cfg.checkpoint_every >= 1,
+           f"checkpoint_every={cfg.checkpoint_every} must be at least 1 (or null: no step checkpoints)")
+    _check(cfg.checkpoint_keep >= 1, f"checkpoint_keep={cfg.checkpoint_keep} must be at least 1")
+    _check(cfg.skip_nonfinite_steps >= 0, f"skip_nonfinite_steps={cfg.skip_nonfinite_steps} must be >= 0")
+    _check(cfg.max_restarts >= 0, f"max_restarts={cfg.max_restarts} must be >= 0")
     o = cfg.optimizer
     _check(o.name == "adamw", f"optimizer.name={o.name}: only adamw is supported")
     _check(o.lr >= 0, f"optimizer.lr={o.lr} must be >= 0")

@@ -1,18 +1,23 @@
 """A recipe's entry point: compose its config, resolve the flavor, start or join the processes, train.
 
-Both training recipes run through `run_recipe`, so the launch logic lives once.
+Both training recipes run through `run_recipe`, so the launch logic lives once. When the flavor
+needs several processes, a worker that dies (killed, out of memory) does not end the job: the
+processes are started again, up to `max_restarts` times, and resume from the last checkpoint.
 """
 
+import os
 import sys
 from typing import Callable
 
 from omegaconf import DictConfig
 
 from moai_recipes.config import load_config
+from moai_recipes.errors import EXIT_USER_ERROR
 from moai_recipes.flavors import Flavor, resolve_flavor
 from moai_recipes.hub import resolve_checkpoint_dir
-from moai_recipes.launch import World, distributed, needs_launch, relaunch
+from moai_recipes.launch import EXIT_STOPPED, World, distributed, needs_launch, relaunch
 from moai_recipes.outputs import check_output_dir
+from moai_recipes.training import Stopped
 
 
 def model_source(cfg: DictConfig) -> dict:
@@ -27,10 +32,21 @@ def run_recipe(recipe: str, train: Callable[[DictConfig, Flavor, World], None], 
     if needs_launch(flavor):
         # The user never types torchrun: start the flavor's processes, each running this same
         # command, with what must not differ between them (the output folder, the checkpoint) pinned.
-        check_output_dir(cfg.output_dir)
+        check_output_dir(cfg)
         checkpoint_dir = resolve_checkpoint_dir(**model_source(cfg))
-        return relaunch(flavor, f"recipes.{recipe}", [*argv, f"output_dir={cfg.output_dir}",
-                                                      f"model.checkpoint_dir={checkpoint_dir}"])
+        worker_argv = [*argv, f"output_dir={cfg.output_dir}", f"model.checkpoint_dir={checkpoint_dir}"]
+        for attempt in range(cfg.max_restarts + 1):
+            os.environ["MOAI_RESTART"] = str(attempt)
+            code = relaunch(flavor, f"recipes.{recipe}", worker_argv)
+            if code in (0, EXIT_USER_ERROR, EXIT_STOPPED) or attempt == cfg.max_restarts:
+                return code
+            print(f"A worker failed (exit code {code}): restarting the {flavor.num_devices} processes, resuming from "
+                  f"the last checkpoint (restart {attempt + 1} of max_restarts={cfg.max_restarts})", flush=True)
     with distributed(flavor) as world:
-        train(cfg, flavor, world)
+        try:
+            train(cfg, flavor, world)
+        except Stopped as e:
+            if world.is_main:
+                print(e, flush=True)
+            return EXIT_STOPPED
     return 0

@@ -4,6 +4,7 @@ Every rank reads the same; a mistake in any of them is a UserError before anythi
 """
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from moai_recipes.batching import GlobalBatches
+from moai_recipes.checkpointing import read_meta
 from moai_recipes.data import SFTDataset, load_dataset
 from moai_recipes.entry import model_source
 from moai_recipes.hf_checkpoint import HFCheckpoint
@@ -27,11 +29,18 @@ class RunInputs:
     dataset: SFTDataset
     batches: GlobalBatches
     total_steps: int
+    resume_from: Path | None  # a complete checkpoint to continue from
+
+    @property
+    def resume_step(self) -> int:
+        return read_meta(self.resume_from)["step"] if self.resume_from else 0
 
 
 def read_inputs(cfg: DictConfig) -> RunInputs:
     """Check the output folder, describe the checkpoint (no weights yet), tokenise the data."""
-    out = check_output_dir(cfg.output_dir)
+    # Restarted workers of this very run (by us or by torchrun) may find their own folder without a checkpoint.
+    restarting = any(int(os.environ.get(v, "0")) > 0 for v in ("MOAI_RESTART", "TORCHELASTIC_RESTART_COUNT"))
+    out, resume_from = check_output_dir(cfg, restarting=restarting)
     dist.barrier()  # every rank has checked before rank 0 writes anything
     ckpt = HFCheckpoint.open(resolve_checkpoint_dir(**model_source(cfg)))
     cfg.model.checkpoint_dir = str(ckpt.folder)  # config.yaml records where the weights came from
@@ -41,7 +50,8 @@ def read_inputs(cfg: DictConfig) -> RunInputs:
                            train_on_input=cfg.dataset.train_on_input)
     batches = GlobalBatches(num_samples=len(dataset), batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed)
     total_steps = min(batches.total_steps, cfg.max_steps or math.inf)
-    return RunInputs(out=out, ckpt=ckpt, tokenizer=tokenizer, dataset=dataset, batches=batches, total_steps=total_steps)
+    return RunInputs(out=out, ckpt=ckpt, tokenizer=tokenizer, dataset=dataset, batches=batches, total_steps=total_steps,
+                     resume_from=resume_from)
 
 
 def describe_inputs(inputs: RunInputs, cfg: DictConfig) -> list[str]:

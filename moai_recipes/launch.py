@@ -20,6 +20,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moai_recipes.errors import EXIT_USER_ERROR, UserError
+
+# A run stopped on SIGTERM/SIGINT at a step boundary, its state saved: not a failure to retry.
+EXIT_STOPPED = 0
 from moai_recipes.flavors import Flavor, local_capacity
 
 
@@ -87,6 +90,7 @@ def _free_port() -> int:
 
 def relaunch(flavor: Flavor, module: str, argv: list[str]) -> int:
     """Run `python -m module argv` on the flavor's processes with the elastic launcher; return the exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -99,6 +103,9 @@ def relaunch(flavor: Flavor, module: str, argv: list[str]) -> int:
                           rdzv_configs={"is_host": True}, max_restarts=0, monitor_interval=0.1)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-u", "-m", module, *argv)
+    except SignalException:
+        # The launcher was interrupted too: the workers got the signal, saved and stopped.
+        return EXIT_STOPPED
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
         if EXIT_USER_ERROR in codes:

@@ -51,8 +51,12 @@ class RunLog:
             self._wandb = _start_wandb(self.output_dir, config=config, plan=plan, tracker=tracker)
 
     @classmethod
-    def start(cls, out: Path, cfg, *, flavor: str, plan: dict, total_steps: int) -> "RunLog":
-        """Create the run's folder with its resolved config.yaml and plan.json, and the log."""
+    def start(cls, out: Path, cfg, *, flavor: str, plan: dict, total_steps: int, resume_step: int = 0) -> "RunLog":
+        """Create the run's folder with its resolved config.yaml and plan.json, and the log.
+
+        A resumed run keeps the metrics of the steps its checkpoint covers and drops the later ones
+        (they are about to be run again).
+        """
         from omegaconf import OmegaConf
 
         from moai_recipes.outputs import write_config, write_json
@@ -60,8 +64,17 @@ class RunLog:
         out.mkdir(parents=True, exist_ok=True)
         write_config(out, cfg)
         write_json(out / "plan.json", {"flavor": flavor, "chosen": plan})
-        return cls(out, total_steps=total_steps, config=OmegaConf.to_container(cfg, resolve=True), plan=plan,
-                   tracker=dict(cfg.logger))
+        kept = _truncate_metrics(out / "metrics.jsonl", resume_step)
+        log = cls(out, total_steps=total_steps, config=OmegaConf.to_container(cfg, resolve=True), plan=plan,
+                  tracker=dict(cfg.logger))
+        log.rows = kept
+        log._bar.update(resume_step)
+        return log
+
+    def checkpoint(self, *, step: int, path: Path, seconds: float, size: int) -> None:
+        self.info(f"Checkpoint of step {step} saved in {seconds:.2f} s ({size / 2**20:.1f} MiB): {path}")
+        if self._wandb is not None:
+            self._wandb.log({"checkpoint_seconds": seconds, "checkpoint_bytes": size}, step=step)
 
     def info(self, text: str) -> None:
         self._bar.write(text, file=sys.stdout) if not self._bar.disable else print(text, flush=True)
@@ -90,6 +103,17 @@ class RunLog:
             self._wandb.finish()
             if self._wandb.settings.mode == "offline":
                 self.info(f"W&B run saved offline; upload it with: wandb sync {self._wandb.dir.rsplit('/files', 1)[0]}")
+
+
+def _truncate_metrics(path: Path, last_step: int) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [r for r in rows if r["step"] <= last_step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return kept
 
 
 def _start_wandb(output_dir: Path, *, config: dict, plan: dict, tracker: dict):

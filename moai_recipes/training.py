@@ -5,9 +5,12 @@ of target tokens in the WHOLE global batch, so the loss and the gradients are th
 the flavor, the micro-batch size or the number of accumulation steps.
 """
 
+import math
 import resource
+import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,7 +19,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moai_recipes.batching import GlobalBatches, split_micro_batches
+from moai_recipes.checkpointing import complete_checkpoints, load_checkpoint, save_checkpoint
 from moai_recipes.data import IGNORE_INDEX, collate
+from moai_recipes.errors import UserError
 from moai_recipes.launch import World
 
 # An empty slot still runs forward and backward (FSDP's collectives must match on every rank),
@@ -47,6 +52,7 @@ class StepResult:
     tokens: int  # tokens processed (padding excluded), global
     target_tokens: int
     grad_norm: float
+    finite: bool
 
 
 def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
@@ -72,12 +78,14 @@ def train_step(model: nn.Module, optimizer, dataset, batches: GlobalBatches, ste
         loss = token_loss_sum(model, tokens, labels)
         (loss * scale).backward()
         loss_sum += loss.detach().double()
-    grad_norm = clip_gradients(model, max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     (total_loss,) = _all_reduce([loss_sum.item()], world.device)
+    grad_norm = clip_gradients(model, max_grad_norm)
+    finite = math.isfinite(total_loss) and math.isfinite(grad_norm)  # the same verdict on every rank
+    if finite:  # a NaN/inf step is never applied: the weights stay those of the last good step
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     return StepResult(loss=total_loss / max(global_targets, 1), tokens=int(global_tokens),
-                      target_tokens=int(global_targets), grad_norm=grad_norm)
+                      target_tokens=int(global_targets), grad_norm=grad_norm, finite=finite)
 
 
 def clip_gradients(model: nn.Module, max_norm: float | None) -> float:
@@ -102,21 +110,82 @@ def max_over_ranks(value: float, world: World) -> float:
     return _all_reduce([value], world.device, op=dist.ReduceOp.MAX)[0]
 
 
+class Stopped(Exception):
+    """The run stopped at a step boundary on SIGTERM or SIGINT, after saving a checkpoint."""
+
+    def __init__(self, step: int, checkpoint: Path, signame: str):
+        super().__init__(f"{signame}: stopped after step {step}; the state is saved in {checkpoint}. "
+                         "Run the same command again to resume (resume=auto)")
+        self.step, self.checkpoint = step, checkpoint
+
+
+class _StopRequest:
+    """Turns SIGTERM/SIGINT into a request honoured at the next step boundary (preemption, Ctrl-C)."""
+
+    def __enter__(self):
+        self.signame = None
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def _handle(self, signum, frame):
+        self.signame = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+
 def train_loop(model: nn.Module, optimizer, scheduler, inputs, *, micro_batch_size: int, max_grad_norm: float | None,
-               world: World, log) -> None:
-    """Run every step of the run: the same global batch, loss and gradients on any flavor."""
-    model.train()
-    for step in range(inputs.total_steps):
-        with StepTimer(world.device) as timer:
-            result = train_step(model, optimizer, inputs.dataset, inputs.batches, step, micro_batch_size=micro_batch_size,
-                                max_grad_norm=max_grad_norm, world=world, pad_id=inputs.tokenizer.pad_id)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-        peak = max_over_ranks(peak_memory_bytes(world.device), world)
+               world: World, log, checkpoint_every: int | None, checkpoint_keep: int, skip_nonfinite_steps: int,
+               plan: dict, flavor: str) -> None:
+    """Run the run's steps, resuming from `inputs.resume_from`: the same global batches on any flavor.
+
+    Saves a checkpoint every `checkpoint_every` steps and when asked to stop; stops with a UserError
+    naming the step after more than `skip_nonfinite_steps` steps with a NaN/inf loss or gradient.
+    """
+    first = 0
+    if inputs.resume_from is not None:
+        meta = load_checkpoint(inputs.resume_from, model=model, optimizer=optimizer, scheduler=scheduler, world=world)
+        first = meta["step"]
+        assert meta["samples_seen"] == inputs.batches.samples_before(first)
         if log:
-            log.step(step=step + 1, loss=result.loss, lr=lr, tokens=result.tokens,
-                     tokens_per_sec=result.tokens / timer.seconds, step_time_s=timer.seconds,
-                     grad_norm=result.grad_norm, peak_memory_bytes=int(peak), target_tokens=result.target_tokens)
+            log.info(f"Resumed from {inputs.resume_from} (step {first}, saved on {meta['flavor']} with "
+                     f"{meta['world_size']} process(es)); continuing at step {first + 1}")
+    save = lambda step: save_checkpoint(inputs.out, step=step, samples_seen=inputs.batches.samples_before(step),
+                                        model=model, optimizer=optimizer, scheduler=scheduler, world=world,
+                                        plan=plan, flavor=flavor, keep=checkpoint_keep)
+    nonfinite = 0
+    model.train()
+    with _StopRequest() as stop:
+        for step in range(first, inputs.total_steps):
+            with StepTimer(world.device) as timer:
+                result = train_step(model, optimizer, inputs.dataset, inputs.batches, step,
+                                    micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, world=world,
+                                    pad_id=inputs.tokenizer.pad_id)
+                lr = scheduler.get_last_lr()[0]
+                scheduler.step()
+            if not result.finite:
+                nonfinite += 1
+                last = complete_checkpoints(inputs.out)
+                if nonfinite > skip_nonfinite_steps:
+                    raise UserError(f"step {step + 1}: the loss or the gradient is not finite (loss {result.loss}, "
+                                    f"grad norm {result.grad_norm}); stopped without applying it. "
+                                    f"{f'The last good checkpoint is {last[-1]}. ' if last else ''}"
+                                    "Lower optimizer.lr, or tolerate such steps with skip_nonfinite_steps=K")
+            peak = max_over_ranks(peak_memory_bytes(world.device), world)
+            if log:
+                log.step(step=step + 1, loss=result.loss, lr=lr, tokens=result.tokens,
+                         tokens_per_sec=result.tokens / timer.seconds, step_time_s=timer.seconds,
+                         grad_norm=result.grad_norm, peak_memory_bytes=int(peak), target_tokens=result.target_tokens,
+                         skipped=not result.finite)
+            done = step + 1
+            stopping = max_over_ranks(float(stop.signame is not None), world) > 0  # every rank stops together
+            if stopping or (checkpoint_every and done % checkpoint_every == 0 and done < inputs.total_steps):
+                path, seconds, size = save(done)
+                if log:
+                    log.checkpoint(step=done, path=path, seconds=seconds, size=size)
+                if stopping:
+                    raise Stopped(done, path, stop.signame or "SIGTERM")
     model.eval()
 
 

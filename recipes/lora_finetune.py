@@ -71,13 +71,15 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     scheduler = build_scheduler(optimizer, warmup_steps=o.warmup_steps, total_steps=inputs.total_steps)
 
     # 5. The loop: the same global batch, loss and gradients on any flavor.
-    log = RunLog.start(inputs.out, cfg, flavor=flavor.name, plan=plan.as_dict(),
-                       total_steps=inputs.total_steps) if world.is_main else None
+    log = RunLog.start(inputs.out, cfg, flavor=flavor.name, plan=plan.as_dict(), total_steps=inputs.total_steps,
+                       resume_step=inputs.resume_step) if world.is_main else None
     samples = Samples(inputs.tokenizer, prompts=list(cfg.dataset.sample_prompts), chat=cfg.dataset.kind != "text",
                       max_new_tokens=cfg.sample_max_new_tokens, device=world.device)
     samples.take_before(model)
     train_loop(model, optimizer, scheduler, inputs, micro_batch_size=plan.micro_batch_size,
-               max_grad_norm=o.max_grad_norm, world=world, log=log)
+               max_grad_norm=o.max_grad_norm, world=world, log=log, checkpoint_every=cfg.checkpoint_every,
+               checkpoint_keep=cfg.checkpoint_keep, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
+               plan=plan.as_dict(), flavor=flavor.name)
     say("\n".join(samples.report_after(model)))
 
     # 6. The adapter in PEFT format, and the base with the adapters merged in Hugging Face format.

@@ -1,0 +1,141 @@
+"""Nothing lost: step checkpoints, exact resume, a dead worker, another flavor, non-finite steps.
+
+Real processes and real signals. Run: pytest tests/test_checkpoints.py  (about three minutes)
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from tests.conftest import ROOT
+from tests.test_full_finetune import metrics, run_recipe, tensors
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["logger=stdout", "epochs=2", "batch_size=8", "max_steps=12", "optimizer.lr=3e-3", "optimizer.warmup_steps=2",
+          "checkpoint_every=2", "sample_max_new_tokens=0"]
+
+
+def start(*args):
+    env = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *COMMON, *map(str, args)], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(out: Path, step: int, proc, timeout=300):
+    end = time.time() + timeout
+    while time.time() < end:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= step:
+            return
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.05)
+    raise TimeoutError
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run every other run must reproduce."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    r = run_recipe(*COMMON, "flavor=cpu-2", f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def losses(out: Path) -> list[float]:
+    return [row["loss"] for row in metrics(out)]
+
+
+def test_checkpoints_are_complete_rotated_and_costed(reference):
+    kept = sorted(p.name for p in (reference / "checkpoints").iterdir())
+    assert kept == ["step-000008", "step-000010"]  # checkpoint_keep=2; the last step is the model itself
+    meta = json.loads((reference / "checkpoints" / "step-000010" / "meta.json").read_text())
+    assert meta["step"] == 10 and meta["samples_seen"] == 80 and meta["world_size"] == 2 and meta["plan"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "train_state.pt"} <= {
+        p.name for p in (reference / "checkpoints" / "step-000010").iterdir()}
+
+
+def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path, reference):
+    out = tmp_path / "run"
+    proc = start("flavor=cpu-2", f"output_dir={out}")
+    wait_for_step(out, 4, proc)
+    proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler's preemption would
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, log
+    assert "Run the same command again to resume" in log and "Traceback" not in log
+    stopped_at = len(metrics(out))
+    assert 4 <= stopped_at < 12 and not (out / "model").exists()
+
+    r = run_recipe(*COMMON, "flavor=cpu-2", f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"continuing at step {stopped_at + 1}" in r.stdout
+    assert losses(out) == losses(reference)
+    ref, got = tensors(reference / "model"), tensors(out / "model")
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tmp_path, reference):
+    out = tmp_path / "run"
+    proc = start("flavor=cpu-2", f"output_dir={out}")
+    wait_for_step(out, 5, proc)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "recipes.full_finetune" in " ".join(p.cmdline())]
+    assert len(workers) == 2
+    workers[1].kill()  # kill -9 of one worker
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, log
+    assert "restarting the 2 processes" in log and "Resumed from" in log
+    assert losses(out) == losses(reference)
+    ref, got = tensors(reference / "model"), tensors(out / "model")
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+@pytest.mark.parametrize("flavor", ["cpu", "cpu-4"])
+def test_a_run_checkpointed_on_cpu_2_resumes_on_another_flavor(tmp_path, reference, flavor):
+    out = tmp_path / "run"
+    proc = start("flavor=cpu-2", f"output_dir={out}")
+    wait_for_step(out, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    r = run_recipe(*COMMON, f"flavor={flavor}", f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "saved on cpu-2 with 2 process(es)" in r.stdout
+    for a, b in zip(losses(reference), losses(out), strict=True):
+        assert abs(a - b) <= 1e-4 * abs(a)
+
+
+def test_resume_refuses_another_config_and_never_means_never(tmp_path, reference):
+    changed = run_recipe(*COMMON, "flavor=cpu", "optimizer.lr=1e-3", f"output_dir={reference}")
+    assert changed.returncode == 2 and "finished run" in changed.stderr
+    out = tmp_path / "run"
+    proc = start("flavor=cpu", f"output_dir={out}")
+    wait_for_step(out, 3, proc)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    assert proc.wait(timeout=120) == 0
+    (out / "checkpoints" / ".step-000099.tmp").mkdir()  # what a crash while saving leaves behind: ignored
+    other = run_recipe(*COMMON, "flavor=cpu", "optimizer.lr=1e-3", f"output_dir={out}")
+    assert other.returncode == 2 and "optimizer.lr" in other.stderr and "Traceback" not in other.stderr
+    never = run_recipe(*COMMON, "flavor=cpu", "resume=never", f"output_dir={out}")
+    assert never.returncode == 2 and "holds an earlier run" in never.stderr
+    step = sorted((out / "checkpoints").glob("step-*"))[0]
+    given = run_recipe(*COMMON, "flavor=cpu", f"resume={step}", f"output_dir={tmp_path / 'elsewhere'}")
+    assert given.returncode == 0 and f"Resumed from {step}" in given.stdout, given.stdout + given.stderr
+
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeping_the_last_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    r = run_recipe(*COMMON, "flavor=cpu", "optimizer.lr=1e30", "optimizer.max_grad_norm=null", "checkpoint_every=1",
+                   f"output_dir={out}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert "not finite" in r.stderr and "step " in r.stderr and "The last good checkpoint is" in r.stderr
+    assert (out / "checkpoints").exists() and not (out / "model").exists()
+    tolerated = run_recipe(*COMMON, "flavor=cpu", "optimizer.lr=1e30", "optimizer.max_grad_norm=null",
+                           "skip_nonfinite_steps=100", f"output_dir={tmp_path / 'tolerated'}")
+    assert tolerated.returncode == 0, tolerated.stderr
+    assert any(row.get("skipped") for row in metrics(tmp_path / "tolerated"))
