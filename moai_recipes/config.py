@@ -72,9 +72,11 @@ class LoggerConfig:
 
 
 @dataclass
-class PlanConfig:
+class PlanConfig:  # null: the planner decides
     micro_batch_size: Optional[int] = None
     recompute: Optional[str] = None
+    reshard_after_forward: Optional[bool] = None
+    cpu_offload: Optional[bool] = None
 
 
 @dataclass
@@ -117,7 +119,13 @@ class LoraRecipeConfig(RecipeConfig):
     save_merged: bool = True  # also write model/, the base with the adapters merged in
 
 
+@dataclass
+class PlanRecipeConfig(LoraRecipeConfig):
+    method: str = "full"  # what recipes.plan plans: full | lora
+
+
 ConfigStore.instance().store(name="full_finetune_schema", node=RecipeConfig)
+ConfigStore.instance().store(name="plan_schema", node=PlanRecipeConfig)
 ConfigStore.instance().store(name="lora_finetune_schema", node=LoraRecipeConfig)
 
 USAGE = """usage: python -m recipes.{recipe} [--cfg job] [--config-path DIR] [--config-name NAME] [key=value ...]

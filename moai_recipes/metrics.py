@@ -48,7 +48,7 @@ class RunLog:
                          disable=not sys.stderr.isatty(), file=sys.stderr)
         self._wandb = None
         if tracker["kind"] == "wandb" and wandb_mode(tracker["mode"]) != "disabled":
-            self._wandb = _start_wandb(self.output_dir, config=config, plan=plan, tracker=tracker)
+            self._wandb = _start_wandb(self.output_dir, config=config, plan=plan.get("chosen", plan), tracker=tracker)
 
     @classmethod
     def start(cls, out: Path, cfg, *, flavor: str, plan: dict, total_steps: int, resume_step: int = 0) -> "RunLog":
@@ -63,7 +63,7 @@ class RunLog:
 
         out.mkdir(parents=True, exist_ok=True)
         write_config(out, cfg)
-        write_json(out / "plan.json", {"flavor": flavor, "chosen": plan})
+        write_json(out / "plan.json", {"flavor": flavor, **plan})
         kept = _truncate_metrics(out / "metrics.jsonl", resume_step)
         log = cls(out, total_steps=total_steps, config=OmegaConf.to_container(cfg, resolve=True), plan=plan,
                   tracker=dict(cfg.logger))

@@ -1,14 +1,9 @@
-"""The run plan: how a rank's share of the global batch is split and what is recomputed.
-
-Until the planner lands this is the default plan (the whole per-rank batch at once, nothing
-recomputed), with the user's forced fields honoured.
-"""
+"""The run plan: how a rank's share of the global batch is split, what is recomputed, how the
+model is sharded or offloaded. The planner (moai_recipes/planner/) chooses one before the first step."""
 
 import math
 from dataclasses import asdict, dataclass
 
-from moai_recipes.errors import UserError
-from moai_recipes.flavors import Flavor
 
 
 @dataclass(frozen=True)
@@ -36,18 +31,3 @@ class Plan:
                 f"recomputation {self.recompute}, distribute_param true (FSDP2, reshard_after_forward "
                 f"{str(self.reshard_after_forward).lower()}), cpu_offload {str(self.cpu_offload).lower()}, "
                 f"{self.param_dtype} compute, {self.master_dtype} master weights")
-
-
-def default_plan(*, flavor: Flavor, batch_size: int, dtype: str, micro_batch_size: int | None,
-                 recompute: str | None) -> Plan:
-    per_device = math.ceil(batch_size / flavor.num_devices)
-    mbs = micro_batch_size or per_device
-    if mbs > per_device:
-        raise UserError(f"plan.micro_batch_size={mbs} is larger than the batch per device ({per_device} = "
-                        f"batch_size {batch_size} over {flavor.num_devices} devices); use at most {per_device}")
-    if dtype == "auto":
-        dtype = "bf16" if flavor.device.kind == "gpu" else "fp32"
-    return Plan(batch_size=batch_size, num_devices=flavor.num_devices, micro_batch_size=mbs,
-                accumulation_steps=math.ceil(per_device / mbs), recompute=recompute or "none",
-                reshard_after_forward=True, cpu_offload=False,
-                param_dtype="bfloat16" if dtype == "bf16" else "float32", master_dtype="float32")

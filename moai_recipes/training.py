@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -99,11 +100,16 @@ def clip_gradients(model: nn.Module, max_norm: float | None) -> float:
     return float(norm)
 
 
+# What the Python and torch runtime hold before any model exists; the CPU's measured peak excludes it,
+# so that it compares with the planner's prediction of what training allocates.
+_RUNTIME_RSS = psutil.Process().memory_info().rss
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """This process's peak: allocated device memory on a GPU, resident memory on the CPU."""
+    """This process's peak: allocated device memory on a GPU; resident memory above the runtime on the CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - _RUNTIME_RSS
 
 
 def max_over_ranks(value: float, world: World) -> float:
@@ -186,6 +192,11 @@ def train_loop(model: nn.Module, optimizer, scheduler, inputs, *, micro_batch_si
                     log.checkpoint(step=done, path=path, seconds=seconds, size=size)
                 if stopping:
                     raise Stopped(done, path, stop.signame or "SIGTERM")
+    if log and log.rows and "predicted_peak_bytes" in plan:
+        measured, predicted = max(r["peak_memory_bytes"] for r in log.rows), plan["predicted_peak_bytes"]
+        log.info(f"Peak memory per device: predicted {predicted / 2**30:.3f} GiB, measured {measured / 2**30:.3f} GiB "
+                 f"({(measured - predicted) / max(predicted, 1):+.1%})")
+        log.summary(predicted_peak_bytes=predicted, measured_peak_bytes=measured)
     model.eval()
 
 

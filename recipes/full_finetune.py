@@ -25,7 +25,7 @@ from moai_recipes.launch import World
 from moai_recipes.metrics import RunLog
 from moai_recipes.models import build_model, init_buffers
 from moai_recipes.parallel import apply_recompute, shard_model
-from moai_recipes.plan import default_plan
+from moai_recipes.planner import choose_plan
 from moai_recipes.samples import Samples
 from moai_recipes.training import build_optimizer, build_scheduler, train_loop
 
@@ -40,10 +40,12 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     inputs = read_inputs(cfg)
 
     # 2. The plan, decided before the first step.
-    plan = default_plan(flavor=flavor, batch_size=cfg.batch_size, dtype=cfg.dtype,
-                        micro_batch_size=cfg.plan.micro_batch_size, recompute=cfg.plan.recompute)
+    choice = choose_plan(spec=inputs.ckpt.spec, flavor=flavor, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len,
+                         dtype=cfg.dtype, forced=dict(cfg.plan))
+    plan = choice.chosen.plan
     say(f"Flavor {flavor.describe()}; {world.world_size} process(es), backend {flavor.backend}")
     say("\n".join(describe_inputs(inputs, cfg)))
+    say("\n".join(choice.report()))
     say(f"Configuration for parallelism is selected: {plan.describe()}")
 
     # 3. Build on meta, recompute, shard, then give memory and weights: one place, one order.
@@ -63,7 +65,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     scheduler = build_scheduler(optimizer, warmup_steps=o.warmup_steps, total_steps=inputs.total_steps)
 
     # 5. The loop: the same global batch, loss and gradients on any flavor.
-    log = RunLog.start(inputs.out, cfg, flavor=flavor.name, plan=plan.as_dict(), total_steps=inputs.total_steps,
+    log = RunLog.start(inputs.out, cfg, flavor=flavor.name, plan=choice.as_dict(), total_steps=inputs.total_steps,
                        resume_step=inputs.resume_step) if world.is_main else None
     samples = Samples(inputs.tokenizer, prompts=list(cfg.dataset.sample_prompts), chat=cfg.dataset.kind != "text",
                       max_new_tokens=cfg.sample_max_new_tokens, device=world.device)
@@ -71,7 +73,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     train_loop(model, optimizer, scheduler, inputs, micro_batch_size=plan.micro_batch_size,
                max_grad_norm=o.max_grad_norm, world=world, log=log, checkpoint_every=cfg.checkpoint_every,
                checkpoint_keep=cfg.checkpoint_keep, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
-               plan=plan.as_dict(), flavor=flavor.name)
+               plan=choice.chosen.as_dict(), flavor=flavor.name)
     say("\n".join(samples.report_after(model)))
 
     # 6. The model in Hugging Face format, laid out as the input was.

@@ -1,0 +1,80 @@
+"""Peak memory per device of a plan: sharded state, gathered layers, activations, logits, overhead.
+
+Every term is a count of bytes that a specific buffer holds at the moment of the peak, which is in
+the backward pass of the last micro-batch (all activations of a micro-batch are alive, gradients
+and optimizer state exist, one layer is gathered and its gradient unsharded).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from moai_recipes.models import ModelSpec
+from moai_recipes.planner.activations import trace_layer
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+NF4_BYTES = 0.5 + 1 / 64 * 4 / 4 + 0.01  # 4-bit codes, per-block scales, double-quantized scalers
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    total: int  # parameters
+    per_layer: int
+    root: int  # embeddings, final norm, output (the FSDP root group)
+    trainable: int
+
+
+def model_sizes(spec: ModelSpec, *, lora_rank: int | None = None, lora_targets: int = 0) -> ModelSizes:
+    total = spec.num_params()
+    root = spec.vocab_size * spec.embed_dim * (1 if spec.tie_word_embeddings else 2) + spec.embed_dim
+    per_layer = (total - root) // spec.num_layers
+    trainable = total
+    if lora_rank:
+        # each adapted projection adds rank x (in + out); a layer's projections are about embed_dim wide
+        trainable = spec.num_layers * lora_targets * lora_rank * (spec.embed_dim + max(spec.embed_dim, spec.intermediate_dim))
+    return ModelSizes(total=total, per_layer=per_layer, root=root, trainable=trainable)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+    activations: int
+    logits: int
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.gathered + self.activations + self.logits + self.overhead
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "total": self.total}
+
+
+def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micro_batch_size: int, seq_len: int,
+                   recompute: str, reshard_after_forward: bool, cpu_offload: bool, compute_dtype: str,
+                   quantized_base: bool, fixed_overhead: int, slack: float, lora: tuple | None = None) -> MemoryBreakdown:
+    """Peak bytes on one device for one plan."""
+    c = DTYPE_BYTES[compute_dtype]
+    n = num_devices
+    frozen = sizes.total - sizes.trainable
+    master = sizes.trainable * 4 + frozen * (NF4_BYTES if quantized_base else 4)
+    params = 0 if cpu_offload else master / n
+    grads = 0 if cpu_offload else sizes.trainable * 4 / n
+    optimizer = 0 if cpu_offload else sizes.trainable * 8 / n  # AdamW: two fp32 moments
+    # FSDP2 gathers the root group for the whole forward, and a layer plus the next one (prefetch);
+    # without resharding after forward, every layer stays gathered until its backward.
+    layer_c = sizes.per_layer * (c if not quantized_base else NF4_BYTES + (c * sizes.trainable / sizes.total))
+    gathered = sizes.root * c + (2 * layer_c if reshard_after_forward else spec.num_layers * layer_c)
+    gathered += 2 * sizes.per_layer * 4 * sizes.trainable / sizes.total  # one layer's unsharded fp32 grads, twice
+    dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
+    act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora)
+    activations = micro_batch_size * (spec.num_layers * act.retained + act.transient)
+    # bf16 (or fp32) logits, their fp32 copy for the loss, and the fp32 gradient of the loss w.r.t. them
+    logits = micro_batch_size * seq_len * spec.vocab_size * (c + 4 + 4)
+    subtotal = params + grads + optimizer + gathered + activations + logits
+    return MemoryBreakdown(params=int(params), grads=int(grads), optimizer=int(optimizer), gathered=int(gathered),
+                           activations=int(activations), logits=int(logits),
+                           overhead=int(fixed_overhead + slack * subtotal))

@@ -1,0 +1,132 @@
+"""The planner: enumerate plans, predict each one's peak memory and step time, keep those that fit
+the per-device budget, pick the fastest. Forced fields (plan.micro_batch_size=2) are honoured when
+they fit and refused with the predicted memory when they do not."""
+
+import math
+from dataclasses import dataclass
+
+from omegaconf import OmegaConf
+
+from moai_recipes.errors import UserError
+from moai_recipes.flavors import Flavor, resolve_flavor
+from moai_recipes.models import ModelSpec
+from moai_recipes.plan import Plan
+from moai_recipes.planner.memory import MemoryBreakdown, model_sizes, predict_memory
+from moai_recipes.planner.timing import TimeEstimate, predict_time
+
+GiB = 2**30
+SAFETY_MARGIN = 0.10  # of the device memory, kept free
+FIXED_OVERHEAD = {"gpu": 1.0 * GiB, "cpu": 0}  # CUDA/ROCm context and communication buffers
+SLACK = {"gpu": 0.08, "cpu": 0.05}  # allocator fragmentation, as a share of what is allocated
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    memory: MemoryBreakdown
+    time: TimeEstimate
+    fits: bool
+
+    def as_dict(self) -> dict:
+        return {**self.plan.as_dict(), "fits": self.fits, "predicted_peak_bytes": self.memory.total,
+                "predicted_step_s": self.time.total_s, "memory": self.memory.as_dict(), "time": self.time.as_dict()}
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    chosen: Candidate
+    candidates: list[Candidate]
+    budget_bytes: int
+
+    def report(self) -> list[str]:
+        fit = sum(c.fits for c in self.candidates)
+        c = self.chosen
+        return [f"The number of candidates is {len(self.candidates)}.",
+                f"The number of possible candidates is {fit} (predicted peak within {self.budget_bytes / GiB:.3g} GiB "
+                f"per device).",
+                f"Chosen: the fastest that fits: predicted {c.time.total_s:.3g} s/step, peak "
+                f"{c.memory.total / GiB:.3g} GiB per device"]
+
+    def as_dict(self) -> dict:
+        return {"budget_bytes": self.budget_bytes, "chosen": self.chosen.as_dict(),
+                "candidates": [c.as_dict() for c in self.candidates]}
+
+
+def _options(n: int, per_device: int, flavor: Flavor, forced: dict) -> list[dict]:
+    sizes = sorted({min(2**k, per_device) for k in range(0, per_device.bit_length() + 1)} | {per_device})
+    recomputes = ["none", "selective", "full"]
+    reshards = [True, False] if n > 1 else [True]
+    offloads = [False, True] if flavor.device.kind == "gpu" else [False]
+    opts = [dict(micro_batch_size=m, recompute=r, reshard_after_forward=s, cpu_offload=o)
+            for m in sizes for r in recomputes for s in reshards for o in offloads]
+    return [o for o in opts if all(forced.get(k) is None or o[k] == forced[k] for k in o)]
+
+
+def choose_plan(*, spec: ModelSpec, flavor: Flavor, batch_size: int, seq_len: int, dtype: str,
+                forced: dict | None = None, lora=None, quantized_base: bool = False) -> PlanChoice:
+    """Plan a run; a UserError when nothing fits, naming a flavor or the settings that would."""
+    forced = {k: v for k, v in (forced or {}).items() if v is not None}
+    n = flavor.num_devices
+    per_device = math.ceil(batch_size / n)
+    if forced.get("micro_batch_size", 0) > per_device:
+        raise UserError(f"plan.micro_batch_size={forced['micro_batch_size']} is larger than the batch per device "
+                        f"({per_device} = batch_size {batch_size} over {n} devices); use at most {per_device}")
+    compute = "bfloat16" if (dtype == "bf16" or (dtype == "auto" and flavor.device.kind == "gpu")) else "float32"
+    lora_key = tuple(sorted(lora.builder_kwargs().items(), key=lambda kv: kv[0])) if lora else None
+    lora_key = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in lora_key) if lora_key else None
+    targets = (len(lora.attn_modules) + 3 * lora.apply_to_mlp) if lora else 0
+    sizes = model_sizes(spec, lora_rank=lora.rank if lora else None, lora_targets=targets)
+    budget = int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
+    kind = flavor.device.kind
+    candidates = []
+    for o in _options(n, per_device, flavor, forced):
+        accumulation = math.ceil(per_device / o["micro_batch_size"])
+        plan = Plan(batch_size=batch_size, num_devices=n, accumulation_steps=accumulation, param_dtype=compute,
+                    master_dtype="float32", **o)
+        memory = predict_memory(spec, sizes, num_devices=n, micro_batch_size=o["micro_batch_size"], seq_len=seq_len,
+                                recompute=o["recompute"], reshard_after_forward=o["reshard_after_forward"],
+                                cpu_offload=o["cpu_offload"], compute_dtype=compute, quantized_base=quantized_base,
+                                fixed_overhead=FIXED_OVERHEAD[kind], slack=SLACK[kind], lora=lora_key)
+        time = predict_time(spec, sizes, flavor.device, num_devices=n, batch_size=batch_size, accumulation_steps=accumulation,
+                            seq_len=seq_len, compute_dtype=compute, **o)
+        candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=memory.total <= budget))
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        smallest = min(candidates, key=lambda c: c.memory.total)
+        what = ("with " + ", ".join(f"plan.{k}={v}" for k, v in forced.items())) if forced else "with any plan"
+        raise UserError(f"nothing fits {flavor.name} {what}: the smallest plan needs {smallest.memory.total / GiB:.3g} GiB "
+                        f"per device (budget {budget / GiB:.3g} GiB = {flavor.device_memory_gb:.4g} GiB less "
+                        f"{SAFETY_MARGIN:.0%}). {_what_would_fit(spec, flavor, batch_size, seq_len, dtype, forced, lora, quantized_base)}")
+    chosen = min(fitting, key=lambda c: (round(c.time.total_s, 6), c.memory.total))
+    return PlanChoice(chosen=chosen, candidates=candidates, budget_bytes=budget)
+
+
+def _what_would_fit(spec, flavor: Flavor, batch_size, seq_len, dtype, forced, lora, quantized_base) -> str:
+    from moai_recipes.config import CONFIG_DIR
+
+    if forced:
+        return "Let the planner choose (drop the plan.* overrides)" + (
+            "." if _fits(spec, flavor, batch_size, seq_len, dtype, {}, lora, quantized_base) else ", or see below.")
+    if flavor.device.kind == "gpu":
+        options = []
+        for path in CONFIG_DIR.joinpath("flavor").glob("*.yaml"):
+            f = OmegaConf.to_container(OmegaConf.load(path))
+            if f["device"] == "mi250" and f["memory_gb"]:
+                options.append((f["memory_gb"], path.stem, f))
+        for _, name, f in sorted(options):
+            other = resolve_flavor(**{**f, "device": flavor.device.name})
+            if other.total_memory_gb > flavor.total_memory_gb and _fits(spec, other, batch_size, seq_len, dtype, {},
+                                                                        lora, quantized_base):
+                return f"The smallest flavor that fits is {name} ({other.name}): flavor={name}."
+    if seq_len > 512:
+        return f"Try a shorter max_seq_len (now {seq_len}) or LoRA (recipes.lora_finetune)."
+    return "Try LoRA (recipes.lora_finetune) or a larger flavor.device_memory_gb."
+
+
+def _fits(spec, flavor, batch_size, seq_len, dtype, forced, lora, quantized_base) -> bool:
+    try:
+        choose_plan(spec=spec, flavor=flavor, batch_size=batch_size, seq_len=seq_len, dtype=dtype, forced=forced,
+                    lora=lora, quantized_base=quantized_base)
+        return True
+    except UserError:
+        return False
