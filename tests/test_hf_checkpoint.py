@@ -225,9 +225,9 @@ def test_fsdp2_two_processes_load_and_save(checkpoints, tmp_path):
 
     cases = ["llama_sharded", "qwen2_tied"]
     jobs = [(str(checkpoints[c]), str(tmp_path / c), str(tmp_path / f"{c}.pt")) for c in cases]
-    # fork: the workers inherit torch, torchtune and transformers already imported (spawn re-imports, ~20 s)
+    # spawn, not fork: a forked child of a process that already ran torch threads can deadlock in gloo.
     mp.start_processes(_sharded_worker, args=(2, str(tmp_path / "rendezvous"), jobs), nprocs=2, join=True,
-                       start_method="fork")
+                       start_method="spawn")
     for case, (folder, out_dir, logits_file) in zip(cases, jobs):
         assert_same_checkpoint(Path(folder), Path(out_dir))
         tokens = tokens_for(HFCheckpoint.open(folder))
