@@ -94,7 +94,7 @@ def choose_plan(*, spec: ModelSpec, flavor: Flavor, batch_size: int, seq_len: in
     if not fitting:
         smallest = min(candidates, key=lambda c: c.memory.total)
         what = ("with " + ", ".join(f"plan.{k}={v}" for k, v in forced.items())) if forced else "with any plan"
-        raise UserError(f"nothing fits {flavor.name} {what}: the smallest plan needs {smallest.memory.total / GiB:.3g} GiB "
+        raise UserError(f"nothing fits {flavor.name} {what}: the smallest plan needs {smallest.memory.total / GiB:,.1f} GiB "
                         f"per device (budget {budget / GiB:.3g} GiB = {flavor.device_memory_gb:.4g} GiB less "
                         f"{SAFETY_MARGIN:.0%}). {_what_would_fit(spec, flavor, batch_size, seq_len, dtype, forced, lora, quantized_base)}")
     chosen = min(fitting, key=lambda c: (round(c.time.total_s, 6), c.memory.total))
@@ -104,23 +104,26 @@ def choose_plan(*, spec: ModelSpec, flavor: Flavor, batch_size: int, seq_len: in
 def _what_would_fit(spec, flavor: Flavor, batch_size, seq_len, dtype, forced, lora, quantized_base) -> str:
     from moai_recipes.config import CONFIG_DIR
 
-    if forced:
-        return "Let the planner choose (drop the plan.* overrides)" + (
-            "." if _fits(spec, flavor, batch_size, seq_len, dtype, {}, lora, quantized_base) else ", or see below.")
+    hints = []
+    if forced and _fits(spec, flavor, batch_size, seq_len, dtype, {}, lora, quantized_base):
+        hints.append("Let the planner choose (drop the plan.* overrides).")
     if flavor.device.kind == "gpu":
         options = []
         for path in CONFIG_DIR.joinpath("flavor").glob("*.yaml"):
             f = OmegaConf.to_container(OmegaConf.load(path))
-            if f["device"] == "mi250" and f["memory_gb"]:
+            if f["device"] != "cpu" and f["memory_gb"]:
                 options.append((f["memory_gb"], path.stem, f))
         for _, name, f in sorted(options):
             other = resolve_flavor(**{**f, "device": flavor.device.name})
-            if other.total_memory_gb > flavor.total_memory_gb and _fits(spec, other, batch_size, seq_len, dtype, {},
+            if other.total_memory_gb > flavor.total_memory_gb and _fits(spec, other, batch_size, seq_len, dtype, forced,
                                                                         lora, quantized_base):
-                return f"The smallest flavor that fits is {name} ({other.name}): flavor={name}."
-    if seq_len > 512:
-        return f"Try a shorter max_seq_len (now {seq_len}) or LoRA (recipes.lora_finetune)."
-    return "Try LoRA (recipes.lora_finetune) or a larger flavor.device_memory_gb."
+                hints.append(f"The smallest flavor that fits is {name} ({other.name} on {flavor.device.name}): "
+                             f"flavor={name}.")
+                break
+    if not hints:
+        hints.append(f"Try a shorter max_seq_len (now {seq_len}), LoRA (recipes.lora_finetune), or a larger "
+                     "flavor.device_memory_gb.")
+    return " ".join(hints)
 
 
 def _fits(spec, flavor, batch_size, seq_len, dtype, forced, lora, quantized_base) -> bool:

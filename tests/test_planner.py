@@ -1,0 +1,94 @@
+"""The planner: traced activations, plans that fit, forced fields, the dry run, and the promise that a
+small budget trains the same loss curve without running out of memory. Run: pytest tests/test_planner.py"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moai_recipes.config import load_config
+from moai_recipes.errors import UserError
+from moai_recipes.flavors import resolve_flavor
+from moai_recipes.models import spec_for
+from moai_recipes.planner import GiB, choose_plan
+from moai_recipes.planner.activations import trace_layer
+from tests.conftest import ROOT
+from tests.test_full_finetune import metrics, run_recipe
+
+
+def setup(*overrides):
+    cfg = load_config("full_finetune", list(overrides))
+    return cfg, spec_for(architecture=cfg.model.architecture, checkpoint_dir=None), resolve_flavor(**cfg.flavor)
+
+
+def test_recompute_keeps_less_and_activations_grow_with_the_sequence():
+    import torch
+
+    _, spec, _ = setup("model=qwen2_5_0_5b")
+    kept = {p: trace_layer(spec, seq_len=1024, recompute=p, dtype=torch.bfloat16).retained for p in ("none", "selective", "full")}
+    assert kept["none"] > kept["selective"] > kept["full"] > 0
+    assert kept["full"] == 1024 * spec.embed_dim * 2  # full recompute keeps the layer's input (bf16) only
+    longer = trace_layer(spec, seq_len=2048, recompute="none", dtype=torch.bfloat16).retained
+    assert longer == pytest.approx(2 * kept["none"], rel=0.01)  # SDPA keeps O(seq), not O(seq^2)
+
+
+def test_every_chosen_plan_fits_and_is_the_fastest_that_does():
+    cfg, spec, flavor = setup("model=llama3_8b", "flavor=4xlarge")
+    choice = choose_plan(spec=spec, flavor=flavor, batch_size=256, seq_len=2048, dtype="auto")
+    fitting = [c for c in choice.candidates if c.fits]
+    assert choice.chosen in fitting and len(choice.candidates) > len(fitting) > 0
+    assert choice.chosen.time.total_s == min(c.time.total_s for c in fitting)
+    assert choice.chosen.memory.total <= choice.budget_bytes < 64 * GiB
+    assert choice.chosen.plan.param_dtype == "bfloat16" and choice.chosen.plan.num_devices == 32
+
+
+def test_forced_fields_are_honoured_or_refused_with_the_predicted_memory():
+    _, spec, flavor = setup("model=llama3_8b", "flavor=xlarge")
+    forced = choose_plan(spec=spec, flavor=flavor, batch_size=64, seq_len=2048, dtype="auto",
+                         forced={"micro_batch_size": 1, "recompute": "full"})
+    assert forced.chosen.plan.micro_batch_size == 1 and forced.chosen.plan.recompute == "full"
+    with pytest.raises(UserError, match=r"nothing fits .* plan.micro_batch_size=8.* needs [0-9.]+ GiB"):
+        choose_plan(spec=spec, flavor=flavor, batch_size=64, seq_len=8192, dtype="auto",
+                    forced={"micro_batch_size": 8, "recompute": "none"})
+
+
+def test_lora_plans_fit_where_full_fine_tuning_does_not():
+    _, spec, flavor = setup("model=llama3_8b", "flavor=small")
+    from moai_recipes.lora import lora_options
+
+    with pytest.raises(UserError):
+        choose_plan(spec=spec, flavor=flavor, batch_size=16, seq_len=2048, dtype="auto", forced={"cpu_offload": False})
+    lora = lora_options(attn_modules=["q_proj", "v_proj"], apply_to_mlp=False, apply_to_output=False, rank=8,
+                        alpha=16, dropout=0.0, quantize_base=False, spec=spec)
+    choice = choose_plan(spec=spec, flavor=flavor, batch_size=16, seq_len=2048, dtype="auto", lora=lora,
+                         forced={"cpu_offload": False})
+    assert choice.chosen.memory.optimizer < 0.01 * GiB  # only adapters have optimizer state
+
+
+@pytest.mark.slow
+def test_the_dry_run_plans_70b_on_any_flavor_and_says_when_nothing_fits(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "recipes.plan", *a], cwd=ROOT, capture_output=True,
+                                    text=True, timeout=300)
+    ok = run("flavor=48xlarge", "model=llama3_70b", "batch_size=512", "max_seq_len=4096", f"output_dir={tmp_path}")
+    assert ok.returncode == 0, ok.stderr
+    assert "The number of candidates is" in ok.stdout and "<- chosen" in ok.stdout and "384 device(s)" in ok.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["chosen"]["fits"] and len(plan["candidates"]) > 10
+    bad = run("flavor=small", "model=llama3_70b", "batch_size=64", "max_seq_len=8192", "plan.cpu_offload=false")
+    assert bad.returncode == 2 and "nothing fits Small.64GB" in bad.stderr and "Traceback" not in bad.stderr
+    assert "smallest flavor that fits is" in bad.stderr, bad.stderr
+
+
+@pytest.mark.slow
+def test_a_small_budget_trains_the_same_curve_with_accumulation(tmp_path):
+    common = ["logger=stdout", "max_steps=4", "batch_size=16", "optimizer.lr=3e-3", "sample_max_new_tokens=0"]
+    big = run_recipe(*common, f"output_dir={tmp_path / 'big'}")
+    small = run_recipe(*common, "flavor.device_memory_gb=0.06", f"output_dir={tmp_path / 'small'}")
+    assert big.returncode == 0 and small.returncode == 0, small.stdout + small.stderr
+    chosen = json.loads((tmp_path / "small" / "plan.json").read_text())["chosen"]
+    assert chosen["accumulation_steps"] > 1 or chosen["recompute"] != "none"
+    assert chosen["predicted_peak_bytes"] <= 0.06 * GiB
+    assert "Peak memory per device: predicted" in small.stdout
+    for a, b in zip(metrics(tmp_path / "big"), metrics(tmp_path / "small"), strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * a["loss"] and b["peak_memory_bytes"] > 0
