@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed._composable import checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                    noop_context_fn)
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 
@@ -36,15 +36,24 @@ def _selective_policy(ctx, op, *args, **kwargs):
 def apply_recompute(layers: nn.ModuleList, policy: str) -> None:
     """Recompute each layer's activations in the backward pass (`full` or `selective`).
 
-    The composable `checkpoint` hooks the layer in place, so parameter names (and with them the
-    checkpoint conversion) stay the same whatever the policy.
+    Only the layer's `forward` is checkpointed, not the module call: FSDP2's hooks (all-gather,
+    reshard, input casts) then stay outside the recomputed region, as with torchtitan's
+    checkpoint wrapper inside `fully_shard`. Selective recompute replays the region's ops
+    against what it saved, so hooks inside it would be replayed too and break it. Patching
+    `forward` in place keeps parameter names (and the checkpoint conversion) the same.
     """
     assert policy in RECOMPUTE_POLICIES, policy
     if policy == "none":
         return
-    context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) if policy == "selective" else None
+    context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) if policy == "selective" else noop_context_fn
     for layer in layers:
-        checkpoint(layer, context_fn=context_fn) if context_fn else checkpoint(layer)
+        layer.forward = _checkpointed(layer.forward, context_fn)
+
+
+def _checkpointed(forward, context_fn):
+    def recomputed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    return recomputed_forward
 
 
 def shard_model(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, param_dtype: torch.dtype,

@@ -120,7 +120,7 @@ def test_an_earlier_run_is_never_overwritten(tmp_path):
     assert run_recipe("logger=stdout", "max_steps=2", f"output_dir={out}").returncode == 0
     kept = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     again = run_recipe("logger=stdout", "max_steps=2", f"output_dir={out}")
-    assert again.returncode == 2 and "holds an earlier run" in again.stderr and "Traceback" not in again.stderr
+    assert again.returncode == 2 and "holds a finished run" in again.stderr and "Traceback" not in again.stderr
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == kept
 
 

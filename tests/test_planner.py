@@ -55,15 +55,38 @@ def test_forced_fields_are_honoured_or_refused_with_the_predicted_memory():
 
 def test_lora_plans_fit_where_full_fine_tuning_does_not():
     _, spec, flavor = setup("model=llama3_8b", "flavor=small")
-    from moai_recipes.lora import lora_options
-
     with pytest.raises(UserError):
         choose_plan(spec=spec, flavor=flavor, batch_size=16, seq_len=2048, dtype="auto", forced={"cpu_offload": False})
-    lora = lora_options(attn_modules=["q_proj", "v_proj"], apply_to_mlp=False, apply_to_output=False, rank=8,
-                        alpha=16, dropout=0.0, quantize_base=False, spec=spec)
+    lora = _lora(spec, attn_modules=["q_proj", "v_proj"], apply_to_mlp=False)
     choice = choose_plan(spec=spec, flavor=flavor, batch_size=16, seq_len=2048, dtype="auto", lora=lora,
                          forced={"cpu_offload": False})
-    assert choice.chosen.memory.optimizer < 0.01 * GiB  # only adapters have optimizer state
+    # only the adapters have gradients and AdamW moments: 32 layers x rank 8 x (q 4096+4096, v 4096+1024)
+    adapters = 32 * 8 * ((4096 + 4096) + (4096 + 1024))
+    assert choice.chosen.memory.optimizer == adapters * 8 and choice.chosen.memory.grads == adapters * 4
+
+
+@pytest.mark.parametrize("model", ["tiny", "qwen2_5_0_5b"])
+@pytest.mark.parametrize("targets", [dict(attn_modules=["q_proj", "v_proj"], apply_to_mlp=False),
+                                     dict(attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_to_mlp=True)])
+def test_the_planner_counts_exactly_the_adapters_torchtune_builds(model, targets):
+    import torch
+
+    from moai_recipes.lora import is_adapter
+    from moai_recipes.models import build_model
+    from moai_recipes.planner.memory import lora_params
+
+    _, spec, _ = setup(f"model={model}")
+    lora = _lora(spec, **targets)
+    with torch.device("meta"):
+        built = build_model(spec, max_seq_len=64, lora=lora.builder_kwargs())
+    assert lora_params(spec, lora) == sum(p.numel() for n, p in built.named_parameters() if is_adapter(n))
+
+
+def _lora(spec, *, attn_modules, apply_to_mlp):
+    from moai_recipes.lora import lora_options
+
+    return lora_options(attn_modules=attn_modules, apply_to_mlp=apply_to_mlp, apply_to_output=False, rank=8,
+                        alpha=16, dropout=0.0, quantize_base=False, spec=spec)
 
 
 @pytest.mark.slow

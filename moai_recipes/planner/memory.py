@@ -24,15 +24,24 @@ class ModelSizes:
     trainable: int
 
 
-def model_sizes(spec: ModelSpec, *, lora_rank: int | None = None, lora_targets: int = 0) -> ModelSizes:
+def model_sizes(spec: ModelSpec, lora=None) -> ModelSizes:
+    """Parameter counts; with LoRA options, only the adapters are trainable."""
     total = spec.num_params()
     root = spec.vocab_size * spec.embed_dim * (1 if spec.tie_word_embeddings else 2) + spec.embed_dim
     per_layer = (total - root) // spec.num_layers
-    trainable = total
-    if lora_rank:
-        # each adapted projection adds rank x (in + out); a layer's projections are about embed_dim wide
-        trainable = spec.num_layers * lora_targets * lora_rank * (spec.embed_dim + max(spec.embed_dim, spec.intermediate_dim))
+    trainable = lora_params(spec, lora) if lora else total
     return ModelSizes(total=total, per_layer=per_layer, root=root, trainable=trainable)
+
+
+def lora_params(spec: ModelSpec, lora) -> int:
+    """Exact adapter count: each adapted projection of shape in x out adds rank x (in + out)."""
+    d, q, kv, h = spec.embed_dim, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_dim
+    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "output_proj": (q, d)}
+    per_layer = sum(sum(shapes[m]) for m in lora.attn_modules)
+    if lora.apply_to_mlp:
+        per_layer += 3 * (d + h)  # gate, up and down projections
+    output = (d + spec.vocab_size) if lora.apply_to_output else 0
+    return lora.rank * (spec.num_layers * per_layer + output)
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,7 @@ def choose_plan(*, spec: ModelSpec, flavor: Flavor, batch_size: int, seq_len: in
     compute = "bfloat16" if (dtype == "bf16" or (dtype == "auto" and flavor.device.kind == "gpu")) else "float32"
     lora_key = tuple(sorted(lora.builder_kwargs().items(), key=lambda kv: kv[0])) if lora else None
     lora_key = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in lora_key) if lora_key else None
-    targets = (len(lora.attn_modules) + 3 * lora.apply_to_mlp) if lora else 0
-    sizes = model_sizes(spec, lora_rank=lora.rank if lora else None, lora_targets=targets)
+    sizes = model_sizes(spec, lora)
     budget = int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
     kind = flavor.device.kind
     candidates = []
