@@ -64,26 +64,48 @@ class MemoryBreakdown:
 
 def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micro_batch_size: int, seq_len: int,
                    recompute: str, reshard_after_forward: bool, cpu_offload: bool, compute_dtype: str,
-                   quantized_base: bool, fixed_overhead: int, slack: float, lora: tuple | None = None) -> MemoryBreakdown:
-    """Peak bytes on one device for one plan."""
+                   quantized_base: bool, fixed_overhead: int, slack: float, lora: tuple | None = None,
+                   accumulation_steps: int = 1) -> MemoryBreakdown:
+    """Peak bytes on one device for one plan.
+
+    The peak is in the backward pass of the last micro-batch, at one of its two ends. At its start
+    every layer's activations and the loss's gradients over the logits are alive, and the weight
+    gradients are those of the earlier micro-batches (none without accumulation: they are freed
+    after each step). At its end the activations are gone but every sharded gradient exists, and
+    the first layer runs its backward (recomputing its forward when asked). In between, memory
+    moves linearly from one to the other, layer by layer.
+    """
     c = DTYPE_BYTES[compute_dtype]
-    n = num_devices
+    n, L = num_devices, spec.num_layers
+    full = sizes.trainable == sizes.total
     frozen = sizes.total - sizes.trainable
     master = sizes.trainable * 4 + frozen * (NF4_BYTES if quantized_base else 4)
     params = 0 if cpu_offload else master / n
-    grads = 0 if cpu_offload else sizes.trainable * 4 / n
+    sharded_grads = 0 if cpu_offload else sizes.trainable * 4 / n
     optimizer = 0 if cpu_offload else sizes.trainable * 8 / n  # AdamW: two fp32 moments
-    # FSDP2 gathers the root group for the whole forward, and a layer plus the next one (prefetch);
-    # without resharding after forward, every layer stays gathered until its backward.
+
+    # FSDP2 keeps the root group (embeddings, norm, output) gathered for the whole step, and a layer
+    # plus the next one (prefetch) in the backward; without resharding after forward every layer
+    # stays gathered until its backward.
     layer_c = sizes.per_layer * (c if not quantized_base else NF4_BYTES + (c * sizes.trainable / sizes.total))
-    gathered = sizes.root * c + (2 * layer_c if reshard_after_forward else spec.num_layers * layer_c)
-    gathered += 2 * sizes.per_layer * 4 * sizes.trainable / sizes.total  # one layer's unsharded fp32 grads, twice
+    layers_gathered = (lambda k: k * layer_c) if reshard_after_forward else (lambda k: L * layer_c)
+    # Unsharded weight gradients in the compute dtype before their reduce-scatter: the root's live
+    # through the whole backward (the output projection's from its start), a layer's during its own.
+    layer_grad = sizes.per_layer * c * sizes.trainable / sizes.total
+    output_grad = spec.vocab_size * spec.embed_dim * c if full else 0
+    root_grad = sizes.root * c if full else 0
+
     dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
     act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora)
-    activations = micro_batch_size * (spec.num_layers * act.retained + act.transient)
-    # bf16 (or fp32) logits, their fp32 copy for the loss, and the fp32 gradient of the loss w.r.t. them
-    logits = micro_batch_size * seq_len * spec.vocab_size * (c + 4 + 4)
-    subtotal = params + grads + optimizer + gathered + activations + logits
-    return MemoryBreakdown(params=int(params), grads=int(grads), optimizer=int(optimizer), gathered=int(gathered),
-                           activations=int(activations), logits=int(logits),
-                           overhead=int(fixed_overhead + slack * subtotal))
+    # The loss's log-softmax (fp32), its gradient, and the gradient over the logits.
+    logits = micro_batch_size * seq_len * spec.vocab_size * 12
+    earlier_grads = sharded_grads if accumulation_steps > 1 else 0
+    start = dict(gathered=sizes.root * c + layers_gathered(1) + output_grad, grads=earlier_grads,
+                 activations=micro_batch_size * L * act.retained, logits=logits)
+    end = dict(gathered=sizes.root * c + layers_gathered(2) + root_grad + layer_grad, grads=sharded_grads,
+               activations=micro_batch_size * (act.retained + act.transient), logits=0)
+    peak = max(start, end, key=lambda phase: sum(phase.values()))
+    subtotal = params + optimizer + sum(peak.values())
+    return MemoryBreakdown(params=int(params), grads=int(peak["grads"]), optimizer=int(optimizer),
+                           gathered=int(peak["gathered"]), activations=int(peak["activations"]),
+                           logits=int(peak["logits"]), overhead=int(fixed_overhead + slack * subtotal))

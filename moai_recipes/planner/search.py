@@ -85,9 +85,10 @@ def choose_plan(*, spec: ModelSpec, flavor: Flavor, batch_size: int, seq_len: in
         memory = predict_memory(spec, sizes, num_devices=n, micro_batch_size=o["micro_batch_size"], seq_len=seq_len,
                                 recompute=o["recompute"], reshard_after_forward=o["reshard_after_forward"],
                                 cpu_offload=o["cpu_offload"], compute_dtype=compute, quantized_base=quantized_base,
-                                fixed_overhead=FIXED_OVERHEAD[kind], slack=SLACK[kind], lora=lora_key)
+                                fixed_overhead=FIXED_OVERHEAD[kind], slack=SLACK[kind], lora=lora_key,
+                                accumulation_steps=accumulation)
         time = predict_time(spec, sizes, flavor.device, num_devices=n, batch_size=batch_size, accumulation_steps=accumulation,
-                            seq_len=seq_len, compute_dtype=compute, **o)
+                            seq_len=seq_len, compute_dtype=compute, lora=lora_key, **o)
         candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=memory.total <= budget))
     fitting = [c for c in candidates if c.fits]
     if not fitting:

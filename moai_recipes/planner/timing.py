@@ -1,4 +1,4 @@
-"""Step time of a plan: traced-size FLOPs against the device, FSDP collectives against the links.
+"""Step time of a plan: traced FLOPs against the device, FSDP collectives against the links.
 
 compute = FLOPs (forward, backward, recompute) / (peak x efficiency), where efficiency grows with
 the tokens in a micro-batch (small matmuls do not fill a GPU); collectives per micro-batch are the
@@ -9,8 +9,11 @@ gradients, mostly overlapped with compute by FSDP's prefetching; offload adds ho
 import math
 from dataclasses import dataclass
 
+import torch
+
 from moai_recipes.flavors import Device
 from moai_recipes.models import ModelSpec
+from moai_recipes.planner.activations import trace_layer
 from moai_recipes.planner.memory import DTYPE_BYTES, ModelSizes
 
 # Fraction of peak FLOP/s reached by large micro-batches, and the micro-batch size (tokens) at which
@@ -37,22 +40,32 @@ class TimeEstimate:
         return {**self.__dict__, "total_s": self.total_s}
 
 
-def step_flops(spec: ModelSpec, sizes: ModelSizes, *, tokens: int, seq_len: int, recompute: str) -> float:
-    """FLOPs of one optimizer step's forward, backward and recompute over `tokens` tokens."""
-    matmul_params = sizes.total - spec.vocab_size * spec.embed_dim * (0 if spec.tie_word_embeddings else 1)
-    attention = 2 * spec.num_layers * seq_len * spec.num_heads * spec.head_dim  # causal: half of QK^T and AV
-    forward = tokens * (2 * matmul_params + attention)
-    trains_weights = sizes.trainable >= 0.5 * sizes.total
-    backward = forward * (2 if trains_weights else 1.05)  # frozen weights: activation gradients only
-    redo = {"none": 0.0, "selective": 0.15, "full": 1.0}[recompute] * forward
-    return forward + backward + redo
+# Selective recompute redoes the pointwise ops (norms, SiLU, products), which count no matmul FLOPs
+# but cost memory traffic: about this share of the forward's time.
+SELECTIVE_REDO = 0.15
+
+
+def step_flops(spec: ModelSpec, sizes: ModelSizes, *, sequences: int, seq_len: int, recompute: str,
+               compute_dtype: str, lora: tuple | None = None) -> float:
+    """FLOPs of forward, recompute and backward over `sequences` sequences: the layers' as traced
+    (FlopCounterMode, with the recompute policy and frozen weights as in training), the output
+    projection's from its shape."""
+    dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
+    layer = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora).flops
+    output_forward = 2 * seq_len * spec.embed_dim * spec.vocab_size
+    output_trained = sizes.trainable == sizes.total
+    output = output_forward * (3 if output_trained else 2)  # forward, input gradient, weight gradient
+    redo = SELECTIVE_REDO * layer / 3 if recompute == "selective" else 0.0  # a forward is a third of the total
+    return sequences * (spec.num_layers * (layer + redo) + output)
 
 
 def predict_time(spec: ModelSpec, sizes: ModelSizes, device: Device, *, num_devices: int, batch_size: int,
                  micro_batch_size: int, accumulation_steps: int, seq_len: int, recompute: str,
-                 reshard_after_forward: bool, cpu_offload: bool, compute_dtype: str) -> TimeEstimate:
+                 reshard_after_forward: bool, cpu_offload: bool, compute_dtype: str,
+                 lora: tuple | None = None) -> TimeEstimate:
     per_device = math.ceil(batch_size / num_devices)
-    flops = step_flops(spec, sizes, tokens=per_device * seq_len, seq_len=seq_len, recompute=recompute)
+    flops = step_flops(spec, sizes, sequences=per_device, seq_len=seq_len, recompute=recompute,
+                       compute_dtype=compute_dtype, lora=lora)
     peak = (device.bf16_tflops if compute_dtype == "bfloat16" else device.fp32_tflops) * 1e12
     top, half = EFFICIENCY[device.kind]
     mb_tokens = micro_batch_size * seq_len
