@@ -13,7 +13,6 @@ plan measured. Prints a table and the error summary; docs/planner.md records a r
 """
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -102,7 +101,7 @@ def main() -> None:
                 for rc in ("none", "selective", "full"):
                     pred = predict_memory(spec, sizes, num_devices=1, micro_batch_size=mbs, seq_len=seq, recompute=rc,
                                           reshard_after_forward=True, cpu_offload=False, compute_dtype="float32",
-                                          quantized_base=False, fixed_overhead=0, slack=0.0,
+                                          fixed_overhead=0, slack=0.0,
                                           accumulation_steps=accum).total
                     t_pred = predict_time(spec, sizes, flavor.device, num_devices=1, batch_size=mbs * accum,
                                           micro_batch_size=mbs, accumulation_steps=accum, seq_len=seq, recompute=rc,

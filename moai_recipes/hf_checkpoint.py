@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moai_recipes.errors import UserError
-from moai_recipes.models import ModelSpec, read_spec
+from moai_recipes.models import ModelSpec, is_nf4, read_spec
 
 INDEX = "model.safetensors.index.json"
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -94,7 +94,7 @@ def _weight_map(folder: Path) -> dict[str, list[str]]:
         return {fname: list(f.keys())}
 
 
-def _convert(spec: ModelSpec, state_dict: dict, *, to_tune: bool) -> dict:
+def convert_names(spec: ModelSpec, state_dict: dict, *, to_tune: bool) -> dict:
     """The one place that calls torchtune's converters (llama and mistral permute q/k for torchtune's RoPE)."""
     if spec.family == "qwen2":
         from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune as hf_to_tune
@@ -113,7 +113,7 @@ def tune_names(ckpt: HFCheckpoint) -> dict[str, str | None]:
     for hf_names in ckpt.files.values():
         for hf in hf_names:
             try:  # meta tensors: the converter's name mapping and permutation, at no cost
-                converted = _convert(ckpt.spec, {hf: torch.empty(ckpt.shapes[hf], device="meta")}, to_tune=True)
+                converted = convert_names(ckpt.spec, {hf: torch.empty(ckpt.shapes[hf], device="meta")}, to_tune=True)
             except Exception as e:  # torchtune raises a bare Exception for an unknown key
                 raise UserError(f"{ckpt.folder}: tensor {hf} is not part of a {ckpt.spec.family} model ({e})") from None
             names[hf] = next(iter(converted), None)
@@ -142,6 +142,11 @@ def _check_matches(model: torch.nn.Module, ckpt: HFCheckpoint, names: dict[str, 
 @torch.no_grad()
 def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Set a (possibly sharded) parameter from the whole tensor, which every rank holds."""
+    # The very local tensor FSDP holds (to_local() of a parameter is a new alias): NF4 is updated in it.
+    local = param._local_tensor if isinstance(param, DTensor) else param
+    if is_nf4(local):
+        _copy_full_into_nf4(param, local, full)
+        return
     full = full.to(param.dtype)
     if isinstance(param, DTensor):
         # Every rank read the whole tensor from the file: keep this rank's shard, no communication.
@@ -149,6 +154,22 @@ def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.to_local().copy_(shard.to_local())
     else:
         param.copy_(full)
+
+
+def _copy_full_into_nf4(param: torch.Tensor, local: torch.Tensor, full: torch.Tensor) -> None:
+    """Quantize the WHOLE tensor to NF4, then keep this rank's rows: its codes, scales and scaler mean are
+    those of the whole tensor whatever the flavor (a shard quantized alone would have its own mean)."""
+    from torch.distributed.tensor import Shard
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    quantized = to_nf4(full.to(local.device, local.dtype), local.block_size, local.scaler_block_size)
+    if isinstance(param, DTensor):
+        assert param.placements == (Shard(0),) and param.device_mesh.ndim == 1, param.placements
+        mesh = param.device_mesh
+        quantized = torch.chunk(quantized, mesh.size(), dim=0)[mesh.get_local_rank()]  # whole scaler blocks
+    local.copy_(quantized)  # codes and scales, in place: FSDP all-gathers them from this very tensor
+    # to_empty gives memory to those three only; the scaler mean and the NF4 code book stay on meta.
+    local.scaler_mean, local.nf4 = quantized.scaler_mean, quantized.nf4
 
 
 def load_weights(model: torch.nn.Module, ckpt: HFCheckpoint, *, allow_missing: tuple[str, ...] = ()) -> None:
@@ -164,19 +185,27 @@ def load_weights(model: torch.nn.Module, ckpt: HFCheckpoint, *, allow_missing: t
         with _open(ckpt.folder / fname) as f:
             for hf in hf_names:
                 if names[hf] in params:  # skips rotary inv_freq and the tied lm_head
-                    (tensor,) = _convert(ckpt.spec, {hf: f.get_tensor(hf)}, to_tune=True).values()
+                    (tensor,) = convert_names(ckpt.spec, {hf: f.get_tensor(hf)}, to_tune=True).values()
                     copy_full_into(params[names[hf]], tensor)
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The whole parameter on the CPU, as a fresh tensor (a collective for DTensors)."""
-    if isinstance(param, DTensor):
-        local = param.to_local()
-        if local.device.type != param.device_mesh.device_type:  # CPU-offloaded shards of a GPU mesh
-            param = DTensor.from_local(local.to(param.device_mesh.device_type), param.device_mesh,
-                                       param.placements, shape=param.shape, stride=param.stride())
-        return param.full_tensor().cpu()
-    return param.detach().to("cpu", copy=True)
+    """The whole parameter on the CPU, as a fresh tensor (a collective for DTensors).
+
+    An NF4 weight (QLoRA) comes back dequantized, in the dtype it was quantized from: each shard holds
+    whole scaler blocks and the whole tensor's scaler mean, so it dequantizes on its own rank.
+    """
+    local = param.to_local() if isinstance(param, DTensor) else param.detach()
+    nf4 = is_nf4(local)
+    if nf4:
+        local = local.get_original_weight()
+    if not isinstance(param, DTensor):
+        return local.to("cpu", copy=True)
+    mesh = param.device_mesh
+    if nf4 or local.device.type != mesh.device_type:  # or CPU-offloaded shards of a GPU mesh
+        param = DTensor.from_local(local.to(mesh.device_type), mesh, param.placements, shape=param.shape,
+                                   stride=param.stride())
+    return param.full_tensor().cpu()
 
 
 def hf_name(spec: ModelSpec, tune_name: str) -> str:
@@ -184,7 +213,7 @@ def hf_name(spec: ModelSpec, tune_name: str) -> str:
     module = tune_name.rsplit(".", 2)[-2]
     # The converter permutes q and k, so their meta stand-ins need the real shapes.
     rows = {"q_proj": spec.num_heads * spec.head_dim, "k_proj": spec.num_kv_heads * spec.head_dim}.get(module, 1)
-    return next(iter(_convert(spec, {tune_name: torch.empty(rows, spec.embed_dim, device="meta")}, to_tune=False)))
+    return next(iter(convert_names(spec, {tune_name: torch.empty(rows, spec.embed_dim, device="meta")}, to_tune=False)))
 
 
 def save_weights(model: torch.nn.Module, ckpt: HFCheckpoint, out_dir: Path, *, rank: int,
@@ -228,7 +257,7 @@ def _save_file(params: dict, ckpt: HFCheckpoint, names: dict, fname: str, tmp: P
                 whole = full_tensor(params[source])
                 if transform is not None:
                     whole = transform(source, whole)
-                (tensor,) = _convert(ckpt.spec, {tune: whole}, to_tune=False).values()
+                (tensor,) = convert_names(ckpt.spec, {tune: whole}, to_tune=False).values()
             assert tuple(tensor.shape) == ckpt.shapes[hf], (hf, tensor.shape, ckpt.shapes[hf])
             size += tensor.numel() * ckpt.dtypes[hf].itemsize
             if tmp is not None:

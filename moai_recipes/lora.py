@@ -20,9 +20,13 @@ from torch import nn
 
 from moai_recipes.errors import UserError
 from moai_recipes.hf_checkpoint import HFCheckpoint, copy_full_into, full_tensor, hf_name
-from moai_recipes.models import ModelSpec
+from moai_recipes.models import ModelSpec, nf4_weights
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
+# torchao's to_nf4 defaults (torchtune's QLoRA builders use them): one scale per 64 values, and those
+# scales quantized again 256 at a time, so an NF4 weight (and each FSDP shard of it) holds whole blocks
+# of 64 * 256 values.
+NF4_BLOCK = 64 * 256
 # torchtune module name -> the Hugging Face module name PEFT targets
 _PEFT_TARGETS = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj",
                  "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj", "output": "lm_head"}
@@ -43,15 +47,16 @@ class LoraOptions:
         return self.alpha / self.rank
 
     def builder_kwargs(self) -> dict:
-        """The keyword arguments of torchtune's lora_* model builders."""
+        """The adapters' keyword arguments of torchtune's lora_* model builders (build_model takes
+        quantize_base on its own: the planner traces the layer's activations in full precision)."""
         return dict(lora_attn_modules=list(self.attn_modules), apply_lora_to_mlp=self.apply_to_mlp,
                     apply_lora_to_output=self.apply_to_output, lora_rank=self.rank, lora_alpha=self.alpha,
-                    lora_dropout=self.dropout, quantize_base=self.quantize_base)
+                    lora_dropout=self.dropout)
 
 
 def lora_options(*, attn_modules, apply_to_mlp: bool, apply_to_output: bool, rank: int, alpha: float,
-                 dropout: float, quantize_base: bool, spec: ModelSpec) -> LoraOptions:
-    """Validate the user's LoRA settings against the model."""
+                 dropout: float, quantize_base: bool, spec: ModelSpec, world_size: int = 1) -> LoraOptions:
+    """Validate the user's LoRA settings against the model (and, for QLoRA, the number of processes)."""
     modules = tuple(attn_modules)
     bad = [m for m in modules if m not in ATTN_MODULES]
     if bad:
@@ -67,7 +72,28 @@ def lora_options(*, attn_modules, apply_to_mlp: bool, apply_to_output: bool, ran
     if apply_to_output and spec.tie_word_embeddings:
         raise UserError("lora.apply_to_output=true is not possible for a model whose output shares the embedding "
                         "weights (tie_word_embeddings); leave it false")
-    return LoraOptions(modules, apply_to_mlp, apply_to_output, rank, float(alpha), float(dropout), quantize_base)
+    opts = LoraOptions(modules, apply_to_mlp, apply_to_output, rank, float(alpha), float(dropout), quantize_base)
+    if quantize_base:
+        _check_nf4(spec, opts, world_size)
+    return opts
+
+
+def _check_nf4(spec: ModelSpec, opts: LoraOptions, world_size: int) -> None:
+    """UserError unless every NF4 weight, and each process's share of its rows, holds whole NF4 blocks."""
+    for module, ((rows, cols), dims) in nf4_weights(spec, opts).items():
+        share = rows // world_size * cols
+        if rows % world_size == 0 and share % NF4_BLOCK == 0:
+            continue
+        what = f"lora.quantize_base=true: the {module} weight of this model [{rows}, {cols}] ({dims})"
+        if (rows * cols) % NF4_BLOCK:
+            raise UserError(f"{what} cannot be stored in NF4: its {rows * cols} values are not a whole number of "
+                            f"NF4 blocks of {NF4_BLOCK} (64 x 256). Fine-tune this model with plain LoRA "
+                            "(lora.quantize_base=false)")
+        why = (f"its {rows} rows do not split evenly" if rows % world_size else
+               f"a share of {rows // world_size} rows ({share} values) is not a whole number of NF4 blocks of "
+               f"{NF4_BLOCK} (64 x 256)")
+        raise UserError(f"{what} cannot be split in NF4 over {world_size} processes: {why}. Use a flavor with "
+                        "fewer processes, or plain LoRA (lora.quantize_base=false)")
 
 
 def is_adapter(name: str) -> bool:
@@ -98,7 +124,12 @@ def gather_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def merge_into(adapters: dict[str, torch.Tensor], scale: float):
-    """A save_weights transform: W + scale * B @ A for each base weight that has an adapter."""
+    """A save_weights transform: W + scale * B @ A for each base weight that has an adapter.
+
+    QLoRA merges as torchtune does: W is the base the adapters were trained against, the NF4 weight
+    dequantized (full_tensor does it, in float32), not the original checkpoint's; the sum is cast to the
+    checkpoint's dtype when written.
+    """
 
     def transform(tune_name: str, weight: torch.Tensor) -> torch.Tensor:
         stem = tune_name.removesuffix(".weight")

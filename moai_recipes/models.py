@@ -178,11 +178,14 @@ def spec_for(*, architecture: Mapping, checkpoint_dir: str | Path | None) -> Mod
     return spec
 
 
-def build_model(spec: ModelSpec, *, max_seq_len: int, lora: dict | None = None) -> TransformerDecoder:
+def build_model(spec: ModelSpec, *, max_seq_len: int, lora: dict | None = None,
+                quantize_base: bool = False) -> TransformerDecoder:
     """Build the torchtune decoder for `spec` (allocates only on the current device; use meta).
 
     `max_seq_len` is the length of the RoPE cache. `lora` (LoraOptions.builder_kwargs()) builds the
-    same architecture with torchtune's LoRA builders: adapters on the chosen modules.
+    same architecture with torchtune's LoRA builders: adapters on the chosen modules. `quantize_base`
+    (QLoRA, with `lora` only) keeps the frozen linear weights of the layers as NF4Tensors
+    (see nf4_weights for which).
     """
     from torchtune.models import llama3, llama3_1, llama3_2, mistral, qwen2
 
@@ -194,17 +197,54 @@ def build_model(spec: ModelSpec, *, max_seq_len: int, lora: dict | None = None) 
     def builder(module, name: str):
         return getattr(module, f"lora_{name}") if lora is not None else getattr(module, name)
 
-    common.update(lora or {})
+    assert lora is not None or not quantize_base, "NF4 base weights come with LoRA builders only"
+    if lora is not None:
+        common.update(lora, quantize_base=quantize_base)
     if spec.family == "qwen2":
-        return builder(qwen2, "qwen2")(**common, tie_word_embeddings=spec.tie_word_embeddings)
-    if spec.family == "mistral":
-        return builder(mistral, "mistral")(**common)
-    if spec.rope_scaling is None:
-        return builder(llama3, "llama3")(**common)
-    factor = spec.rope_scaling["factor"]
-    if spec.tie_word_embeddings:
-        return builder(llama3_2, "llama3_2")(**common, scale_factor=factor, tie_word_embeddings=True)
-    return builder(llama3_1, "llama3_1")(**common, scale_factor=factor)
+        model = builder(qwen2, "qwen2")(**common, tie_word_embeddings=spec.tie_word_embeddings)
+    elif spec.family == "mistral":
+        model = builder(mistral, "mistral")(**common)
+    elif spec.rope_scaling is None:
+        model = builder(llama3, "llama3")(**common)
+    elif spec.tie_word_embeddings:
+        model = builder(llama3_2, "llama3_2")(**common, scale_factor=spec.rope_scaling["factor"],
+                                              tie_word_embeddings=True)
+    else:
+        model = builder(llama3_1, "llama3_1")(**common, scale_factor=spec.rope_scaling["factor"])
+    if quantize_base:
+        # torchtune's QLoRA builders add a hook that dequantizes every NF4 weight whenever state_dict() is
+        # called (for torchtune's own checkpointer). Ours never needs it: step checkpoints keep the adapters
+        # only and the merged export dequantizes one weight at a time; the hook would only cost memory.
+        model._state_dict_hooks.clear()
+    return model
+
+
+def is_nf4(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` (a local tensor, not a DTensor) is a QLoRA base weight in NF4 (torchao's NF4Tensor)."""
+    from torchao.dtypes.nf4tensor import NF4Tensor  # loaded with torchtune's builders already
+
+    return isinstance(tensor, NF4Tensor)
+
+
+def nf4_weights(spec: ModelSpec, opts) -> dict[str, tuple[tuple[int, int], str]]:
+    """The weights of each layer that torchtune's QLoRA builders keep in NF4: module -> (shape, its dims).
+
+    Llama and Mistral: every linear of the layer, adapted or not. Qwen2: only the adapted ones.
+    Never the embeddings, the norms or the output projection. `opts`: the LoRA options (lora.LoraOptions).
+    """
+    d, i = spec.embed_dim, spec.intermediate_dim
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    hidden, inter = f"hidden_size={d}", f"intermediate_size={i}"
+    weights = {"attn.q_proj": ((q, d), f"num_attention_heads*head_dim={q}, {hidden}"),
+               "attn.k_proj": ((kv, d), f"num_key_value_heads*head_dim={kv}, {hidden}"),
+               "attn.v_proj": ((kv, d), f"num_key_value_heads*head_dim={kv}, {hidden}"),
+               "attn.output_proj": ((d, q), f"{hidden}, num_attention_heads*head_dim={q}"),
+               "mlp.w1": ((i, d), f"{inter}, {hidden}"), "mlp.w2": ((d, i), f"{hidden}, {inter}"),
+               "mlp.w3": ((i, d), f"{inter}, {hidden}")}
+    if spec.family != "qwen2":
+        return weights
+    adapted = set(opts.attn_modules) | ({"w1", "w2", "w3"} if opts.apply_to_mlp else set())
+    return {m: w for m, w in weights.items() if m.split(".")[1] in adapted}
 
 
 def init_buffers(model: torch.nn.Module, *, device: torch.device | str) -> None:

@@ -1,4 +1,4 @@
-"""Parallelise a model in one place and one order: activation checkpointing, then FSDP2.
+"""Parallelise a model in one place and one order: activation checkpointing, then FSDP2; then give it memory.
 
 torchtitan's order: recomputation wraps each transformer layer first, then `fully_shard` shards
 every layer and finally the root, so each layer's parameters are all-gathered just in time.
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     noop_context_fn)
 
@@ -58,14 +59,39 @@ def _checkpointed(forward, context_fn):
 
 def shard_model(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, param_dtype: torch.dtype,
                 reshard_after_forward: bool = True, cpu_offload: bool = False) -> None:
-    """FSDP2: shard each transformer layer, then the root (embeddings, final norm, output)."""
+    """FSDP2: shard each transformer layer, then the root (embeddings, final norm, output).
+
+    NF4 weights (QLoRA) are sharded like the others through torchao's FSDP2 all-gather hooks, except
+    in a single process: FSDP2's world-size-1 shortcut passes only the first of NF4's three all-gather
+    tensors to its post-all-gather hook (seen with torch 2.13), so there FSDP leaves
+    them alone (nothing to shard in one process anyway).
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from moai_recipes.models import is_nf4
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    ignored = {p for p in model.parameters() if is_nf4(p)} if mesh.size() == 1 else set()
     for i, layer in enumerate(layers):
         # The last layer is all-gathered again at once by the backward pass: keeping it saves a gather.
         last = i == len(layers) - 1
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard_after_forward and not last)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward and not last, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward,
+                ignored_params=ignored)
+
+
+def materialize(model: nn.Module, *, device: torch.device, cpu_offload: bool) -> None:
+    """Give the sharded meta model (uninitialised) memory: on `device`, or on the CPU where FSDP offloads.
+
+    Parameters FSDP leaves alone (NF4 in a single process, see shard_model) are never offloaded:
+    FSDP would not bring them to `device` for the forward pass.
+    """
+    model.to_empty(device="cpu" if cpu_offload else device)
+    if cpu_offload:
+        for module in model.modules():
+            for name, p in module.named_parameters(recurse=False):
+                if not isinstance(p, DTensor):
+                    moved = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                    setattr(module, name, moved)

@@ -24,7 +24,7 @@ from moai_recipes.launch import World
 from moai_recipes.lora import freeze_base, gather_adapters, init_adapters, lora_options, merge_into, save_adapter
 from moai_recipes.metrics import RunLog
 from moai_recipes.models import build_model, init_buffers
-from moai_recipes.parallel import apply_recompute, shard_model
+from moai_recipes.parallel import apply_recompute, materialize, shard_model
 from moai_recipes.planner import choose_plan
 from moai_recipes.samples import Samples
 from moai_recipes.training import build_optimizer, build_scheduler, train_loop
@@ -38,11 +38,11 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
 
     # 1. What the run reads: its folder (never an earlier run's), the checkpoint, tokenizer, data.
     inputs = read_inputs(cfg)
-    opts = lora_options(**cfg.lora, spec=inputs.ckpt.spec)
+    opts = lora_options(**cfg.lora, spec=inputs.ckpt.spec, world_size=world.world_size)
 
     # 2. The plan, decided before the first step.
     choice = choose_plan(spec=inputs.ckpt.spec, flavor=flavor, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len,
-                         dtype=cfg.dtype, forced=dict(cfg.plan), lora=opts, quantized_base=opts.quantize_base)
+                         dtype=cfg.dtype, forced=dict(cfg.plan), lora=opts)
     plan = choice.chosen.plan
     say(f"Flavor {flavor.describe()}; {world.world_size} process(es), backend {flavor.backend}")
     say("\n".join(describe_inputs(inputs, cfg)))
@@ -54,12 +54,13 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
 
     # 3. Build with adapters on meta, recompute, shard, then give memory, base weights and adapters.
     with torch.device("meta"):
-        model = build_model(inputs.ckpt.spec, max_seq_len=cfg.max_seq_len, lora=opts.builder_kwargs())
+        model = build_model(inputs.ckpt.spec, max_seq_len=cfg.max_seq_len, lora=opts.builder_kwargs(),
+                            quantize_base=opts.quantize_base)
     freeze_base(model)  # before sharding: FSDP2 keeps requires_grad per parameter
     apply_recompute(model.layers, plan.recompute)
     shard_model(model, model.layers, mesh=world.mesh, param_dtype=getattr(torch, plan.param_dtype),
                 reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
-    model.to_empty(device="cpu" if plan.cpu_offload else world.device)
+    materialize(model, device=world.device, cpu_offload=plan.cpu_offload)
     init_buffers(model, device=world.device)
     load_weights(model, inputs.ckpt, allow_missing=(".lora_a.", ".lora_b."))
     init_adapters(model, seed=cfg.seed)
@@ -84,7 +85,8 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
                plan=choice.chosen.as_dict(), flavor=flavor.name)
     say("\n".join(samples.report_after(model)))
 
-    # 6. The adapter in PEFT format, and the base with the adapters merged in Hugging Face format.
+    # 6. The adapter in PEFT format, and the base with the adapters merged in Hugging Face format
+    #    (QLoRA: the base it was trained with, dequantized from NF4).
     adapters = gather_adapters(model)
     if world.is_main:
         save_adapter(adapters, opts=opts, ckpt=inputs.ckpt, out_dir=inputs.out / "adapter",

@@ -1,5 +1,6 @@
-"""The LoRA recipe end to end: PEFT adapters that peft loads, a merged model that transformers loads,
-the same losses on any flavor. Run: pytest tests/test_lora_finetune.py  (about two minutes)"""
+"""The LoRA and QLoRA recipe end to end: PEFT adapters that peft loads, a merged model that transformers
+loads, the same losses on any flavor. Run: pytest tests/test_lora_finetune.py  (about three minutes;
+QLoRA alone: -k qlora)"""
 
 import json
 
@@ -74,9 +75,114 @@ def test_only_adapters_train_and_losses_agree_across_flavors(tmp_path, hf_checkp
     (["lora.attn_modules=[q_proj,x_proj]"], ["x_proj", "output_proj"]),
     (["lora.rank=0"], ["lora.rank=0"]),
     (["lora.rnk=4"], ["lora.rnk", "lora.rank"]),
+    (["lora.quantize_base=true"], ["lora.quantize_base=true", "attn.k_proj", "num_key_value_heads*head_dim=64", "NF4"]),
 ])
 def test_lora_mistakes_exit_2(tmp_path, args, words):
     r = lora("logger=stdout", f"output_dir={tmp_path / 'run'}", *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     for w in words:
         assert w in r.stderr
+
+
+# QLoRA. Every NF4 weight of this checkpoint (and its half on cpu-2) holds whole NF4 blocks of 64 x 256
+# values; the default tiny model's do not (k_proj is 64 x 128).
+QLORA_DIMS = dict(hidden=256, intermediate=512)
+
+
+def _qlora_options(spec, *, world_size=1, **kw):
+    from moai_recipes.lora import lora_options
+
+    args = dict(attn_modules=["q_proj", "v_proj"], apply_to_mlp=False, apply_to_output=False, rank=4, alpha=16,
+                dropout=0.0, quantize_base=True)
+    return lora_options(**{**args, **kw}, spec=spec, world_size=world_size)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_qlora_keeps_the_base_in_nf4_where_torchtune_puts_it(tmp_path, family):
+    from torchao.dtypes.nf4tensor import NF4Tensor
+
+    from moai_recipes.hf_checkpoint import HFCheckpoint, full_tensor, load_weights
+    from moai_recipes.lora import NF4_BLOCK
+    from moai_recipes.models import nf4_weights
+    from moai_recipes.models import build_model, init_buffers
+
+    ckpt = HFCheckpoint.open(make_hf_checkpoint(tmp_path / family, family, **QLORA_DIMS))
+    opts = _qlora_options(ckpt.spec, world_size=2)
+    assert all(r * c % (2 * NF4_BLOCK) == 0 for (r, c), _ in nf4_weights(ckpt.spec, opts).values())
+    with torch.device("meta"):
+        model = build_model(ckpt.spec, max_seq_len=64, lora=opts.builder_kwargs(), quantize_base=True)
+    nf4 = {n for n, p in model.named_parameters() if isinstance(p, NF4Tensor)}
+    assert nf4 == {f"layers.{i}.{m}.weight" for i in range(2) for m in nf4_weights(ckpt.spec, opts)}
+    assert ("layers.0.mlp.w1.weight" in nf4) == (family != "qwen2")  # qwen2: only the adapted linears
+
+    model.to_empty(device="cpu")
+    init_buffers(model, device="cpu")
+    load_weights(model, ckpt, allow_missing=(".lora_a.", ".lora_b."))
+    w = model.layers[0].attn.v_proj.weight
+    stored = sum(getattr(w, name).nbytes for name in w.__tensor_flatten__()[0])
+    assert isinstance(w, NF4Tensor) and stored * 8 / w.numel() < 4.2  # 4-bit codes and their scales
+    original = load_file(ckpt.folder / "model.safetensors")["model.layers.0.self_attn.v_proj.weight"]
+    error = (full_tensor(w) - original).norm() / original.norm()
+    assert 0 < error < 0.1, error
+    assert isinstance(model.state_dict()["layers.0.attn.v_proj.weight"], NF4Tensor)  # torchtune's hook is gone
+
+
+def test_qlora_dims_that_nf4_cannot_hold_are_a_user_error():
+    from moai_recipes.errors import UserError
+    from moai_recipes.models import spec_from_hf_config
+
+    config = dict(model_type="llama", vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4)
+    spec = spec_from_hf_config(config)  # every weight is 128 x 128 or 256 x 128: whole blocks, halves are not
+    _qlora_options(spec)
+    with pytest.raises(UserError, match=r"attn.q_proj weight .* \[128, 128\] .* over 2 processes"):
+        _qlora_options(spec, world_size=2)
+    with pytest.raises(UserError, match=r"attn.k_proj .*num_key_value_heads\*head_dim=64, hidden_size=128"):
+        _qlora_options(spec_from_hf_config({**config, "num_key_value_heads": 2}))
+    _qlora_options(spec, quantize_base=False, world_size=2)  # plain LoRA has no such constraint
+
+
+def test_qlora_trains_alike_on_cpu_and_cpu_2_and_peft_loads_its_adapter(tmp_path, data_file):
+    from peft import PeftModel
+    from torchao.dtypes.nf4tensor import to_nf4
+    from transformers import AutoModelForCausalLM
+
+    ckpt = make_hf_checkpoint(tmp_path / "base", "llama", **QLORA_DIMS)
+    common = [f"model.checkpoint_dir={ckpt}", "dataset=instruct", f"dataset.path={data_file}", "max_steps=3",
+              "batch_size=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "logger=stdout",
+              "lora.quantize_base=true", "lora.attn_modules=[q_proj,k_proj,v_proj,output_proj]",
+              "lora.apply_to_mlp=true", "lora.rank=4", "sample_max_new_tokens=0"]
+    runs = {"cpu": ["save_merged=false"], "cpu-2": ["checkpoint_every=2"]}
+    losses = {}
+    for flavor, extra in runs.items():
+        r = lora(*common, f"flavor={flavor}", *extra, f"output_dir={tmp_path / flavor}")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "base frozen in NF4 (QLoRA)" in r.stdout
+        losses[flavor] = [row["loss"] for row in metrics(tmp_path / flavor)]
+    assert losses["cpu"][-1] < losses["cpu"][0]
+    for a, b in zip(losses["cpu"], losses["cpu-2"], strict=True):
+        assert abs(a - b) <= 1e-4 * abs(a), losses
+    assert (tmp_path / "cpu-2" / "checkpoints" / "step-000002").is_dir()
+
+    # The merged model is what was trained, as torchtune merges QLoRA: the NF4 base dequantized, plus the
+    # adapters. On the same dequantized base, peft's adapter gives its logits. (Quantizing in the Hugging Face
+    # layout is the same as in torchtune's: q/k rows move within a head, and a head, 64 x 256 values, is
+    # exactly one block of scales.)
+    def base(dequantized_nf4: bool):
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if dequantized_nf4 and ".layers." in name and name.endswith("proj.weight"):
+                    p.copy_(to_nf4(p.detach().clone()).get_original_weight())
+        return model
+
+    out = tmp_path / "cpu-2"
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32)(tokens).logits
+        on_nf4 = PeftModel.from_pretrained(base(True), out / "adapter")(tokens).logits
+        on_original = PeftModel.from_pretrained(base(False), out / "adapter")(tokens).logits
+        original = base(False)(tokens).logits
+    torch.testing.assert_close(on_nf4, merged, atol=1e-4, rtol=1e-4)
+    # On the original base, the adapter loads like any other; the logits then differ by NF4's error only.
+    assert (on_original - merged).norm() < 0.3 * merged.norm() and (on_original - original).abs().max() > 1e-2

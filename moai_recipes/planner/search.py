@@ -55,15 +55,24 @@ class PlanChoice:
 def _options(n: int, per_device: int, flavor: Flavor, forced: dict) -> list[dict]:
     sizes = sorted({min(2**k, per_device) for k in range(0, per_device.bit_length() + 1)} | {per_device})
     recomputes = ["none", "selective", "full"]
-    reshards = [True, False] if n > 1 else [True]
+    # One device shards nothing, so resharding is moot there: take what the user forced.
+    reshards = [True, False] if n > 1 else [forced.get("reshard_after_forward", True)]
     offloads = [False, True] if flavor.device.kind == "gpu" else [False]
     opts = [dict(micro_batch_size=m, recompute=r, reshard_after_forward=s, cpu_offload=o)
             for m in sizes for r in recomputes for s in reshards for o in offloads]
     return [o for o in opts if all(forced.get(k) is None or o[k] == forced[k] for k in o)]
 
 
+def _impossible(forced: dict, flavor: Flavor) -> str:
+    """Why no plan has the forced fields on this flavor (only the flavor limits them)."""
+    if forced.get("cpu_offload"):
+        return (f"plan.cpu_offload=true: {flavor.name} has no device memory to offload from (it runs on the CPU); "
+                "drop plan.cpu_offload or pick a GPU flavor")
+    return f"no plan of {flavor.name} has " + ", ".join(f"plan.{k}={v}" for k, v in forced.items())
+
+
 def choose_plan(*, spec: ModelSpec, flavor: Flavor, batch_size: int, seq_len: int, dtype: str,
-                forced: dict | None = None, lora=None, quantized_base: bool = False) -> PlanChoice:
+                forced: dict | None = None, lora=None) -> PlanChoice:
     """Plan a run; a UserError when nothing fits, naming a flavor or the settings that would."""
     forced = {k: v for k, v in (forced or {}).items() if v is not None}
     n = flavor.num_devices
@@ -77,14 +86,17 @@ def choose_plan(*, spec: ModelSpec, flavor: Flavor, batch_size: int, seq_len: in
     sizes = model_sizes(spec, lora)
     budget = int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
     kind = flavor.device.kind
+    options = _options(n, per_device, flavor, forced)
+    if not options:
+        raise UserError(_impossible(forced, flavor))
     candidates = []
-    for o in _options(n, per_device, flavor, forced):
+    for o in options:
         accumulation = math.ceil(per_device / o["micro_batch_size"])
         plan = Plan(batch_size=batch_size, num_devices=n, accumulation_steps=accumulation, param_dtype=compute,
                     master_dtype="float32", **o)
         memory = predict_memory(spec, sizes, num_devices=n, micro_batch_size=o["micro_batch_size"], seq_len=seq_len,
                                 recompute=o["recompute"], reshard_after_forward=o["reshard_after_forward"],
-                                cpu_offload=o["cpu_offload"], compute_dtype=compute, quantized_base=quantized_base,
+                                cpu_offload=o["cpu_offload"], compute_dtype=compute,
                                 fixed_overhead=FIXED_OVERHEAD[kind], slack=SLACK[kind], lora=lora_key,
                                 accumulation_steps=accumulation)
         time = predict_time(spec, sizes, flavor.device, num_devices=n, batch_size=batch_size, accumulation_steps=accumulation,
@@ -96,16 +108,16 @@ def choose_plan(*, spec: ModelSpec, flavor: Flavor, batch_size: int, seq_len: in
         what = ("with " + ", ".join(f"plan.{k}={v}" for k, v in forced.items())) if forced else "with any plan"
         raise UserError(f"nothing fits {flavor.name} {what}: the smallest plan needs {smallest.memory.total / GiB:,.1f} GiB "
                         f"per device (budget {budget / GiB:.3g} GiB = {flavor.device_memory_gb:.4g} GiB less "
-                        f"{SAFETY_MARGIN:.0%}). {_what_would_fit(spec, flavor, batch_size, seq_len, dtype, forced, lora, quantized_base)}")
+                        f"{SAFETY_MARGIN:.0%}). {_what_would_fit(spec, flavor, batch_size, seq_len, dtype, forced, lora)}")
     chosen = min(fitting, key=lambda c: (round(c.time.total_s, 6), c.memory.total))
     return PlanChoice(chosen=chosen, candidates=candidates, budget_bytes=budget)
 
 
-def _what_would_fit(spec, flavor: Flavor, batch_size, seq_len, dtype, forced, lora, quantized_base) -> str:
+def _what_would_fit(spec, flavor: Flavor, batch_size, seq_len, dtype, forced, lora) -> str:
     from moai_recipes.config import CONFIG_DIR
 
     hints = []
-    if forced and _fits(spec, flavor, batch_size, seq_len, dtype, {}, lora, quantized_base):
+    if forced and _fits(spec, flavor, batch_size, seq_len, dtype, {}, lora):
         hints.append("Let the planner choose (drop the plan.* overrides).")
     if flavor.device.kind == "gpu":
         options = []
@@ -116,7 +128,7 @@ def _what_would_fit(spec, flavor: Flavor, batch_size, seq_len, dtype, forced, lo
         for _, name, f in sorted(options):
             other = resolve_flavor(**{**f, "device": flavor.device.name})
             if other.total_memory_gb > flavor.total_memory_gb and _fits(spec, other, batch_size, seq_len, dtype, forced,
-                                                                        lora, quantized_base):
+                                                                        lora):
                 hints.append(f"The smallest flavor that fits is {name} ({other.name} on {flavor.device.name}): "
                              f"flavor={name}.")
                 break
@@ -126,10 +138,10 @@ def _what_would_fit(spec, flavor: Flavor, batch_size, seq_len, dtype, forced, lo
     return " ".join(hints)
 
 
-def _fits(spec, flavor, batch_size, seq_len, dtype, forced, lora, quantized_base) -> bool:
+def _fits(spec, flavor, batch_size, seq_len, dtype, forced, lora) -> bool:
     try:
         choose_plan(spec=spec, flavor=flavor, batch_size=batch_size, seq_len=seq_len, dtype=dtype, forced=forced,
-                    lora=lora, quantized_base=quantized_base)
+                    lora=lora)
         return True
     except UserError:
         return False
