@@ -17,6 +17,8 @@ from moai_recipes.flavors import Flavor, resolve_flavor
 from moai_recipes.hub import resolve_checkpoint_dir
 from moai_recipes.launch import EXIT_STOPPED, World, distributed, needs_launch, relaunch
 from moai_recipes.outputs import check_output_dir
+from moai_recipes.registry import registered
+from moai_recipes.settings import switched_flavor
 from moai_recipes.training import Stopped
 
 
@@ -27,8 +29,15 @@ def model_source(cfg: DictConfig) -> dict:
 def run_recipe(recipe: str, train: Callable[[DictConfig, Flavor, World], None], argv: list[str] | None = None) -> int:
     """Run `train(cfg, flavor, world)` on every process the flavor needs; return the exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    # Read `moai switch`'s choice once: workers started (or restarted) later must not see a newer one.
+    argv = [*argv, *switched_flavor(argv)]
     cfg = load_config(recipe, argv)
     flavor = resolve_flavor(**cfg.flavor)
+    with registered(flavor):  # `moai smi` lists the run until it ends
+        return _launch_or_train(recipe, train, argv, cfg, flavor)
+
+
+def _launch_or_train(recipe: str, train: Callable, argv: list[str], cfg: DictConfig, flavor: Flavor) -> int:
     if needs_launch(flavor):
         # The user never types torchrun: start the flavor's processes, each running this same
         # command, with what must not differ between them (the output folder, the checkpoint) pinned.

@@ -59,7 +59,8 @@ class RunLog:
         """
         from omegaconf import OmegaConf
 
-        from moai_recipes.outputs import write_config, write_json
+        from moai_recipes.files import write_json
+        from moai_recipes.outputs import write_config
 
         out.mkdir(parents=True, exist_ok=True)
         write_config(out, cfg)

@@ -4,7 +4,6 @@
 `resume=never` refuses a folder that holds a run; `resume=PATH` continues from that checkpoint.
 """
 
-import json
 import os
 from pathlib import Path
 
@@ -77,13 +76,6 @@ def _diff(a, b, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
     return [prefix.rstrip(".")] if a != b else []
-
-
-def write_json(path: Path, value) -> None:
-    """Write aside, then rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def write_config(out: Path, cfg: DictConfig) -> None:

@@ -18,7 +18,7 @@ from moai_recipes.errors import UserError, exit_on_user_error
 from moai_recipes.flavors import resolve_flavor
 from moai_recipes.lora import lora_options
 from moai_recipes.models import spec_for
-from moai_recipes.outputs import write_json
+from moai_recipes.files import write_json
 from moai_recipes.planner import GiB, choose_plan
 
 
@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     flavor = resolve_flavor(**cfg.flavor)
     spec = spec_for(architecture=cfg.model.architecture, checkpoint_dir=cfg.model.checkpoint_dir)
-    lora = lora_options(**cfg.lora, spec=spec) if cfg.method == "lora" else None
+    lora = lora_options(**cfg.lora, spec=spec, world_size=flavor.num_devices) if cfg.method == "lora" else None
     choice = choose_plan(spec=spec, flavor=flavor, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, dtype=cfg.dtype,
-                         forced=dict(cfg.plan), lora=lora, quantized_base=bool(lora and lora.quantize_base))
+                         forced=dict(cfg.plan), lora=lora)
     print(f"Flavor {flavor.describe()}")
     print(f"Model {cfg.model.name}: {spec.family}, {spec.num_params() / 1e9:.3g}B parameters; "
           f"{cfg.method} fine-tuning, global batch {cfg.batch_size} x {cfg.max_seq_len} tokens")

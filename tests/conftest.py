@@ -21,7 +21,8 @@ FAMILIES = ("llama", "mistral", "qwen2")
 
 
 def make_hf_checkpoint(folder: Path, family: str = "llama", *, tie: bool = False, max_shard_size: str | None = None,
-                       dtype: str = "float32", num_layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
+                       dtype: str = "float32", num_layers: int = 2, hidden: int = 64, intermediate: int | None = None,
+                       seed: int = 0) -> Path:
     """Write a tiny Hugging Face checkpoint of `family` with transformers' own save_pretrained."""
     import torch
     import transformers
@@ -29,8 +30,9 @@ def make_hf_checkpoint(folder: Path, family: str = "llama", *, tie: bool = False
     folder = Path(folder)
     vocab = write_tokenizer(folder, demo_texts(), vocab_size=384)
     ids = {t["content"]: t["id"] for t in json.loads((folder / "tokenizer.json").read_text())["added_tokens"]}
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 32, num_hidden_layers=num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden + 32,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, rms_norm_eps=1e-5,
                   bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|end_of_text|>"],
                   pad_token_id=ids["<|pad|>"], tie_word_embeddings=tie)
     if family == "llama":
@@ -68,3 +70,5 @@ def _quiet_env(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("MOAI_CACHE", str(tmp_path_factory.getbasetemp() / "moai-cache"))
+    # The developer's own `moai switch` choice (and running recipes) must never reach a test.
+    monkeypatch.setenv("MOAI_HOME", str(tmp_path_factory.getbasetemp() / "moai-home"))
