@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moai_recipes.errors import UserError
+from moai_recipes.settings import switched_flavor
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("model", "dataset", "optimizer", "flavor", "logger")
@@ -124,23 +125,50 @@ class PlanRecipeConfig(LoraRecipeConfig):
     method: str = "full"  # what recipes.plan plans: full | lora
 
 
+@dataclass
+class GenerateConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prompt: Optional[str] = None
+    adapter_dir: Optional[str] = None  # a PEFT LoRA adapter merged into the base (model.checkpoint_dir or its config's)
+    chat: bool = True  # the prompt is a user turn (the chat template); false: plain text to continue
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_k: Optional[int] = None
+    top_p: float = 1.0
+    seed: int = 0
+    dtype: str = "auto"
+    device_map: str = "auto"  # auto | balanced | balanced_low_0 | sequential, as Accelerate's
+    max_memory_gb: Optional[float] = None  # per GPU; null: 90% of what is free
+
+
 ConfigStore.instance().store(name="full_finetune_schema", node=RecipeConfig)
 ConfigStore.instance().store(name="plan_schema", node=PlanRecipeConfig)
 ConfigStore.instance().store(name="lora_finetune_schema", node=LoraRecipeConfig)
+ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
 
 USAGE = """usage: python -m recipes.{recipe} [--cfg job] [--config-path DIR] [--config-name NAME] [key=value ...]
 
 Compose configs/{recipe}.yaml with the groups {groups}, then apply key=value overrides:
-  model=<name> dataset=<name> flavor=<name> logger=<name>   pick an option of a group
-  batch_size=64 optimizer.lr=1e-4 model.checkpoint_dir=DIR  set any key
-  --cfg job                                                 print the composed config and exit
-  --config-path DIR --config-name NAME                      compose your own copy of a config
+  GROUP=OPTION (model=mistral)            pick an option of a group
+  KEY=VALUE (model.checkpoint_dir=DIR)    set any key; --cfg job lists them
+  --cfg job                               print the composed config and exit
+  --config-path DIR --config-name NAME    compose your own copy of a config (moai cp)
 Options of each group:
 {options}"""
 
 
 def group_options(config_dir: Path = CONFIG_DIR) -> dict[str, list[str]]:
-    return {g: sorted(p.stem for p in (config_dir / g).glob("*.yaml")) for g in GROUPS}
+    """Each group's options: those of `config_dir` and, behind them on the search path, the shipped ones."""
+    return {g: sorted({p.stem for d in (config_dir, CONFIG_DIR) for p in (d / g).glob("*.yaml")}) for g in GROUPS}
+
+
+def recipe_groups(config_file: Path) -> list[str]:
+    """The groups a config composes, in the order of its defaults (generate has only `model`)."""
+    try:
+        defaults = OmegaConf.load(config_file).get("defaults") or []
+    except Exception:  # a malformed or missing file: composing it says what is wrong
+        return []
+    return [g for d in defaults if OmegaConf.is_dict(d) for g in d if g in GROUPS]
 
 
 def _split_argv(argv: list[str], recipe: str) -> tuple[dict, list[str]]:
@@ -148,8 +176,9 @@ def _split_argv(argv: list[str], recipe: str) -> tuple[dict, list[str]]:
     overrides, it = [], iter(argv)
     for arg in it:
         if arg in ("-h", "--help"):
-            opts = "\n".join(f"  {g}: {', '.join(o)}" for g, o in group_options().items())
-            print(USAGE.format(recipe=recipe, groups=", ".join(GROUPS), options=opts))
+            groups = recipe_groups(Path(flags["config_path"]) / f"{flags['config_name']}.yaml")
+            opts = "\n".join(f"  {g}: {', '.join(o)}" for g, o in group_options().items() if g in groups)
+            print(USAGE.format(recipe=recipe, groups=", ".join(groups), options=opts))
             sys.exit(0)
         name, eq, value = arg.partition("=")
         if name in ("--cfg", "-c", "--config-path", "-cp", "--config-name", "-cn"):
@@ -213,21 +242,40 @@ def load_config(recipe: str, argv: list[str] | None = None) -> DictConfig:
     argv = sys.argv[1:] if argv is None else argv
     flags, overrides = _split_argv(argv, recipe)
     config_dir = Path(flags["config_path"]).resolve()
-    if not (config_dir / f"{flags['config_name']}.yaml").exists():
-        raise UserError(f"no config {flags['config_name']}.yaml in {config_dir}")
+    config_file = config_dir / f"{flags['config_name']}.yaml"
+    if not config_file.exists():
+        raise UserError(f"no config {config_file.name} in {config_dir}")
+    if config_dir != CONFIG_DIR:  # a copy (`moai cp`) finds the groups it does not have itself among the shipped ones
+        shipped = str(CONFIG_DIR).replace("'", "\\'")
+        overrides.append(f"hydra.searchpath=['file://{shipped}']")
+    overrides += _switched_flavor(overrides, config_file)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
             cfg = compose(config_name=flags["config_name"], overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise UserError(_explain(e, overrides, config_dir, flags["config_name"])) from None
-    if cfg.output_dir is None:
+    if "output_dir" in cfg and cfg.output_dir is None:  # training recipes; generate writes nothing
         cfg.output_dir = f"outputs/{recipe}/{datetime.now():%Y-%m-%d_%H-%M-%S}"
     validate(cfg)
     if flags["cfg"]:
         print(OmegaConf.to_yaml(cfg), end="")
         sys.exit(0)
     return cfg
+
+
+def _switched_flavor(overrides: list[str], config_file: Path) -> list[str]:
+    """The flavor chosen with `moai switch` for a config with a flavor group, unless the command line picks one."""
+    switched = switched_flavor(overrides)
+    if not switched:
+        return []
+    if "flavor" not in recipe_groups(config_file):  # `generate` has none
+        return []
+    valid = group_options(config_file.parent)["flavor"]
+    if switched[0].partition("=")[2] not in valid:  # checked here: the user did not type it
+        raise UserError(f"your default {switched[0]} (chosen with `moai switch`) is no flavor of this installation; "
+                        f"choose another with `moai switch` (valid: {', '.join(valid)}) or pick one with flavor=NAME")
+    return switched
 
 
 def _check(ok: bool, message: str) -> None:
@@ -237,11 +285,13 @@ def _check(ok: bool, message: str) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Range and choice checks the schema's types cannot express."""
+    _check(cfg.dtype in ("auto", "fp32", "bf16"), f"dtype={cfg.dtype}: valid values are auto, fp32, bf16")
+    if "batch_size" not in cfg:  # generate: its sampling options are checked where they are used
+        return
     _check(cfg.batch_size >= 1, f"batch_size={cfg.batch_size} must be at least 1 (it is the global batch, in sequences)")
     _check(cfg.max_seq_len >= 2, f"max_seq_len={cfg.max_seq_len} must be at least 2")
     _check(cfg.epochs >= 1, f"epochs={cfg.epochs} must be at least 1")
     _check(cfg.max_steps is None or cfg.max_steps >= 1, f"max_steps={cfg.max_steps} must be at least 1 (or null)")
-    _check(cfg.dtype in ("auto", "fp32", "bf16"), f"dtype={cfg.dtype}: valid values are auto, fp32, bf16")
     _check(cfg.sample_max_new_tokens >= 0, "sample_max_new_tokens must be >= 0")
     _check(cfg.checkpoint_every is None or cfg.checkpoint_every >= 1,
            f"checkpoint_every={cfg.checkpoint_every} must be at least 1 (or null: no step checkpoints)")

@@ -19,13 +19,19 @@ def greedy_continuation(model: nn.Module, prompt: list[int], *, max_new_tokens: 
     return tokens[len(prompt):]
 
 
+def prompt_ids(tokenizer: Tokenizer, prompt: str, *, chat: bool) -> list[int]:
+    """The tokens that ask for an answer: a user turn as the model was trained on chats (its chat template,
+    or our plain layout without one), or, with `chat=False`, the text itself to continue."""
+    if chat:
+        return tokenizer.encode_prompt([{"role": "user", "content": prompt}])
+    return tokenizer.encode(prompt, add_eos=False)
+
+
 class Samples:
     def __init__(self, tokenizer: Tokenizer, *, prompts: list[str], chat: bool, max_new_tokens: int,
                  device: torch.device):
         self.tokenizer, self.max_new_tokens, self.device = tokenizer, max_new_tokens, device
-        encode = (lambda p: tokenizer.encode_prompt([{"role": "user", "content": p}])) if chat else \
-                 (lambda p: tokenizer.encode(p, add_eos=False))
-        self.prompts = {p: encode(p) for p in prompts if max_new_tokens > 0}
+        self.prompts = {p: prompt_ids(tokenizer, p, chat=chat) for p in prompts if max_new_tokens > 0}
         self.before: dict[str, str] = {}
 
     def answers(self, model: nn.Module) -> dict[str, str]:
