@@ -33,6 +33,40 @@ def test_recompute_keeps_less_and_activations_grow_with_the_sequence():
     assert longer == pytest.approx(2 * kept["none"], rel=0.01)  # SDPA keeps O(seq), not O(seq^2)
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_the_traced_layer_keeps_what_a_real_layer_keeps(recompute):
+    """The fake-tensor trace against a real layer, run forward and backward under PyTorch's MemTracker."""
+    import dataclasses
+
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from moai_recipes.models import build_model, init_buffers
+    from moai_recipes.parallel import apply_recompute
+
+    _, spec, _ = setup("model=qwen2_5_0_5b")
+    spec = dataclasses.replace(spec, num_layers=1, embed_dim=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                               intermediate_dim=704, vocab_size=512)
+    seq = 256
+    traced = trace_layer(spec, seq_len=seq, recompute=recompute, dtype=torch.float32)
+    model = build_model(spec, max_seq_len=seq)
+    init_buffers(model, device="cpu")
+    apply_recompute(model.layers, recompute)
+    layer, x = model.layers[0], torch.randn(1, seq, spec.embed_dim, requires_grad=True)
+    grad_out = torch.randn_like(x)
+    tracker = MemTracker()
+    tracker.track_external(layer, x, grad_out)
+    total = lambda kind: sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot(kind).values())
+    with tracker:
+        before = total("current")
+        y = layer(x)
+        after_forward = total("current")
+        y.backward(grad_out)
+    assert after_forward - before == traced.retained
+    real_backward = total("peak") - after_forward
+    assert real_backward == pytest.approx(traced.transient + traced.grads_at_peak, rel=0.05)
+
+
 def test_every_chosen_plan_fits_and_is_the_fastest_that_does():
     cfg, spec, flavor = setup("model=llama3_8b", "flavor=4xlarge")
     choice = choose_plan(spec=spec, flavor=flavor, batch_size=256, seq_len=2048, dtype="auto")

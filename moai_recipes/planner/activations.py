@@ -1,30 +1,41 @@
-"""Activation memory of one transformer layer, counted from the real model, not from a formula.
+"""Activation memory and FLOPs of one transformer layer, counted from the real model, not from a formula.
 
 One layer of the real architecture is built on the meta device, given fake storage
-(FakeTensorMode: shapes and dtypes, no memory), wrapped with the recompute policy the plan would
-use, and run forward and backward under PyTorch's MemTracker at the real sequence length. Llama,
-Mistral and Qwen have SwiGLU, grouped-query attention and RMSNorm, so the classic 34·s·b·h
-formula does not apply; counting what autograd actually keeps does.
+(FakeTensorMode: shapes and dtypes, no memory), frozen as training freezes it (LoRA), wrapped with
+the recompute policy the plan would use, and run forward and backward at the real sequence length
+while every tensor storage it creates is counted. Llama, Mistral and Qwen have SwiGLU,
+grouped-query attention and RMSNorm, so the classic 34·s·b·h formula does not apply; counting what
+autograd actually keeps does.
+
+Memory and FLOPs are traced in separate passes: FlopCounterMode decomposes operators it has no
+formula for and keeps module-level bookkeeping, both of which change what is alive (it inflated
+the backward's peak by a third in a layer of 256 x 512 tokens).
 """
 
 import hashlib
 import json
 import os
 import warnings
+import weakref
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from moai_recipes.models import ModelSpec, build_model
 from moai_recipes.parallel import apply_recompute
+
+_VERSION = 2  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
 class LayerTrace:
     retained: int  # bytes a layer keeps from its forward for its backward (its output included), per sequence
-    transient: int  # bytes beyond that while the layer runs its backward (recompute, activation grads), per sequence
-    flops: int  # forward, recompute and backward FLOPs, per sequence
+    transient: int  # activation bytes beyond that at the peak of the layer's backward, per sequence
+    grads_at_peak: int  # weight-gradient bytes alive at that peak (whatever the batch)
+    flops: int  # forward, recompute and backward FLOPs per sequence
 
 
 _CACHE: dict[str, LayerTrace] = {}
@@ -34,10 +45,11 @@ def trace_layer(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.d
                 lora: tuple | None = None) -> LayerTrace:
     """Bytes and FLOPs per sequence of `seq_len` tokens for one layer under `recompute`, in `dtype`.
 
-    A trace takes seconds (thousands of dispatched fake ops); it is kept in memory and on disk,
-    keyed by everything it depends on, so that planning a model again is instant.
+    A trace takes a fraction of a second (thousands of dispatched fake ops) after torchtune's import;
+    it is kept in memory and on disk, keyed by everything it depends on, so that planning a model
+    again is instant.
     """
-    key = repr((spec, seq_len, recompute, dtype, lora, torch.__version__, _torchtune_version()))
+    key = repr((_VERSION, spec, seq_len, recompute, dtype, lora, torch.__version__, _torchtune_version()))
     if key not in _CACHE:
         path = _cache_folder() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
         try:
@@ -68,49 +80,114 @@ def _store(path: Path, value: dict) -> None:
         pass
 
 
-def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None) -> LayerTrace:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils.flop_counter import FlopCounterMode
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages created under it that are still alive, their peak, and what was
+    alive at the peak. Views share their base's storage, so each storage counts once, and views of
+    `existing` tensors (weights, inputs) count not at all."""
+
+    def __init__(self, existing=()):
+        super().__init__()
+        self.current = self.peak = 0
+        self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._at_peak: list[weakref.ref] = []
+        self._existing = {id(t.untyped_storage()): t.untyped_storage() for t in existing}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage) -> None:
+        key = id(storage)
+        if key in self._existing or (key in self._live and self._live[key][0]() is storage):
+            return
+        size = storage.nbytes()
+        self._live[key] = (weakref.ref(storage, lambda _, k=key, n=size: self._free(k, n)), size)
+        self.current += size
+        if self.current > self.peak:
+            self.peak = self.current
+            self._at_peak = [ref for ref, _ in self._live.values()]
+
+    def _free(self, key: int, size: int) -> None:
+        self._live.pop(key, None)
+        self.current -= size
+
+    def bytes_at_peak(self, tensors) -> int:
+        """How many of the peak's bytes belonged to `tensors` (say, the weight gradients)."""
+        alive = {id(ref()) for ref in self._at_peak if ref() is not None}
+        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+        return sum(n for key, n in storages.items() if key in alive)
+
+
+def _meta_layer(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None):
+    """One layer as training runs it, on the meta device: in `dtype`, frozen as LoRA freezes it, recomputed."""
+    from moai_recipes.lora import freeze_base
 
     with torch.device("meta"):
         model = build_model(replace(spec, num_layers=1), max_seq_len=seq_len, lora=dict(lora) if lora else None)
     layer = model.layers[0]
     layer.to(dtype)
+    if lora:
+        freeze_base(layer)  # frozen weights get no gradient, and autograd saves less for them
     apply_recompute(model.layers, recompute)
+    return layer
+
+
+def _on_fake_storage(layer, *, spec: ModelSpec, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Give a meta layer fake storage (call under FakeTensorMode); returns an input that needs its gradient."""
+    layer.to_empty(device="cpu")
+    for m in layer.modules():
+        if hasattr(m, "is_cache_built"):  # RoPE: a cache of the right shape; its values do not matter here
+            m.register_buffer("cache", torch.empty(m.max_seq_len, m.dim // 2, 2, dtype=dtype), persistent=False)
+            m.is_cache_built = True
+    return torch.empty(1, seq_len, spec.embed_dim, dtype=dtype, requires_grad=True)
+
+
+def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None) -> LayerTrace:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = _meta_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora)
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # dtype-mix notices of fused kernels: irrelevant to sizes
-        layer.to_empty(device="cpu")
-        for m in layer.modules():
-            if hasattr(m, "is_cache_built"):  # RoPE: a cache of the right shape; its values do not matter here
-                m.register_buffer("cache", torch.empty(m.max_seq_len, m.dim // 2, 2, dtype=dtype), persistent=False)
-                m.is_cache_built = True
-        x = torch.empty(1, seq_len, spec.embed_dim, dtype=dtype, requires_grad=True)
-        tracker = MemTracker()
-        tracker.track_external(layer, x)
-        counter = FlopCounterMode(display=False)
-        with tracker, counter:
-            start = _total(tracker.get_tracker_snapshot("current"))
+        x = _on_fake_storage(layer, spec=spec, seq_len=seq_len, dtype=dtype)
+        grad_out = torch.empty_like(x)  # the gradient the next layer hands back: not this layer's memory
+        live = LiveBytes(existing=[*layer.parameters(), *layer.buffers(), x, grad_out])
+        with live:
             y = layer(x)
-            after_forward = _total(tracker.get_tracker_snapshot("current"))
+            retained = live.current
+            y.backward(grad_out)
+        grads_at_peak = live.bytes_at_peak([p.grad for p in layer.parameters() if p.grad is not None])
+    forward, backward = _flops(spec, seq_len=seq_len, dtype=dtype, lora=lora)
+    # Full recompute runs the forward twice; selective redoes only pointwise ops, which count no FLOPs.
+    flops = forward * (2 if recompute == "full" else 1) + backward
+    return LayerTrace(retained=retained, transient=max(0, live.peak - retained - grads_at_peak),
+                      grads_at_peak=grads_at_peak, flops=flops)
+
+
+_FLOPS: dict[str, tuple[int, int]] = {}
+
+
+def _flops(spec: ModelSpec, *, seq_len: int, dtype: torch.dtype, lora: tuple | None) -> tuple[int, int]:
+    """(forward, backward) FLOPs per sequence of one layer, the backward as training runs it (the same
+    for every recompute policy: counted once)."""
+    key = repr((spec, seq_len, dtype, lora))
+    if key not in _FLOPS:
+        _FLOPS[key] = _count_flops(spec, seq_len=seq_len, dtype=dtype, lora=lora)
+    return _FLOPS[key]
+
+
+def _count_flops(spec: ModelSpec, *, seq_len: int, dtype: torch.dtype, lora: tuple | None) -> tuple[int, int]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    layer = _meta_layer(spec, seq_len=seq_len, recompute="none", dtype=dtype, lora=lora)
+    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x = _on_fake_storage(layer, spec=spec, seq_len=seq_len, dtype=dtype)
+        with FlopCounterMode(display=False) as counter:
+            y = layer(x)
+            forward = counter.get_total_flops()
             y.backward(torch.empty_like(y))
-        peak = _total(tracker.get_tracker_snapshot("peak"))
-        flops = counter.get_total_flops()
-        if lora:
-            # Frozen base weights get no gradient: count the FLOPs again as training runs them.
-            # (MemTracker cannot follow frozen parameters; the memory above includes their
-            # gradients' transient, a small over-estimate.)
-            from moai_recipes.lora import freeze_base
-
-            freeze_base(layer)
-            with FlopCounterMode(display=False) as counter:
-                layer(x).backward(torch.empty_like(y))
-            flops = counter.get_total_flops()
-    # The layer's own weight gradients are counted by the memory model (one layer's unsharded grads).
-    grads = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
-    return LayerTrace(retained=max(0, after_forward - start), transient=max(0, peak - after_forward - grads),
-                      flops=flops)
-
-
-def _total(snapshot: dict) -> int:
-    return sum(v.get("Total", 0) for v in snapshot.values())
+    return forward, counter.get_total_flops() - forward

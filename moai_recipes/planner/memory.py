@@ -62,6 +62,7 @@ class MemoryBreakdown:
     activations: int
     logits: int
     overhead: int
+    phase: str = ""  # when the peak happens (see predict_memory)
 
     @property
     def total(self) -> int:
@@ -73,16 +74,19 @@ class MemoryBreakdown:
 
 def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micro_batch_size: int, seq_len: int,
                    recompute: str, reshard_after_forward: bool, cpu_offload: bool, compute_dtype: str,
-                   fixed_overhead: int, slack: float, lora: tuple | None = None,
+                   fixed_overhead: int, slack: float, optimizer_temporary: float, lora: tuple | None = None,
                    accumulation_steps: int = 1) -> MemoryBreakdown:
-    """Peak bytes on one device for one plan.
+    """Peak bytes on one device for one plan: the largest of four moments of the step.
 
-    The peak is in the backward pass of the last micro-batch, at one of its two ends. At its start
-    every layer's activations and the loss's gradients over the logits are alive, and the weight
-    gradients are those of the earlier micro-batches (none without accumulation: they are freed
-    after each step). At its end the activations are gone but every sharded gradient exists, and
-    the first layer runs its backward (recomputing its forward when asked). In between, memory
-    moves linearly from one to the other, layer by layer.
+    The sharded parameters and optimizer state live throughout. In the backward pass of the last
+    micro-batch the peak is at one of its three turning points: the loss's backward (every layer's
+    retained activations, the logits and their gradients), the last layer's backward (the logits
+    freed, the layer's backward transient added), or the first layer's backward (the activations
+    gone, every sharded gradient made); between them memory moves monotonically, layer by layer.
+    Weight gradients of earlier micro-batches are alive throughout when accumulating (freed after
+    each step otherwise). Then the optimizer step: the sharded state and the optimizer's own
+    temporaries (`optimizer_temporary` bytes per trainable value: foreach AdamW on the CPU makes
+    one fp32 copy, fused AdamW on GPUs none).
     """
     c = DTYPE_BYTES[compute_dtype]
     n, L = num_devices, spec.num_layers
@@ -99,25 +103,40 @@ def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micr
     # not at all in one process (FSDP leaves them alone there, see parallel.shard_model).
     layer_c = (sizes.per_layer - sizes.nf4_per_layer) * c + (sizes.nf4_per_layer * NF4_BYTES if n > 1 else 0)
     layers_gathered = (lambda k: k * layer_c) if reshard_after_forward else (lambda k: L * layer_c)
-    # Unsharded weight gradients in the compute dtype before their reduce-scatter: the root's live
-    # through the whole backward (the output projection's from its start), a layer's during its own.
-    layer_grad = sizes.per_layer * c * sizes.trainable / sizes.total
-    output_grad = spec.vocab_size * spec.embed_dim * c if full else 0
-    root_grad = sizes.root * c if full else 0
+    # The root's weight gradients (in the compute dtype, before their reduce-scatter, which comes last):
+    # the output projection's from the loss's backward on, the embeddings' only after the first layer's.
+    # At the end of a layer's backward FSDP2 copies its gradients into one flat fp32 buffer for the
+    # reduce-scatter (whatever the world size) while they are still alive (measured: +1 layer of grads).
+    output_grad = (sizes.root - spec.vocab_size * spec.embed_dim * (not spec.tie_word_embeddings)) * c if full else 0
+    reduce_copy = sizes.per_layer * 4 * sizes.trainable / sizes.total
+    # Sharded gradients of all layers but the first (and not yet the root's) while the first runs its backward.
+    layer_trainable = (sizes.trainable - (sizes.root if full else 0)) / L if L else 0
+    later_grads = 0 if cpu_offload else (L - 1) * layer_trainable * 4 / n
 
     dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
     act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora)
+    retained = micro_batch_size * L * act.retained
+    layer_backward = micro_batch_size * act.transient + act.grads_at_peak + reduce_copy
+    earlier_grads = sharded_grads if accumulation_steps > 1 else 0
     # The loss's log-softmax (fp32), its gradient, and the gradient over the logits.
     logits = micro_batch_size * seq_len * spec.vocab_size * 12
-    earlier_grads = sharded_grads if accumulation_steps > 1 else 0
-    start = dict(gathered=sizes.root * c + layers_gathered(1) + output_grad, grads=earlier_grads,
-                 activations=micro_batch_size * L * act.retained, logits=logits)
-    end = dict(gathered=sizes.root * c + layers_gathered(2) + root_grad + layer_grad, grads=sharded_grads,
-               activations=micro_batch_size * (act.retained + act.transient), logits=0)
-    peak = max(start, end, key=lambda phase: sum(phase.values()))
-    dequantized = sizes.nf4_largest * NF4_DEQUANT_BYTES
-    peak["gathered"] += dequantized
+    # The last layer stays gathered from its forward (parallel.shard_model); in the backward each layer
+    # is gathered with the next one (prefetch), but the first has no next.
+    phases = {
+        "loss backward": dict(gathered=sizes.root * c + layers_gathered(1) + output_grad, grads=earlier_grads,
+                              activations=retained, logits=logits),
+        "last layer backward": dict(gathered=sizes.root * c + layers_gathered(2) + output_grad, grads=earlier_grads,
+                                    activations=retained + layer_backward, logits=0),
+        "first layer backward": dict(gathered=sizes.root * c + layers_gathered(1) + output_grad,
+                                     grads=max(earlier_grads, later_grads),
+                                     activations=micro_batch_size * act.retained + layer_backward, logits=0),
+        "optimizer step": dict(gathered=0, grads=sharded_grads, logits=0,
+                               activations=0 if cpu_offload else sizes.trainable * optimizer_temporary / n),
+    }
+    phase, peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))
+    if phase != "optimizer step":
+        peak["gathered"] += sizes.nf4_largest * NF4_DEQUANT_BYTES
     subtotal = params + optimizer + sum(peak.values())
     return MemoryBreakdown(params=int(params), grads=int(peak["grads"]), optimizer=int(optimizer),
                            gathered=int(peak["gathered"]), activations=int(peak["activations"]),
-                           logits=int(peak["logits"]), overhead=int(fixed_overhead + slack * subtotal))
+                           logits=int(peak["logits"]), overhead=int(fixed_overhead + slack * subtotal), phase=phase)

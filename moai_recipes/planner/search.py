@@ -18,6 +18,9 @@ GiB = 2**30
 SAFETY_MARGIN = 0.10  # of the device memory, kept free
 FIXED_OVERHEAD = {"gpu": 1.0 * GiB, "cpu": 0}  # CUDA/ROCm context and communication buffers
 SLACK = {"gpu": 0.08, "cpu": 0.05}  # allocator fragmentation, as a share of what is allocated
+# Bytes of temporaries per trainable value in the optimizer step: training.build_optimizer takes fused
+# AdamW on GPUs (none) and foreach AdamW on the CPU (one fp32 copy of the moments' update).
+OPTIMIZER_TEMPORARY = {"gpu": 0, "cpu": 4}
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,8 @@ def choose_plan(*, spec: ModelSpec, flavor: Flavor, batch_size: int, seq_len: in
         memory = predict_memory(spec, sizes, num_devices=n, micro_batch_size=o["micro_batch_size"], seq_len=seq_len,
                                 recompute=o["recompute"], reshard_after_forward=o["reshard_after_forward"],
                                 cpu_offload=o["cpu_offload"], compute_dtype=compute,
-                                fixed_overhead=FIXED_OVERHEAD[kind], slack=SLACK[kind], lora=lora_key,
+                                fixed_overhead=FIXED_OVERHEAD[kind], slack=SLACK[kind],
+                                optimizer_temporary=OPTIMIZER_TEMPORARY[kind], lora=lora_key,
                                 accumulation_steps=accumulation)
         time = predict_time(spec, sizes, flavor.device, num_devices=n, batch_size=batch_size, accumulation_steps=accumulation,
                             seq_len=seq_len, compute_dtype=compute, lora=lora_key, **o)
