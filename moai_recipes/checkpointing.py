@@ -8,7 +8,8 @@ is the Hugging Face checkpoint the run started from. DCP reshards on load, so a 
 curve continues as if nothing had changed.
 
 Layout: output_dir/checkpoints/step-000004/{*.distcp, .metadata, train_state.pt, rng-rank*.pt, meta.json}.
-It is written as .step-000004.tmp and renamed when complete; only renamed folders count.
+It is written as .step-000004.tmp and renamed when complete; only renamed folders count. What a save
+cost (seconds, bytes) is returned; the run's log keeps it in output_dir/checkpoints.jsonl (metrics.py).
 """
 
 import json

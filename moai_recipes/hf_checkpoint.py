@@ -249,23 +249,27 @@ def _save_file(params: dict, ckpt: HFCheckpoint, names: dict, fname: str, tmp: P
     tensors, size = {}, 0
     with _open(ckpt.folder / fname) as f:
         for hf in ckpt.files[fname]:  # the same order on every rank: full_tensor() is a collective
-            tune = names[hf]
-            if tune is None:  # not a weight of the model (rotary inv_freq): copied as it was
-                tensor = f.get_tensor(hf)
-            else:
-                source = "tok_embeddings.weight" if tune == _TIED_OUTPUT and ckpt.spec.tie_word_embeddings else tune
-                whole = full_tensor(params[source])
-                if transform is not None:
-                    whole = transform(source, whole)
-                (tensor,) = convert_names(ckpt.spec, {tune: whole}, to_tune=False).values()
+            # A tensor that is not a weight of the model (rotary inv_freq) is copied as it was.
+            tensor = f.get_tensor(hf) if names[hf] is None else _export_tensor(params, ckpt, names[hf], transform)
             assert tuple(tensor.shape) == ckpt.shapes[hf], (hf, tensor.shape, ckpt.shapes[hf])
             size += tensor.numel() * ckpt.dtypes[hf].itemsize
             if tmp is not None:
                 tensors[hf] = tensor.to(ckpt.dtypes[hf]).contiguous()
+            del tensor  # on every rank, before the next gather: only the file's kept tensors stay
         metadata = {**(f.metadata() or {}), "format": "pt"}
     if tmp is not None:
         save_file(tensors, str(tmp / fname), metadata=metadata)
     return size
+
+
+def _export_tensor(params: dict, ckpt: HFCheckpoint, tune: str, transform) -> torch.Tensor:
+    """One whole weight, gathered, transformed and in Hugging Face layout; its intermediates die on return."""
+    source = "tok_embeddings.weight" if tune == _TIED_OUTPUT and ckpt.spec.tie_word_embeddings else tune
+    whole = full_tensor(params[source])
+    if transform is not None:
+        whole = transform(source, whole)
+    (tensor,) = convert_names(ckpt.spec, {tune: whole}, to_tune=False).values()
+    return tensor
 
 
 def _write_index_and_extras(ckpt: HFCheckpoint, tmp: Path, total_size: int) -> None:

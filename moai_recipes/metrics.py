@@ -1,4 +1,4 @@
-"""What the user sees of a run: the step line, a tqdm bar, metrics.jsonl, W&B, and loss.png.
+"""What the user sees of a run: the step line, a tqdm bar, metrics.jsonl, checkpoints.jsonl, W&B, and loss.png.
 
 Only rank 0 makes a RunLog. The step line follows the MoAI training log:
 `[Step 4/144] | Loss: 0.85546875 | Duration: 5.30 | Throughput: 99006.09 tokens/sec`.
@@ -65,7 +65,8 @@ class RunLog:
         out.mkdir(parents=True, exist_ok=True)
         write_config(out, cfg)
         write_json(out / "plan.json", {"flavor": flavor, **plan})
-        kept = _truncate_metrics(out / "metrics.jsonl", resume_step)
+        kept = _truncate_jsonl(out / "metrics.jsonl", resume_step)
+        _truncate_jsonl(out / "checkpoints.jsonl", resume_step)
         log = cls(out, total_steps=total_steps, config=OmegaConf.to_container(cfg, resolve=True), plan=plan,
                   tracker=dict(cfg.logger))
         log.rows = kept
@@ -73,7 +74,15 @@ class RunLog:
         return log
 
     def checkpoint(self, *, step: int, path: Path, seconds: float, size: int) -> None:
+        """A step checkpoint's cost: a line, a row of checkpoints.jsonl, a W&B point.
+
+        The row outlives the folder (checkpoint_keep deletes old ones), and the folder's own meta.json
+        cannot hold its size or the time of the save that writes it.
+        """
         self.info(f"Checkpoint of step {step} saved in {seconds:.2f} s ({size / 2**20:.1f} MiB): {path}")
+        row = {"step": step, "seconds": seconds, "bytes": size, "path": os.path.relpath(path, self.output_dir)}
+        with open(self.output_dir / "checkpoints.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
         if self._wandb is not None:
             self._wandb.log({"checkpoint_seconds": seconds, "checkpoint_bytes": size}, step=step)
 
@@ -106,7 +115,7 @@ class RunLog:
                 self.info(f"W&B run saved offline; upload it with: wandb sync {self._wandb.dir.rsplit('/files', 1)[0]}")
 
 
-def _truncate_metrics(path: Path, last_step: int) -> list[dict]:
+def _truncate_jsonl(path: Path, last_step: int) -> list[dict]:
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

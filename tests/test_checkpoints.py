@@ -60,6 +60,12 @@ def test_checkpoints_are_complete_rotated_and_costed(reference):
     assert meta["step"] == 10 and meta["samples_seen"] == 80 and meta["world_size"] == 2 and meta["plan"]
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "train_state.pt"} <= {
         p.name for p in (reference / "checkpoints" / "step-000010").iterdir()}
+    # Every checkpoint's cost is recorded, also of those rotated away: seconds, and bytes on disk.
+    rows = [json.loads(line) for line in (reference / "checkpoints.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4, 6, 8, 10] and all(r["seconds"] > 0 for r in rows)
+    for row in rows[-2:]:
+        folder = reference / row["path"]
+        assert folder.name in kept and row["bytes"] == sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path, reference):

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out, plain and FSDP2-sharded, checked against transformers.
+"""Hugging Face checkpoints in and out, plain and FSDP2-sharded, checked against transformers; the export's memory.
 
 Run: python -m pytest tests/test_hf_checkpoint.py -q
 """
@@ -7,6 +7,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -232,3 +233,114 @@ def test_fsdp2_two_processes_load_and_save(checkpoints, tmp_path):
         assert_same_checkpoint(Path(folder), Path(out_dir))
         tokens = tokens_for(HFCheckpoint.open(folder))
         torch.testing.assert_close(torch.load(logits_file), hf_logits(Path(folder), tokens), atol=1e-4, rtol=0)
+
+
+# ---- the export's memory: one input file's tensors at a time, on every rank -------------------
+
+
+def regroup(src: Path, dst: Path, file_of: Callable[[str], int]) -> Path:
+    """Copy a checkpoint with its tensors regrouped into files by `file_of(name)`, with an index."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", INDEX))
+    groups: dict[int, dict[str, torch.Tensor]] = {}
+    for path in sorted(src.glob("*.safetensors")):
+        for name, tensor in load_file(path).items():
+            groups.setdefault(file_of(name), {})[name] = tensor
+    weight_map = {}
+    for i, key in enumerate(sorted(groups)):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(groups[key], dst / fname, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(groups[key], fname))
+    total = sum(t.numel() * t.element_size() for group in groups.values() for t in group.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (dst / INDEX).write_text(json.dumps(index))
+    return dst
+
+
+def _layer(name: str) -> int | None:
+    return int(name.split(".")[2]) if name.startswith("model.layers.") else None
+
+
+def uneven_files(name: str) -> int:
+    """8 layers in 7 files of 48 to 506 KiB: the embeddings, layers 0-1, layer 2's attention, its MLP
+    with layer 3, layer 4, layers 5-7 (a third of the model), the final norm with the output."""
+    layer = _layer(name)
+    if layer is None:
+        return 0 if "embed_tokens" in name else 6
+    if layer == 2:
+        return 2 if "self_attn" in name else 3
+    return {0: 1, 1: 1, 3: 3, 4: 4, 5: 5, 6: 5, 7: 5}[layer]
+
+
+def two_halves(name: str) -> int:
+    layer = _layer(name)
+    return 0 if "embed_tokens" in name or (layer is not None and layer < 4) else 1
+
+
+def _export_memory_worker(rank: int, world_size: int, rendezvous: str, jobs: list[tuple[str, str, str]]) -> None:
+    """Shard, load, then export under MemTracker; writes the peak of the bytes the export added on this rank."""
+    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moai_recipes.parallel import shard_model
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        for folder, out_dir, peaks_file in jobs:
+            ckpt = HFCheckpoint.open(folder)
+            with torch.device("meta"):
+                model = build_model(ckpt.spec, max_seq_len=SEQ)
+            shard_model(model, model.layers, mesh=mesh, param_dtype=torch.float32)
+            model.to_empty(device="cpu")
+            init_buffers(model, device="cpu")
+            load_weights(model, ckpt)
+            tracker = MemTracker()
+            tracker.track_external(model)  # the shards exist already: their views (to_local) are not new memory
+            before = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
+            with tracker:
+                save_weights(model, ckpt, Path(out_dir), rank=rank)
+            peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+            Path(f"{peaks_file}.{rank}").write_text(str(peak - before))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_export_holds_at_most_one_input_file_and_one_tensor_per_rank(tmp_path):
+    """The promise that lets a 70B model be exported: no rank ever holds more than one input file's
+    tensors plus the one being gathered (the all-gather output, and its q/k permuted copy), measured
+    with PyTorch's MemTracker, which counts every tensor an operator creates while it is active."""
+    import torch.multiprocessing as mp
+
+    src = make_hf_checkpoint(tmp_path / "src", "llama", num_layers=8, seed=5)
+    layouts = {"uneven": regroup(src, tmp_path / "uneven", uneven_files),
+               "halves": regroup(src, tmp_path / "halves", two_halves)}
+    jobs = [(str(folder), str(tmp_path / f"out-{name}"), str(tmp_path / f"peak-{name}"))
+            for name, folder in layouts.items()]
+    mp.start_processes(_export_memory_worker, args=(2, str(tmp_path / "rendezvous"), jobs), nprocs=2, join=True,
+                       start_method="spawn")
+
+    peaks = {}
+    for (name, folder), (_, out_dir, peaks_file) in zip(layouts.items(), jobs):
+        assert_same_checkpoint(folder, Path(out_dir))
+        ckpt = HFCheckpoint.open(folder)
+        nbytes = {n: math.prod(s) * 4 for n, s in ckpt.shapes.items()}  # fp32 in the files and in the model
+        files = {f: sum(nbytes[n] for n in names) for f, names in ckpt.files.items()}
+        largest_file, largest_tensor, model_bytes = max(files.values()), max(nbytes.values()), sum(nbytes.values())
+        # A file's kept tensors plus the whole weight being gathered and converted, for the worst file.
+        bound = max(files[f] + max(nbytes[n] for n in names) for f, names in ckpt.files.items())
+        rank0, rank1 = (int(Path(f"{peaks_file}.{r}").read_text()) for r in range(2))
+        print(f"{name}: peak rank 0 {rank0} B, rank 1 {rank1} B; largest file {largest_file} B, largest tensor "
+              f"{largest_tensor} B, bound {bound} B, whole model {model_bytes} B")
+        # 1% slack for small tensors an operator may create beside the data (none seen with torch 2.13:
+        # the peaks are exact sums of weights); below the smallest matrix here (8 KiB).
+        slack = bound // 100
+        # Rank 0 keeps one file's tensors for save_file: the tracker sees them, and never more.
+        assert largest_file <= rank0 <= bound + slack
+        # Rank 1 keeps nothing: at most one gathered tensor and its converted copy.
+        assert largest_tensor <= rank1 <= 2 * largest_tensor + slack
+        peaks[name] = (rank0, bound, model_bytes)
+    rank0, bound, model_bytes = peaks["uneven"]
+    assert bound < model_bytes / 2  # so the bound can fail: gathering the whole model would break it
+    assert peaks["halves"][0] > 1.4 * rank0  # larger files, larger measured peak: the tracker sees the gathers
