@@ -16,7 +16,7 @@ from moai_recipes.errors import EXIT_USER_ERROR
 from moai_recipes.flavors import Flavor, resolve_flavor
 from moai_recipes.hub import resolve_checkpoint_dir
 from moai_recipes.launch import EXIT_STOPPED, World, distributed, needs_launch, relaunch
-from moai_recipes.outputs import check_output_dir
+from moai_recipes.outputs import check_output_dir, run_finished
 from moai_recipes.registry import registered
 from moai_recipes.settings import switched_flavor
 from moai_recipes.training import Stopped
@@ -47,6 +47,13 @@ def _launch_or_train(recipe: str, train: Callable, argv: list[str], cfg: DictCon
         for attempt in range(cfg.max_restarts + 1):
             os.environ["MOAI_RESTART"] = str(attempt)
             code = relaunch(flavor, f"recipes.{recipe}", worker_argv)
+            if code not in (0, EXIT_USER_ERROR, EXIT_STOPPED) and run_finished(cfg):
+                # The folder held no finished run when we started (check_output_dir), so this launch
+                # wrote every output before the failure: a worker died on its way out (gloo can abort
+                # at exit), and a restart would only refuse the finished folder.
+                print(f"warning: a worker failed while exiting (exit code {code}) after the run had saved "
+                      f"everything in {cfg.output_dir}; nothing is lost", file=sys.stderr, flush=True)
+                return 0
             if code in (0, EXIT_USER_ERROR, EXIT_STOPPED) or attempt == cfg.max_restarts:
                 return code
             print(f"A worker failed (exit code {code}): restarting the {flavor.num_devices} processes, resuming from "

@@ -46,6 +46,13 @@ def check_output_dir(cfg: DictConfig, *, restarting: bool = False) -> tuple[Path
     return out, checkpoints[-1]
 
 
+def run_finished(cfg: DictConfig) -> bool:
+    """Whether the run in output_dir has written its last output: the model (full fine-tuning, or LoRA's
+    merged model, written after the adapter), or the adapter when LoRA saves no merged model."""
+    last = "model" if cfg.get("save_merged", True) else "adapter"
+    return (Path(cfg.output_dir).expanduser() / last).is_dir()
+
+
 def _given_checkpoint(path: str) -> Path:
     ckpt = Path(path).expanduser().resolve()
     if not (ckpt / "meta.json").exists():

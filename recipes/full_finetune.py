@@ -78,11 +78,11 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
 
     # 6. The model in Hugging Face format, laid out as the input was.
     save_weights(model, inputs.ckpt, inputs.out / "model", rank=world.rank)
-    dist.barrier()
-    if log:
+    if log:  # before the last barrier: a worker that crashes while exiting cannot cut it short
         log.close()
         say(f"Model saved in {inputs.out / 'model'}; metrics in {inputs.out / 'metrics.jsonl'}, "
             f"loss curve in {inputs.out / 'loss.png'}")
+    dist.barrier()
 
 
 @exit_on_user_error

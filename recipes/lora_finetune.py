@@ -94,11 +94,11 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     if cfg.save_merged:
         save_weights(model, inputs.ckpt, inputs.out / "model", rank=world.rank,
                      transform=merge_into(adapters, opts.scale))
-    dist.barrier()
-    if log:
+    if log:  # before the last barrier: a worker that crashes while exiting cannot cut it short
         log.close()
         say(f"Adapter saved in {inputs.out / 'adapter'}" + (f", merged model in {inputs.out / 'model'}"
                                                              if cfg.save_merged else ""))
+    dist.barrier()
 
 
 @exit_on_user_error

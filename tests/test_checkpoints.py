@@ -145,3 +145,22 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeping_the_last_ch
                            "skip_nonfinite_steps=100", f"output_dir={tmp_path / 'tolerated'}")
     assert tolerated.returncode == 0, tolerated.stderr
     assert any(row.get("skipped") for row in metrics(tmp_path / "tolerated"))
+
+
+def test_a_worker_that_dies_while_exiting_a_finished_run_loses_nothing(tmp_path):
+    """gloo can abort a worker at exit after the run finished: the run must not be restarted (its folder
+    holds a finished run) and must not lose its last outputs. The fault is injected for real: a
+    sitecustomize module SIGKILLs rank 1 from its atexit handlers."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import atexit, os, signal\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    atexit.register(lambda: os.kill(os.getpid(), signal.SIGKILL))\n")
+    out = tmp_path / "run"
+    env = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(inject)}
+    r = subprocess.run([sys.executable, "-m", "recipes.full_finetune", *COMMON, "max_steps=4", "flavor=cpu-2",
+                        f"output_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "a worker failed while exiting" in r.stderr and "restarting" not in r.stdout
+    assert (out / "model" / "config.json").exists() and (out / "loss.png").exists() and len(metrics(out)) == 4
