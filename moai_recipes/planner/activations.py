@@ -1,15 +1,17 @@
-"""Activation memory and FLOPs of one transformer layer, counted from the real model, not from a formula.
+"""Memory, FLOPs and memory traffic of one transformer layer, counted from the real model, not from a formula.
 
 One layer of the real architecture is built on the meta device, given fake storage
 (FakeTensorMode: shapes and dtypes, no memory), frozen as training freezes it (LoRA), wrapped with
 the recompute policy the plan would use, and run forward and backward at the real sequence length
-while every tensor storage it creates is counted. Llama, Mistral and Qwen have SwiGLU,
-grouped-query attention and RMSNorm, so the classic 34·s·b·h formula does not apply; counting what
-autograd actually keeps does.
+while every operator it dispatches is counted: the tensor storages it creates (alive, and at the
+peak), the FLOPs of its matmuls and attention (PyTorch's own formulas), and the bytes the other
+operators read and write. Llama, Mistral and Qwen have SwiGLU, grouped-query attention and RMSNorm,
+so the classic 34·s·b·h formula does not apply; counting what autograd actually keeps does, and
+recomputation shows up as the operators it runs again.
 
-Memory and FLOPs are traced in separate passes: FlopCounterMode decomposes operators it has no
-formula for and keeps module-level bookkeeping, both of which change what is alive (it inflated
-the backward's peak by a third in a layer of 256 x 512 tokens).
+PyTorch's FlopCounterMode is not used: it decomposes the operators it has no formula for (the CPU's
+flash attention, into the math path that materialises the attention matrix), which changes what
+is alive (it inflated the backward's peak by a third in a layer of 256 x 512 tokens).
 """
 
 import hashlib
@@ -22,12 +24,13 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils._pytree import tree_leaves
 
 from moai_recipes.models import ModelSpec, build_model
 from moai_recipes.parallel import apply_recompute
 
-_VERSION = 2  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 3  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,8 @@ class LayerTrace:
     retained: int  # bytes a layer keeps from its forward for its backward (its output included), per sequence
     transient: int  # activation bytes beyond that at the peak of the layer's backward, per sequence
     grads_at_peak: int  # weight-gradient bytes alive at that peak (whatever the batch)
-    flops: int  # forward, recompute and backward FLOPs per sequence
+    flops: int  # matmul and attention FLOPs of forward, recompute and backward, per sequence
+    traffic: int  # bytes read and written by the other operators (norms, activations, RoPE...), per sequence
 
 
 _CACHE: dict[str, LayerTrace] = {}
@@ -80,20 +84,49 @@ def _store(path: Path, value: dict) -> None:
         pass
 
 
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the tensor storages created under it that are still alive, their peak, and what was
-    alive at the peak. Views share their base's storage, so each storage counts once, and views of
-    `existing` tensors (weights, inputs) count not at all."""
+def _cpu_flash_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_flash_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# PyTorch's formulas, and the CPU's flash attention (which has none) counted as the GPU kernels are.
+_FLOP_FORMULAS = {**flop_registry,
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops}
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class OpCounter(TorchDispatchMode):
+    """What the operators dispatched under it cost.
+
+    Memory: bytes of the tensor storages they create that are still alive, the peak, and what was
+    alive at the peak (views share their base's storage, so each storage counts once, and views of
+    `existing` tensors, weights and inputs, count not at all). Compute: FLOPs of matmuls and
+    attention. Traffic: bytes read and written by every other operator that moves data (views
+    move none); on any device those run at memory speed.
+    """
 
     def __init__(self, existing=()):
         super().__init__()
-        self.current = self.peak = 0
+        self.current = self.peak = self.flops = self.traffic = 0
         self._live: dict[int, tuple[weakref.ref, int]] = {}
         self._at_peak: list[weakref.ref] = []
         self._existing = {id(t.untyped_storage()): t.untyped_storage() for t in existing}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = _FLOP_FORMULAS.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        elif not func.is_view:
+            self.traffic += _nbytes(tree_leaves((args, kwargs))) + _nbytes(tree_leaves(out))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._track(t.untyped_storage())
@@ -153,41 +186,11 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
         warnings.simplefilter("ignore")  # dtype-mix notices of fused kernels: irrelevant to sizes
         x = _on_fake_storage(layer, spec=spec, seq_len=seq_len, dtype=dtype)
         grad_out = torch.empty_like(x)  # the gradient the next layer hands back: not this layer's memory
-        live = LiveBytes(existing=[*layer.parameters(), *layer.buffers(), x, grad_out])
-        with live:
+        count = OpCounter(existing=[*layer.parameters(), *layer.buffers(), x, grad_out])
+        with count:
             y = layer(x)
-            retained = live.current
+            retained = count.current
             y.backward(grad_out)
-        grads_at_peak = live.bytes_at_peak([p.grad for p in layer.parameters() if p.grad is not None])
-    forward, backward = _flops(spec, seq_len=seq_len, dtype=dtype, lora=lora)
-    # Full recompute runs the forward twice; selective redoes only pointwise ops, which count no FLOPs.
-    flops = forward * (2 if recompute == "full" else 1) + backward
-    return LayerTrace(retained=retained, transient=max(0, live.peak - retained - grads_at_peak),
-                      grads_at_peak=grads_at_peak, flops=flops)
-
-
-_FLOPS: dict[str, tuple[int, int]] = {}
-
-
-def _flops(spec: ModelSpec, *, seq_len: int, dtype: torch.dtype, lora: tuple | None) -> tuple[int, int]:
-    """(forward, backward) FLOPs per sequence of one layer, the backward as training runs it (the same
-    for every recompute policy: counted once)."""
-    key = repr((spec, seq_len, dtype, lora))
-    if key not in _FLOPS:
-        _FLOPS[key] = _count_flops(spec, seq_len=seq_len, dtype=dtype, lora=lora)
-    return _FLOPS[key]
-
-
-def _count_flops(spec: ModelSpec, *, seq_len: int, dtype: torch.dtype, lora: tuple | None) -> tuple[int, int]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
-
-    layer = _meta_layer(spec, seq_len=seq_len, recompute="none", dtype=dtype, lora=lora)
-    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        x = _on_fake_storage(layer, spec=spec, seq_len=seq_len, dtype=dtype)
-        with FlopCounterMode(display=False) as counter:
-            y = layer(x)
-            forward = counter.get_total_flops()
-            y.backward(torch.empty_like(y))
-    return forward, counter.get_total_flops() - forward
+        grads_at_peak = count.bytes_at_peak([p.grad for p in layer.parameters() if p.grad is not None])
+    return LayerTrace(retained=retained, transient=max(0, count.peak - retained - grads_at_peak),
+                      grads_at_peak=grads_at_peak, flops=count.flops, traffic=count.traffic)
