@@ -78,6 +78,7 @@ class PlanConfig:  # null: the planner decides
     recompute: Optional[str] = None
     reshard_after_forward: Optional[bool] = None
     cpu_offload: Optional[bool] = None
+    chunked_loss: Optional[bool] = None
 
 
 @dataclass

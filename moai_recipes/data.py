@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from moai_recipes.errors import UserError
+from moai_recipes.loss import IGNORE_INDEX
 from moai_recipes.tiny import DEMO_DATA
 from moai_recipes.tokenizer import Tokenizer
 
-IGNORE_INDEX = -100
 COLUMNS = {"instruct": ("instruction", "input", "output"), "chat": ("messages",), "text": ("text",)}
 KINDS = ("demo", "instruct", "chat", "text")
 # ShareGPT speaks of human and gpt; the rest is OpenAI's naming.

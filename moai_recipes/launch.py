@@ -115,6 +115,19 @@ def relaunch(flavor: Flavor, module: str, argv: list[str]) -> int:
     return 0
 
 
+def decided_by_main(world: World, decide):
+    """`decide()` run on the main process only, its result handed to every process.
+
+    For what every rank must agree on but that depends on a measurement (the plan: its step times use
+    this machine's measured speed, and ranks measuring at once would disagree and then deadlock in
+    FSDP's collectives). A UserError on the main process ends the group: the launcher stops the others.
+    """
+    box = [decide() if world.is_main else None]
+    if world.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 @contextmanager
 def distributed(flavor: Flavor):
     """Initialise the process group (gloo on CPU, NCCL/RCCL on GPUs) and a 1-D mesh; tear it down after."""

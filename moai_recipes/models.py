@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -245,6 +246,20 @@ def nf4_weights(spec: ModelSpec, opts) -> dict[str, tuple[tuple[int, int], str]]
         return weights
     adapted = set(opts.attn_modules) | ({"w1", "w2", "w3"} if opts.apply_to_mlp else set())
     return {m: w for m, w in weights.items() if m.split(".")[1] in adapted}
+
+
+@contextmanager
+def output_layer_skipped(model: torch.nn.Module):
+    """Within it, the decoder returns its final hidden states (after the final norm) instead of logits,
+    so that the loss can project them chunk by chunk (loss.chunked_cross_entropy_sum). torchtune's
+    TransformerDecoder.forward ends with `self.unembed(h)` = norm, then output: only the norm is kept.
+    The module stays the same object (FSDP2's hooks, which gather the output weight with the root, stay)."""
+    norm = model.norm
+    model.unembed = lambda h: norm(h)  # a function, not the module: nn.Module would register it as a child
+    try:
+        yield model
+    finally:
+        del model.unembed
 
 
 def init_buffers(model: torch.nn.Module, *, device: torch.device | str) -> None:

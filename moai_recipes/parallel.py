@@ -78,7 +78,10 @@ def shard_model(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, pa
         last = i == len(layers) - 1
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_after_forward and not last, ignored_params=ignored)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward,
+    # The root (embeddings, final norm, output) takes FSDP2's own default: gathered from the forward to
+    # the backward, which needs it at once. Passing a bool would reshard it after the forward and gather
+    # the largest group again at the start of every backward.
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=None,
                 ignored_params=ignored)
 
 

@@ -5,7 +5,6 @@ import math
 from dataclasses import asdict, dataclass
 
 
-
 @dataclass(frozen=True)
 class Plan:
     batch_size: int  # global, in sequences
@@ -15,6 +14,7 @@ class Plan:
     recompute: str  # none | selective | full
     reshard_after_forward: bool
     cpu_offload: bool
+    chunked_loss: bool  # the output projection and the loss in chunks of tokens (loss.py)
     param_dtype: str  # compute dtype of parameters in forward/backward
     master_dtype: str  # dtype of the sharded parameters, gradients and optimizer state
 
@@ -30,4 +30,4 @@ class Plan:
                 f"micro_batch_size {self.micro_batch_size}, num_micro_batches {self.accumulation_steps}, "
                 f"recomputation {self.recompute}, distribute_param true (FSDP2, reshard_after_forward "
                 f"{str(self.reshard_after_forward).lower()}), cpu_offload {str(self.cpu_offload).lower()}, "
-                f"{self.param_dtype} compute, {self.master_dtype} master weights")
+                f"chunked loss {str(self.chunked_loss).lower()}, {self.param_dtype} compute, {self.master_dtype} master weights")

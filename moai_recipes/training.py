@@ -15,15 +15,15 @@ from pathlib import Path
 import psutil
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moai_recipes.batching import GlobalBatches, split_micro_batches
 from moai_recipes.checkpointing import complete_checkpoints, load_checkpoint, save_checkpoint
-from moai_recipes.data import IGNORE_INDEX, collate
+from moai_recipes.data import collate
 from moai_recipes.errors import UserError
 from moai_recipes.launch import World
+from moai_recipes.loss import IGNORE_INDEX, token_loss_sum
 
 # An empty slot still runs forward and backward (FSDP's collectives must match on every rank),
 # on one padding token whose label is ignored: it adds nothing to the loss or the gradients.
@@ -39,12 +39,6 @@ def build_scheduler(optimizer, *, warmup_steps: int, total_steps: int):
     from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
     return get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
-
-
-def token_loss_sum(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of the cross-entropy over target tokens; the caller divides by the global count."""
-    logits = model(tokens)
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 @dataclass
@@ -63,7 +57,7 @@ def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM)
 
 
 def train_step(model: nn.Module, optimizer, dataset, batches: GlobalBatches, step: int, *, micro_batch_size: int,
-               max_grad_norm: float | None, world: World, pad_id: int) -> StepResult:
+               chunked_loss: bool, max_grad_norm: float | None, world: World, pad_id: int) -> StepResult:
     """One optimizer step on the global batch of `step` (0-based)."""
     slots = batches.rank_slots(step, rank=world.rank, world_size=world.world_size)
     samples = [dataset[i] if i is not None else {**_EMPTY, "tokens": [pad_id]} for i in slots]
@@ -76,7 +70,7 @@ def train_step(model: nn.Module, optimizer, dataset, batches: GlobalBatches, ste
     for micro in split_micro_batches(samples, micro_batch_size):
         batch = collate(micro, pad_id=pad_id)
         tokens, labels = batch["tokens"].to(world.device), batch["labels"].to(world.device)
-        loss = token_loss_sum(model, tokens, labels)
+        loss = token_loss_sum(model, tokens, labels, chunked=chunked_loss)
         (loss * scale).backward()
         loss_sum += loss.detach().double()
     (total_loss,) = _all_reduce([loss_sum.item()], world.device)
@@ -141,9 +135,9 @@ class _StopRequest:
             signal.signal(s, handler)
 
 
-def train_loop(model: nn.Module, optimizer, scheduler, inputs, *, micro_batch_size: int, max_grad_norm: float | None,
-               world: World, log, checkpoint_every: int | None, checkpoint_keep: int, skip_nonfinite_steps: int,
-               plan: dict, flavor: str) -> None:
+def train_loop(model: nn.Module, optimizer, scheduler, inputs, *, micro_batch_size: int, chunked_loss: bool,
+               max_grad_norm: float | None, world: World, log, checkpoint_every: int | None, checkpoint_keep: int,
+               skip_nonfinite_steps: int, plan: dict, flavor: str) -> None:
     """Run the run's steps, resuming from `inputs.resume_from`: the same global batches on any flavor.
 
     Saves a checkpoint every `checkpoint_every` steps and when asked to stop; stops with a UserError
@@ -166,7 +160,8 @@ def train_loop(model: nn.Module, optimizer, scheduler, inputs, *, micro_batch_si
         for step in range(first, inputs.total_steps):
             with StepTimer(world.device) as timer:
                 result = train_step(model, optimizer, inputs.dataset, inputs.batches, step,
-                                    micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, world=world,
+                                    micro_batch_size=micro_batch_size, chunked_loss=chunked_loss,
+                                    max_grad_norm=max_grad_norm, world=world,
                                     pad_id=inputs.tokenizer.pad_id)
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()

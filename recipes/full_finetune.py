@@ -21,7 +21,7 @@ from moai_recipes.errors import exit_on_user_error
 from moai_recipes.flavors import Flavor
 from moai_recipes.hf_checkpoint import load_weights, save_weights
 from moai_recipes.inputs import describe_inputs, read_inputs
-from moai_recipes.launch import World
+from moai_recipes.launch import World, decided_by_main
 from moai_recipes.metrics import RunLog
 from moai_recipes.models import build_model, init_buffers
 from moai_recipes.parallel import apply_recompute, shard_model
@@ -40,8 +40,9 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     inputs = read_inputs(cfg)
 
     # 2. The plan, decided before the first step.
-    choice = choose_plan(spec=inputs.ckpt.spec, flavor=flavor, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len,
-                         dtype=cfg.dtype, forced=dict(cfg.plan))
+    # Decided once: step times rest on this machine's measured speed, and the ranks must agree.
+    choice = decided_by_main(world, lambda: choose_plan(spec=inputs.ckpt.spec, flavor=flavor, batch_size=cfg.batch_size,
+                                                        seq_len=cfg.max_seq_len, dtype=cfg.dtype, forced=dict(cfg.plan)))
     plan = choice.chosen.plan
     say(f"Flavor {flavor.describe()}; {world.world_size} process(es), backend {flavor.backend}")
     say("\n".join(describe_inputs(inputs, cfg)))
@@ -71,9 +72,9 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
                       max_new_tokens=cfg.sample_max_new_tokens, device=world.device)
     samples.take_before(model)
     train_loop(model, optimizer, scheduler, inputs, micro_batch_size=plan.micro_batch_size,
-               max_grad_norm=o.max_grad_norm, world=world, log=log, checkpoint_every=cfg.checkpoint_every,
-               checkpoint_keep=cfg.checkpoint_keep, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
-               plan=choice.chosen.as_dict(), flavor=flavor.name)
+               chunked_loss=plan.chunked_loss, max_grad_norm=o.max_grad_norm, world=world, log=log,
+               checkpoint_every=cfg.checkpoint_every, checkpoint_keep=cfg.checkpoint_keep,
+               skip_nonfinite_steps=cfg.skip_nonfinite_steps, plan=choice.chosen.as_dict(), flavor=flavor.name)
     say("\n".join(samples.report_after(model)))
 
     # 6. The model in Hugging Face format, laid out as the input was.

@@ -42,24 +42,46 @@ class LayerTrace:
     traffic: int  # bytes read and written by the other operators (norms, activations, RoPE...), per sequence
 
 
-_CACHE: dict[str, LayerTrace] = {}
+@dataclass(frozen=True)
+class HeadTrace:
+    """The final norm, the output projection and the loss on one micro-batch (not per sequence: a
+    chunked loss holds one chunk whatever the batch)."""
+
+    peak: int  # activation bytes at their peak beyond the hidden states, forward to end of backward
+    flops: int
+    traffic: int
+
+
+_CACHE: dict[str, object] = {}
 
 
 def trace_layer(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
                 lora: tuple | None = None) -> LayerTrace:
-    """Bytes and FLOPs per sequence of `seq_len` tokens for one layer under `recompute`, in `dtype`.
+    """Bytes and FLOPs per sequence of `seq_len` tokens for one layer under `recompute`, in `dtype`."""
+    return _cached(LayerTrace, (spec, seq_len, recompute, dtype, lora),
+                   lambda: _trace(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora))
 
-    A trace takes a fraction of a second (thousands of dispatched fake ops) after torchtune's import;
+
+def trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked: bool, dtype: torch.dtype,
+               lora: tuple | None = None) -> HeadTrace:
+    """Bytes, FLOPs and traffic of the final norm, the output projection and the loss (chunked or not),
+    forward and backward, on a micro-batch."""
+    return _cached(HeadTrace, ("head", spec, micro_batch_size, seq_len, chunked, dtype, lora),
+                   lambda: _trace_head(spec, micro_batch_size=micro_batch_size, seq_len=seq_len, chunked=chunked,
+                                       dtype=dtype, lora=lora))
+
+
+def _cached(cls, key_parts: tuple, trace):
+    """A trace takes a fraction of a second (thousands of dispatched fake ops) after torchtune's import;
     it is kept in memory and on disk, keyed by everything it depends on, so that planning a model
-    again is instant.
-    """
-    key = repr((_VERSION, spec, seq_len, recompute, dtype, lora, torch.__version__, _torchtune_version()))
+    again is instant."""
+    key = repr((_VERSION, *key_parts, torch.__version__, _torchtune_version()))
     if key not in _CACHE:
         path = _cache_folder() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
         try:
-            _CACHE[key] = LayerTrace(**json.loads(path.read_text()))
+            _CACHE[key] = cls(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
-            _CACHE[key] = _trace(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora)
+            _CACHE[key] = trace()
             _store(path, asdict(_CACHE[key]))
     return _CACHE[key]
 
@@ -123,14 +145,23 @@ class OpCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = _FLOP_FORMULAS.get(func._overloadpacket)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if formula is not None:
             self.flops += formula(*args, **kwargs, out_val=out)
-        elif not func.is_view:
-            self.traffic += _nbytes(tree_leaves((args, kwargs))) + _nbytes(tree_leaves(out))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t.untyped_storage())
+        elif self._moves_data(func, args, kwargs, outputs):
+            self.traffic += _nbytes(tree_leaves((args, kwargs))) + _nbytes(outputs)
+        for t in outputs:
+            self._track(t.untyped_storage())
         return out
+
+    @staticmethod
+    def _moves_data(func, args, kwargs, outputs) -> bool:
+        """Writes memory: an in-place op, or one whose output is new storage (not a view, a reshape of
+        its input, or a metadata query that returns no tensor)."""
+        if func._schema.is_mutable:
+            return True
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        return not func.is_view and any(id(t.untyped_storage()) not in inputs for t in outputs)
 
     def _track(self, storage) -> None:
         key = id(storage)
@@ -154,37 +185,37 @@ class OpCounter(TorchDispatchMode):
         return sum(n for key, n in storages.items() if key in alive)
 
 
-def _meta_layer(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None):
-    """One layer as training runs it, on the meta device: in `dtype`, frozen as LoRA freezes it, recomputed."""
+def _meta_model(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None):
+    """A one-layer model as training runs it, on the meta device: in `dtype`, frozen as LoRA freezes it,
+    its layer recomputed as planned."""
     from moai_recipes.lora import freeze_base
 
     with torch.device("meta"):
         model = build_model(replace(spec, num_layers=1), max_seq_len=seq_len, lora=dict(lora) if lora else None)
-    layer = model.layers[0]
-    layer.to(dtype)
+    model.to(dtype)
     if lora:
-        freeze_base(layer)  # frozen weights get no gradient, and autograd saves less for them
+        freeze_base(model)  # frozen weights get no gradient, and autograd saves less for them
     apply_recompute(model.layers, recompute)
-    return layer
+    return model
 
 
-def _on_fake_storage(layer, *, spec: ModelSpec, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Give a meta layer fake storage (call under FakeTensorMode); returns an input that needs its gradient."""
-    layer.to_empty(device="cpu")
-    for m in layer.modules():
+def _on_fake_storage(module, *, dtype: torch.dtype) -> None:
+    """Give a meta module fake storage (call under FakeTensorMode)."""
+    module.to_empty(device="cpu")
+    for m in module.modules():
         if hasattr(m, "is_cache_built"):  # RoPE: a cache of the right shape; its values do not matter here
             m.register_buffer("cache", torch.empty(m.max_seq_len, m.dim // 2, 2, dtype=dtype), persistent=False)
             m.is_cache_built = True
-    return torch.empty(1, seq_len, spec.embed_dim, dtype=dtype, requires_grad=True)
 
 
 def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None) -> LayerTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    layer = _meta_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora)
+    layer = _meta_model(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora).layers[0]
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # dtype-mix notices of fused kernels: irrelevant to sizes
-        x = _on_fake_storage(layer, spec=spec, seq_len=seq_len, dtype=dtype)
+        _on_fake_storage(layer, dtype=dtype)
+        x = torch.empty(1, seq_len, spec.embed_dim, dtype=dtype, requires_grad=True)
         grad_out = torch.empty_like(x)  # the gradient the next layer hands back: not this layer's memory
         count = OpCounter(existing=[*layer.parameters(), *layer.buffers(), x, grad_out])
         with count:
@@ -194,3 +225,29 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
         grads_at_peak = count.bytes_at_peak([p.grad for p in layer.parameters() if p.grad is not None])
     return LayerTrace(retained=retained, transient=max(0, count.peak - retained - grads_at_peak),
                       grads_at_peak=grads_at_peak, flops=count.flops, traffic=count.traffic)
+
+
+def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked: bool, dtype: torch.dtype,
+                lora: tuple | None) -> HeadTrace:
+    """The decoder's last steps as loss.token_loss_sum runs them: torchtune's unembed (norm, output,
+    float) and the loss, or the chunked loss on the normed hidden states."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from moai_recipes.loss import IGNORE_INDEX, chunked_cross_entropy_sum, cross_entropy_sum
+
+    model = _meta_model(spec, seq_len=seq_len, recompute="none", dtype=dtype, lora=lora)
+    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _on_fake_storage(model, dtype=dtype)
+        h = torch.empty(micro_batch_size, seq_len, spec.embed_dim, dtype=dtype, requires_grad=True)
+        labels = torch.full((micro_batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
+        count = OpCounter(existing=[*model.parameters(), *model.buffers(), h, labels])
+        with count:
+            if chunked:
+                loss = chunked_cross_entropy_sum(model.output, model.norm(h), labels)
+            else:
+                loss = cross_entropy_sum(model.output(model.norm(h)).float(), labels)
+            loss.backward()
+        # The weights' gradients are the memory model's (the output projection's lives on with the root's).
+        grads = count.bytes_at_peak([p.grad for p in model.parameters() if p.grad is not None])
+    return HeadTrace(peak=count.peak - grads, flops=count.flops, traffic=count.traffic)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from moai_recipes.models import ModelSpec, nf4_weights
-from moai_recipes.planner.activations import trace_layer
+from moai_recipes.planner.activations import trace_head, trace_layer
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 NF4_BYTES = 0.5 + 1 / 64 * 4 / 4 + 0.01  # 4-bit codes, per-block scales, double-quantized scalers
@@ -73,14 +73,14 @@ class MemoryBreakdown:
 
 
 def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micro_batch_size: int, seq_len: int,
-                   recompute: str, reshard_after_forward: bool, cpu_offload: bool, compute_dtype: str,
+                   recompute: str, reshard_after_forward: bool, cpu_offload: bool, chunked_loss: bool, compute_dtype: str,
                    fixed_overhead: int, slack: float, optimizer_temporary: float, lora: tuple | None = None,
                    accumulation_steps: int = 1) -> MemoryBreakdown:
     """Peak bytes on one device for one plan: the largest of four moments of the step.
 
     The sharded parameters and optimizer state live throughout. In the backward pass of the last
     micro-batch the peak is at one of its three turning points: the loss's backward (every layer's
-    retained activations, the logits and their gradients), the last layer's backward (the logits
+    retained activations, the logits and their gradients, or a chunk of them), the last layer's backward (the logits
     freed, the layer's backward transient added), or the first layer's backward (the activations
     gone, every sharded gradient made); between them memory moves monotonically, layer by layer.
     Weight gradients of earlier micro-batches are alive throughout when accumulating (freed after
@@ -118,8 +118,11 @@ def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micr
     retained = micro_batch_size * L * act.retained
     layer_backward = micro_batch_size * act.transient + act.grads_at_peak + reduce_copy
     earlier_grads = sharded_grads if accumulation_steps > 1 else 0
-    # The loss's log-softmax (fp32), its gradient, and the gradient over the logits.
-    logits = micro_batch_size * seq_len * spec.vocab_size * 12
+    # The final norm, the output projection and the loss as traced: the logits in the compute dtype and in
+    # fp32, the log-softmax and the gradients over them (about 12 bytes per token and vocabulary entry),
+    # or one chunk's worth of them with the chunked loss.
+    logits = trace_head(spec, micro_batch_size=micro_batch_size, seq_len=seq_len, chunked=chunked_loss, dtype=dtype,
+                        lora=lora).peak
     # The last layer stays gathered from its forward (parallel.shard_model); in the backward each layer
     # is gathered with the next one (prefetch), but the first has no next.
     phases = {

@@ -61,8 +61,8 @@ def _options(n: int, per_device: int, flavor: Flavor, forced: dict) -> list[dict
     # One device shards nothing, so resharding is moot there: take what the user forced.
     reshards = [True, False] if n > 1 else [forced.get("reshard_after_forward", True)]
     offloads = [False, True] if flavor.device.kind == "gpu" else [False]
-    opts = [dict(micro_batch_size=m, recompute=r, reshard_after_forward=s, cpu_offload=o)
-            for m in sizes for r in recomputes for s in reshards for o in offloads]
+    opts = [dict(micro_batch_size=m, recompute=r, reshard_after_forward=s, cpu_offload=o, chunked_loss=c)
+            for m in sizes for r in recomputes for s in reshards for o in offloads for c in (False, True)]
     return [o for o in opts if all(forced.get(k) is None or o[k] == forced[k] for k in o)]
 
 
@@ -99,7 +99,7 @@ def choose_plan(*, spec: ModelSpec, flavor: Flavor, batch_size: int, seq_len: in
                     master_dtype="float32", **o)
         memory = predict_memory(spec, sizes, num_devices=n, micro_batch_size=o["micro_batch_size"], seq_len=seq_len,
                                 recompute=o["recompute"], reshard_after_forward=o["reshard_after_forward"],
-                                cpu_offload=o["cpu_offload"], compute_dtype=compute,
+                                cpu_offload=o["cpu_offload"], chunked_loss=o["chunked_loss"], compute_dtype=compute,
                                 fixed_overhead=FIXED_OVERHEAD[kind], slack=SLACK[kind],
                                 optimizer_temporary=OPTIMIZER_TEMPORARY[kind], lora=lora_key,
                                 accumulation_steps=accumulation)

@@ -1,9 +1,15 @@
-"""Step time of a plan: traced FLOPs against the device, FSDP collectives against the links.
+"""Step time of a plan: traced FLOPs and memory traffic against the device, FSDP collectives against the links.
 
-compute = FLOPs (forward, backward, recompute) / (peak x efficiency), where efficiency grows with
-the tokens in a micro-batch (small matmuls do not fill a GPU); collectives per micro-batch are the
-all-gather of the parameters (again in backward when resharded) and the reduce-scatter of the
-gradients, mostly overlapped with compute by FSDP's prefetching; offload adds host transfers.
+compute = FLOPs / (peak x efficiency) + bytes moved / memory bandwidth, both traced from the real
+layer and head (activations.py) as the plan runs them: recomputation adds its operators, a chunked
+loss its extra projection. Efficiency grows with the tokens in a micro-batch (small matmuls do not
+fill a device). The optimizer and the gradient clipping stream every trainable value through memory.
+Collectives per micro-batch are the all-gather of the parameters (again in the backward when
+resharded after the forward) and the reduce-scatter of the gradients, mostly hidden behind compute
+by FSDP's prefetching; CPU offload adds host transfers and a host-side optimizer.
+
+A GPU's peak figures come from its data sheet (flavors.DEVICES), the CPU's are measured on this
+machine (cpu_speed.py); bench/planner_accuracy.py compares predictions with measured steps.
 """
 
 import math
@@ -13,13 +19,19 @@ import torch
 
 from moai_recipes.flavors import Device
 from moai_recipes.models import ModelSpec
-from moai_recipes.planner.activations import trace_layer
+from moai_recipes.planner.activations import trace_head, trace_layer
+from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
 from moai_recipes.planner.memory import DTYPE_BYTES, ModelSizes
 
-# Fraction of peak FLOP/s reached by large micro-batches, and the micro-batch size (tokens) at which
-# half of that is reached. GPU figures are typical of FSDP training; the CPU's are calibrated here
-# (bench/planner_accuracy.py).
-EFFICIENCY = {"gpu": (0.55, 1024), "cpu": (1.0, 64)}
+# Share of the peak FLOP/s that large micro-batches reach, and the micro-batch (tokens) at which half of
+# that is reached. GPU figures are typical of FSDP training; the CPU's fitted with bench/planner_accuracy.py.
+EFFICIENCY = {"gpu": (0.55, 1024), "cpu": (0.6, 64)}
+# Share of the memory bandwidth that elementwise kernels reach (the CPU's is measured on such a kernel).
+BANDWIDTH_EFFICIENCY = {"gpu": 0.7, "cpu": 1.0}
+# Bytes per trainable value and step: gradient clipping reads the gradients for their norm and scales
+# them (12); AdamW, counted with activations.OpCounter on torch 2.13: foreach (CPU) 52, fused (GPU)
+# reads parameter, gradient and both moments and writes three of them once (28).
+OPTIMIZER_TRAFFIC = {"gpu": 12 + 28, "cpu": 12 + 52}
 OVERLAP = 0.8  # share of collective time FSDP hides behind compute
 LATENCY_S = {"gpu": 30e-6, "cpu": 150e-6}  # per collective
 PCIE_GBPS = 25
@@ -40,47 +52,47 @@ class TimeEstimate:
         return {**self.__dict__, "total_s": self.total_s}
 
 
-# Selective recompute redoes the pointwise ops (norms, SiLU, products), which count no matmul FLOPs
-# but cost memory traffic: about this share of the forward's time.
-SELECTIVE_REDO = 0.15
-
-
-def step_flops(spec: ModelSpec, sizes: ModelSizes, *, sequences: int, seq_len: int, recompute: str,
-               compute_dtype: str, lora: tuple | None = None) -> float:
-    """FLOPs of forward, recompute and backward over `sequences` sequences: the layers' as traced
-    (FlopCounterMode, with the recompute policy and frozen weights as in training), the output
-    projection's from its shape."""
-    dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
-    layer = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora).flops
-    output_forward = 2 * seq_len * spec.embed_dim * spec.vocab_size
-    output_trained = sizes.trainable == sizes.total
-    output = output_forward * (3 if output_trained else 2)  # forward, input gradient, weight gradient
-    redo = SELECTIVE_REDO * layer / 3 if recompute == "selective" else 0.0  # a forward is a third of the total
-    return sequences * (spec.num_layers * (layer + redo) + output)
+def device_speed(device: Device, *, compute_dtype: str, num_devices: int) -> tuple[float, float]:
+    """(peak FLOP/s, memory bytes/s) of one device; a CPU process's measured at the threads it gets."""
+    if device.kind == "cpu":
+        speed = cpu_speed(process_threads(num_devices))
+        return speed.fp32_flops, speed.bytes_per_s
+    tflops = device.bf16_tflops if compute_dtype == "bfloat16" else device.fp32_tflops
+    return tflops * 1e12, device.hbm_gbps * 1e9
 
 
 def predict_time(spec: ModelSpec, sizes: ModelSizes, device: Device, *, num_devices: int, batch_size: int,
                  micro_batch_size: int, accumulation_steps: int, seq_len: int, recompute: str,
-                 reshard_after_forward: bool, cpu_offload: bool, compute_dtype: str,
+                 reshard_after_forward: bool, cpu_offload: bool, chunked_loss: bool, compute_dtype: str,
                  lora: tuple | None = None) -> TimeEstimate:
-    per_device = math.ceil(batch_size / num_devices)
-    flops = step_flops(spec, sizes, sequences=per_device, seq_len=seq_len, recompute=recompute,
-                       compute_dtype=compute_dtype, lora=lora)
-    peak = (device.bf16_tflops if compute_dtype == "bfloat16" else device.fp32_tflops) * 1e12
+    n, L = num_devices, spec.num_layers
+    per_device = math.ceil(batch_size / n)
+    dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
+    layer = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora)
+    head = trace_head(spec, micro_batch_size=micro_batch_size, seq_len=seq_len, chunked=chunked_loss, dtype=dtype,
+                      lora=lora)
+    heads = per_device / micro_batch_size  # micro-batches' worth of sequences (the last one may be short)
+    flops = per_device * L * layer.flops + heads * head.flops
+    traffic = per_device * L * layer.traffic + heads * head.traffic
+    peak, bandwidth = device_speed(device, compute_dtype=compute_dtype, num_devices=n)
     top, half = EFFICIENCY[device.kind]
     mb_tokens = micro_batch_size * seq_len
-    compute = flops / (peak * top * mb_tokens / (mb_tokens + half))
+    compute = flops / (peak * top * mb_tokens / (mb_tokens + half)) + traffic / (bandwidth * BANDWIDTH_EFFICIENCY[device.kind])
+    if not cpu_offload:  # offloaded, the optimizer runs on the host (below)
+        compute += sizes.trainable / n * OPTIMIZER_TRAFFIC[device.kind] / bandwidth
     comm = 0.0
-    if num_devices > 1:
+    if n > 1:
         c = DTYPE_BYTES[compute_dtype]
+        # Layers are gathered for the forward and, when resharded after it, again for the backward; the
+        # root once (FSDP2 keeps it until its backward); gradients are reduce-scattered in fp32.
         gathers = 2 if reshard_after_forward else 1
-        per_micro = (gathers * sizes.total * c + sizes.trainable * 4) * (num_devices - 1) / num_devices
-        link = device.intra_node_gbps if num_devices <= device.per_node else device.inter_node_gbps
-        collectives = (spec.num_layers + 1) * (gathers + 1)
+        per_micro = (gathers * (sizes.total - sizes.root) * c + sizes.root * c + sizes.trainable * 4) * (n - 1) / n
+        link = device.intra_node_gbps if n <= device.per_node else device.inter_node_gbps
+        collectives = L * (gathers + 1) + 2
         comm = accumulation_steps * (per_micro / (link * 1e9) + collectives * LATENCY_S[device.kind])
     exposed = max(comm - OVERLAP * compute, comm * (1 - OVERLAP))
     offload = 0.0
     if cpu_offload:
-        moved = accumulation_steps * sizes.total / num_devices * DTYPE_BYTES[compute_dtype] * 2 + sizes.trainable * 4 / num_devices
-        offload = moved / (PCIE_GBPS * 1e9) + sizes.trainable * 16 / num_devices / 20e9  # host-side AdamW
+        moved = accumulation_steps * sizes.total / n * DTYPE_BYTES[compute_dtype] * 2 + sizes.trainable * 4 / n
+        offload = moved / (PCIE_GBPS * 1e9) + sizes.trainable * 16 / n / 20e9  # host-side AdamW
     return TimeEstimate(compute_s=compute, comm_s=comm, exposed_comm_s=exposed, offload_s=offload)

@@ -1,0 +1,82 @@
+"""How fast this machine's CPU is, measured: the planner's peak figures for the CPU flavors.
+
+A GPU's peak FLOP/s and memory bandwidth come from its data sheet (flavors.DEVICES); a CPU's vary by
+machine, so they are measured here once, for the threads one process of a flavor gets, and cached
+beside the layer traces. Measuring takes a fraction of a second.
+"""
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class CpuSpeed:
+    fp32_flops: float  # per second, a large fp32 matmul
+    bytes_per_s: float  # memory read and written per second by a large elementwise op
+
+
+def process_threads(num_processes: int) -> int:
+    """The intra-op threads of one process of a CPU flavor: what launch.relaunch gives each worker."""
+    given = os.environ.get("OMP_NUM_THREADS")
+    return int(given) if given and given.isdigit() else max(1, (os.cpu_count() or 1) // num_processes)
+
+
+def cpu_speed(threads: int) -> CpuSpeed:
+    """This machine's CPU with `threads` threads, measured once and cached."""
+    key = f"{_cpu_name()}|{os.cpu_count()}|{threads}|{torch.__version__}"
+    path = Path(os.environ.get("MOAI_CACHE") or Path.home() / ".cache" / "moai-recipes") / "cpu-speed.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = asdict(_measure(threads))
+        try:  # a cache: a read-only home only costs the measurement next time
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return CpuSpeed(**known[key])
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _best_rate(work: float, op, seconds: float = 0.15) -> float:
+    """`work` units per second of `op`, the best of repeated runs: other load only ever slows it."""
+    op()  # warm up (thread pool, allocations)
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        op()
+        best = max(best, work / (time.perf_counter() - start))
+    return best
+
+
+def _measure(threads: int) -> CpuSpeed:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        flops = _best_rate(2 * 1024**3, lambda: torch.mm(a, b))
+        x, y = torch.randn(2**23), torch.randn(2**23)  # 32 MiB each: beyond the caches
+        out = torch.empty_like(x)
+        bandwidth = _best_rate(3 * x.numel() * 4, lambda: torch.add(x, y, out=out))
+    finally:
+        torch.set_num_threads(before)
+    return CpuSpeed(fp32_flops=flops, bytes_per_s=bandwidth)
