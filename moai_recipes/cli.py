@@ -86,8 +86,6 @@ def validate(args) -> int:
 
     for line in check(args.config, args.overrides):
         print(line, flush=True)  # what passed stays on screen when a later check fails
-    print("OK: nothing wrong found. Whether it fits in memory, and how it would run: python -m recipes.plan with the "
-          "same overrides (method=lora for LoRA)")
     return 0
 
 

@@ -19,6 +19,14 @@ STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 OVERFLOW = "cpu"  # what fits on no GPU runs on the CPU, as Accelerate offloads it
 
 
+def check_device_map(strategy: str, max_memory_gb: float | None) -> None:
+    """UserError unless `strategy` is one of STRATEGIES and the per-GPU cap (None: none) is positive."""
+    if strategy not in STRATEGIES:
+        raise UserError(f"device_map={strategy}: valid values are {', '.join(STRATEGIES)}")
+    if max_memory_gb is not None and max_memory_gb <= 0:
+        raise UserError(f"max_memory_gb={max_memory_gb} must be positive (or null: 90% of each GPU's free memory)")
+
+
 def device_budgets(sizes: Mapping[str, int], free: Mapping[str, int], strategy: str) -> dict[str, int]:
     """Bytes each device may take: Accelerate's `get_balanced_memory` for auto, balanced and balanced_low_0.
 
@@ -26,8 +34,7 @@ def device_budgets(sizes: Mapping[str, int], free: Mapping[str, int], strategy: 
     (so the blocks do not spill onto the last device); balanced_low_0 shares the model among the other
     devices and leaves device 0 only what they cannot hold; sequential caps nothing.
     """
-    if strategy not in STRATEGIES:
-        raise UserError(f"device_map={strategy}: valid values are {', '.join(STRATEGIES)}")
+    check_device_map(strategy, None)
     budgets = {d: max(0, int(b)) for d, b in free.items()}
     usable = [d for d, b in budgets.items() if b > 0]
     if strategy == "sequential" or len(usable) < 2:

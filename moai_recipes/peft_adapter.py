@@ -8,6 +8,7 @@ permutes the q and k rows for RoPE), so it matches what `peft`'s merge_and_unloa
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,10 +18,12 @@ from safetensors.torch import load_file
 
 from moai_recipes.errors import UserError
 from moai_recipes.hf_checkpoint import HFCheckpoint, convert_names
+from moai_recipes.hub import resolve_checkpoint_dir
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # PEFT's wrapper around the Hugging Face model
 _KINDS = {".lora_A.weight": 0, ".lora_B.weight": 1}
+_HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name of a Hugging Face Hub repository
 # Settings whose effect a plain W + scale * B @ A merge cannot reproduce: refused, not ignored.
 _UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "modules_to_save": None, "rank_pattern": {},
                 "alpha_pattern": {}}
@@ -61,6 +64,27 @@ class PeftAdapter:
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         return cls(folder=folder, base_model=config.get("base_model_name_or_path"), rank=rank, alpha=alpha, scale=scale,
                    weights={m: (a, b) for m, (a, b) in pairs.items()})
+
+    @property
+    def base_on_hub(self) -> bool:
+        """Whether the base adapter_config.json names is a Hub name (not a folder here): base_model_dir downloads it."""
+        base = self.base_model or ""
+        return not Path(base).expanduser().is_dir() and bool(_HUB_NAME.fullmatch(base))
+
+    def base_model_dir(self) -> Path:
+        """The folder of the base model adapter_config.json names: a local folder, or a Hub name (its cached
+        copy, or a download), as peft's AutoPeftModel reads base_model_name_or_path."""
+        base = self.base_model
+        if base and Path(base).expanduser().is_dir():
+            return Path(base).expanduser().resolve()
+        if self.base_on_hub:
+            try:
+                return resolve_checkpoint_dir(name=base, checkpoint_dir=None, hf_repo=base)
+            except UserError as e:  # "model=NAME: could not get ..." would name a model= the user never typed
+                raise UserError(f"{self.folder / CONFIG} names the base model {base}: "
+                                f"{str(e).partition(': ')[2]}") from None
+        raise UserError(f"{self.folder / CONFIG} names the base model {base!r}, which is not a folder here; "
+                        "set model.checkpoint_dir=DIR to the base model's folder")
 
     def check_base(self, ckpt: HFCheckpoint) -> None:
         """UserError unless every adapted module is a weight of `ckpt` with the adapter's shapes."""

@@ -99,8 +99,9 @@ def recipe_of(path: Path) -> str:
 
 def validate(config: str, overrides: list[str]) -> Iterator[str]:
     """Compose `config` (a recipe's name or a config file) with `overrides` and check what a run reads before
-    its first step: the flavor, the checkpoint folder, the tokenizer, the data, the output folder.
-    Yields a line per check passed; the first failure is a UserError."""
+    its first step: the flavor, the checkpoint folder, the tokenizer, the data, the output folder (generate: the
+    sampling settings, the adapter and its base). Yields a line per check passed, then OK; the first failure is a
+    UserError."""
     path = Path(config).expanduser()
     if config in recipes():
         recipe, argv, source = config, list(overrides), CONFIG_DIR / f"{config}.yaml"
@@ -112,33 +113,66 @@ def validate(config: str, overrides: list[str]) -> Iterator[str]:
                         f"is checked within a recipe's: moai validate full_finetune model=mistral")
     cfg = load_config(recipe, argv)
     yield f"Config {source} composes for recipes.{recipe}; values valid"
+    yield from _check_inputs(recipe, cfg)
+    yield "OK: nothing wrong found." + ("" if recipe == "generate" else
+                                        " Whether it fits in memory, and how it would run: python -m recipes.plan "
+                                        "with the same overrides (method=lora for LoRA)")
+
+
+def _check_inputs(recipe: str, cfg) -> Iterator[str]:
+    """What `recipe` reads before it starts, checked; a line per check passed."""
     # Imported only now: torch and torchtune take seconds, which a mistake in the config need not wait for.
     from moai_recipes.data import load_dataset
+    from moai_recipes.device_map import check_device_map
     from moai_recipes.flavors import resolve_flavor
+    from moai_recipes.generation import sampling_options
     from moai_recipes.hf_checkpoint import HFCheckpoint
     from moai_recipes.hub import resolve_checkpoint_dir
     from moai_recipes.lora import lora_options
     from moai_recipes.models import spec_for
     from moai_recipes.outputs import check_output_dir
+    from moai_recipes.peft_adapter import PeftAdapter
     from moai_recipes.tokenizer import Tokenizer
 
     flavor = resolve_flavor(**cfg.flavor) if "flavor" in cfg else None
     if flavor:
         yield f"Flavor {flavor.describe()}"
+    adapter = None
+    if recipe == "generate":  # what recipes.generate checks before it reads a weight (the prompt comes when it runs)
+        s = sampling_options(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+        check_device_map(cfg.device_map, cfg.max_memory_gb)
+        how = "greedy" if s.temperature == 0 else (f"temperature {s.temperature:g}, top_p {s.top_p:g}"
+                                                    + (f", top_k {s.top_k}" if s.top_k else ""))
+        yield f"Sampling: {how}, up to {s.max_new_tokens} new tokens; device_map {cfg.device_map}"
+        adapter = PeftAdapter.open(cfg.adapter_dir) if cfg.adapter_dir else None
     if "model" not in cfg:
         return
     m = cfg.model
-    if not m.checkpoint_dir and m.name != "tiny" and m.hf_repo:
+    if adapter and not m.checkpoint_dir:  # generate's base: the one adapter_config.json names
+        if adapter.base_on_hub:
+            yield (f"Adapter {adapter.folder}: r={adapter.rank} on the base {adapter.base_model}, which the first run "
+                   "downloads from the Hugging Face Hub (not checked here; model.checkpoint_dir=DIR checks a local copy)")
+            return
+        folder = adapter.base_model_dir()
+    elif not m.checkpoint_dir and m.name != "tiny" and m.hf_repo:
         spec = spec_for(architecture=m.architecture, checkpoint_dir=None)
         yield (f"Model {m.name}: {spec.family}, {spec.num_params() / 1e9:.3g}B parameters; the first run downloads "
                f"{m.hf_repo} from the Hugging Face Hub (not checked here; model.checkpoint_dir=DIR checks a local copy)")
         return
-    folder = resolve_checkpoint_dir(name=m.name, checkpoint_dir=m.checkpoint_dir, hf_repo=m.hf_repo)
+    else:
+        folder = resolve_checkpoint_dir(name=m.name, checkpoint_dir=m.checkpoint_dir, hf_repo=m.hf_repo)
     ckpt = HFCheckpoint.open(folder)  # config.json, the weights' files, names and dtypes
-    spec = spec_for(architecture=m.architecture, checkpoint_dir=ckpt.folder)  # of the family the model name says
+    # Training recipes build the family the model name says; generate, like transformers, whatever config.json says.
+    spec = ckpt.spec if recipe == "generate" else spec_for(architecture=m.architecture, checkpoint_dir=ckpt.folder)
     tokenizer = Tokenizer.from_checkpoint(ckpt.folder)
-    yield (f"Model {m.name} from {ckpt.folder}: {spec.family}, {spec.num_params() / 1e6:.1f}M parameters in "
-           f"{len(ckpt.files)} safetensors file(s), tokenizer of {tokenizer.vocab_size} tokens")
+    yield (f"Model {'' if recipe == 'generate' else m.name + ' '}from {ckpt.folder}: {spec.family}, "
+           f"{spec.num_params() / 1e6:.1f}M parameters in {len(ckpt.files)} safetensors file(s), tokenizer of "
+           f"{tokenizer.vocab_size} tokens")
+    if adapter:
+        adapter.check_base(ckpt)
+        yield (f"Adapter {adapter.folder}: r={adapter.rank}, alpha={adapter.alpha:g} on {len(adapter.weights)} "
+               "weights of this base")
     if "lora" in cfg and cfg.get("method", "lora") == "lora":
         lora_options(**cfg.lora, spec=spec, world_size=flavor.num_devices if flavor else 1)
         lora = cfg.lora

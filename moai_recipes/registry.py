@@ -4,8 +4,10 @@ A run is one file, `<moai_home>/runs/<host>-<pid>.json`, written when the recipe
 when it ends, normally or by an exception (a user error, Ctrl-C, a crash in Python). A run killed
 outright (kill -9, the kernel's OOM killer) cannot remove its file: `running()` drops the files of
 this machine's processes that are gone (a home shared by several nodes holds theirs too). The
-workers a recipe launches inherit MOAI_JOB_ID and do not register again; smi counts them in their
-launcher's process tree. Test: `python -m pytest tests/test_cli.py -q`.
+workers a recipe launches inherit MOAI_JOB_ID and register as its workers: while their launcher
+lives, smi counts them in its process tree (one row per job); a launcher killed outright can leave
+them running, and then they are listed on their own, so that what still trains stays in sight.
+Test: `python -m pytest tests/test_cli.py -q`.
 """
 
 import json
@@ -25,6 +27,7 @@ from moai_recipes.files import write_json
 from moai_recipes.settings import moai_home
 
 JOB_ENV = "MOAI_JOB_ID"
+LAUNCHER_ENV = "MOAI_JOB_PID"  # the pid of the job's listed process, for the workers it starts
 
 
 @dataclass(frozen=True)
@@ -37,36 +40,44 @@ class Run:
     flavor: str  # display name: 4xLarge.2048GB, cpu-2
     device_kind: str  # gpu | cpu: where smi reads the memory
     total_memory_gb: float
+    launcher: int | None = None  # a worker's: the pid of its job's listed process; None: the listed process
 
 
 def runs_dir() -> Path:
     return moai_home() / "runs"
 
 
-def _register(flavor: Flavor) -> Path | None:
+def _register(flavor: Flavor, launcher: int | None) -> Path | None:
     me = psutil.Process()
-    run = Run(job_id=str(100000 + secrets.randbelow(900000)), host=socket.gethostname(), pid=me.pid, create_time=me.create_time(),
+    job_id = os.environ[JOB_ENV] if launcher else str(100000 + secrets.randbelow(900000))
+    run = Run(job_id=job_id, host=socket.gethostname(), pid=me.pid, create_time=me.create_time(),
               command=shlex.join(["python", *sys.orig_argv[1:]]), flavor=flavor.name, device_kind=flavor.device.kind,
-              total_memory_gb=flavor.total_memory_gb)
+              total_memory_gb=flavor.total_memory_gb, launcher=launcher)
     path = runs_dir() / f"{run.host}-{run.pid}.json"
     try:
         write_json(path, asdict(run))
     except OSError as e:  # a read-only home must not stop a training run
         print(f"warning: cannot register the run in {path.parent} ({e}); `moai smi` will not list it", file=sys.stderr)
         return None
-    os.environ[JOB_ENV] = run.job_id  # inherited by the workers we launch
+    if launcher is None:  # inherited by the workers we launch
+        os.environ.update({JOB_ENV: run.job_id, LAUNCHER_ENV: str(run.pid)})
     return path
 
 
 @contextmanager
 def registered(flavor: Flavor):
-    """List this process in `moai smi` while the block runs (unless a launcher that is listed started it)."""
-    path = None if os.environ.get(JOB_ENV) else _register(flavor)
+    """List this process in `moai smi` while the block runs: as a job, or as a worker of the listed job that
+    started it (smi shows a worker on its own only once that job's process is gone)."""
+    job, launcher = os.environ.get(JOB_ENV), os.environ.get(LAUNCHER_ENV)
+    launcher = int(launcher) if job and launcher else None
+    path = None if job and launcher is None else _register(flavor, launcher)
     try:
         yield
     finally:
         if path is not None:
-            os.environ.pop(JOB_ENV, None)
+            if launcher is None:
+                os.environ.pop(JOB_ENV, None)
+                os.environ.pop(LAUNCHER_ENV, None)
             path.unlink(missing_ok=True)
 
 
@@ -79,7 +90,8 @@ def _alive(run: Run) -> bool:
 
 
 def running() -> list[Run]:
-    """The registered runs whose process lives, oldest first; the files of dead ones are removed."""
+    """The registered runs whose process lives, oldest first (workers whose job's process is gone included);
+    the files of dead ones are removed."""
     runs = []
     for path in runs_dir().glob("*.json"):
         try:
@@ -94,7 +106,9 @@ def running() -> list[Run]:
             runs.append(run)
         else:
             path.unlink(missing_ok=True)
-    return sorted(runs, key=lambda r: r.create_time)
+    # A worker is part of its job's row while the job's process lives (smi measures that process's tree).
+    listed = {r.pid for r in runs if r.launcher is None}
+    return sorted((r for r in runs if r.launcher not in listed), key=lambda r: r.create_time)
 
 
 def process_tree(pid: int) -> list[psutil.Process]:

@@ -45,7 +45,12 @@ def save_flavor(option: str) -> None:
         settings = _read()
     except UserError:  # a damaged file: the user's choice now replaces it
         settings = {}
-    write_json(moai_home() / SETTINGS, {**settings, "flavor": option})
+    path = moai_home() / SETTINGS
+    try:
+        write_json(path, {**settings, "flavor": option})
+    except OSError as e:  # nothing was replaced: the earlier choice (if any) still holds
+        raise UserError(f"cannot save the default flavor in {path} ({e.strerror or e}); set MOAI_HOME to a folder "
+                        "you can write, or name the flavor on each command line (flavor=NAME)") from None
 
 
 def switched_flavor(overrides: list[str]) -> list[str]:

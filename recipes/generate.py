@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from moai_recipes.config import load_config
-from moai_recipes.device_map import (STRATEGIES, block_sizes, describe, dispatch, free_memory, kv_cache_bytes,
+from moai_recipes.device_map import (block_sizes, check_device_map, describe, dispatch, free_memory, kv_cache_bytes,
                                     place_blocks, setup_caches)
 from moai_recipes.entry import model_source
 from moai_recipes.errors import UserError, exit_on_user_error
@@ -36,13 +36,7 @@ def base_checkpoint_dir(cfg: DictConfig, adapter: PeftAdapter | None) -> Path:
     """model.checkpoint_dir (or the model's default); for an adapter without one, the base its config names."""
     if cfg.model.checkpoint_dir or adapter is None:
         return resolve_checkpoint_dir(**model_source(cfg))
-    base = adapter.base_model
-    if base and Path(base).expanduser().is_dir():
-        return Path(base).expanduser().resolve()
-    if base and base == cfg.model.hf_repo:  # model=<name> of the Hub base: download it
-        return resolve_checkpoint_dir(**model_source(cfg))
-    raise UserError(f"{adapter.folder}/adapter_config.json names the base model {base!r}, which is not a folder here; "
-                    "set model.checkpoint_dir=DIR to the base model's folder")
+    return adapter.base_model_dir()
 
 
 def generate(cfg: DictConfig, *, prompt: str | None) -> tuple[Tokenizer, list[int]]:
@@ -54,10 +48,7 @@ def generate(cfg: DictConfig, *, prompt: str | None) -> tuple[Tokenizer, list[in
                                 max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     if not prompt:
         raise UserError('prompt="..." is required: the text to answer (chat=true) or to continue (chat=false)')
-    if cfg.device_map not in STRATEGIES:
-        raise UserError(f"device_map={cfg.device_map}: valid values are {', '.join(STRATEGIES)}")
-    if cfg.max_memory_gb is not None and cfg.max_memory_gb <= 0:
-        raise UserError(f"max_memory_gb={cfg.max_memory_gb} must be positive (or null: 90% of each GPU's free memory)")
+    check_device_map(cfg.device_map, cfg.max_memory_gb)
 
     # 2. The checkpoint and the adapter, described and matched before any weight is read.
     adapter = PeftAdapter.open(cfg.adapter_dir) if cfg.adapter_dir else None

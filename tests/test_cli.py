@@ -94,6 +94,12 @@ def test_a_bad_choice_says_what_is_valid_and_changes_nothing(home):
     assert json.loads((home / "settings.json").read_text()) == {"flavor": "cpu-2"}
 
 
+def test_a_home_that_cannot_be_written_is_a_clean_error(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    env = {**os.environ, "MOAI_HOME": str(tmp_path / "a-file" / "home")}  # its parent is a file: no folder there
+    clean_error(moai("switch", "cpu-2", env=env), "cannot save the default flavor", "MOAI_HOME", "flavor=NAME")
+
+
 class Terminal:
     """A process on a pseudo-terminal, driven as a person at the keyboard would."""
 
@@ -169,6 +175,57 @@ def test_smi_counts_the_memory_of_the_workers_a_run_launched():
         launcher.wait()
 
 
+# A launcher whose workers register as a recipe's do (run_recipe enters `registered` in every process).
+REGISTERING_LAUNCHER = """
+import subprocess, sys, time
+from moai_recipes.flavors import resolve_flavor
+from moai_recipes.registry import registered
+worker = '''
+import time
+from moai_recipes.flavors import resolve_flavor
+from moai_recipes.registry import registered
+with registered(resolve_flavor(name="cpu-2", device="cpu", memory_gb=None, processes=2, device_memory_gb=None)):
+    print("up", flush=True)
+    time.sleep(120)
+'''
+with registered(resolve_flavor(name="cpu-2", device="cpu", memory_gb=None, processes=2, device_memory_gb=None)):
+    workers = [subprocess.Popen([sys.executable, "-c", worker], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    [w.stdout.readline() for w in workers]
+    print(*[w.pid for w in workers], flush=True)
+    time.sleep(120)
+"""
+
+
+def test_workers_left_running_by_a_killed_launcher_stay_listed_until_they_end():
+    launcher = subprocess.Popen([sys.executable, "-c", REGISTERING_LAUNCHER], cwd=ROOT, stdout=subprocess.PIPE,
+                                text=True)
+    workers = []
+    try:
+        workers = [int(pid) for pid in launcher.stdout.readline().split()]
+        assert len(workers) == 2, workers
+        job = [r for r in running() if r.pid == launcher.pid]
+        assert len(job) == 1 and [r.pid for r in running()] == [launcher.pid]  # one row: the workers are its tree
+        launcher.kill()  # kill -9 the launcher alone: its workers live on (as torch's elastic workers do)
+        launcher.wait()
+        orphans = running()
+        assert sorted(r.pid for r in orphans) == sorted(workers) and {r.job_id for r in orphans} == {job[0].job_id}
+        out = moai("smi").stdout
+        assert all(job[0].job_id in table_row(out, str(pid)) for pid in workers), out
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 30
+    while running() and time.monotonic() < deadline:  # the orphans are reaped by init, not by us
+        time.sleep(0.2)
+    assert running() == [] and not list(runs_dir().glob("*.json"))
+
+
 @pytest.mark.slow
 def test_smi_shows_a_running_recipe_and_forgets_it_once_killed(tmp_path):
     out_dir = tmp_path / "run"
@@ -223,6 +280,27 @@ def test_gpu_figures_come_from_the_driver_tool(tmp_path, monkeypatch):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+FAKE_ROCM_SMI = """#!/bin/sh
+echo '{"card0": {"GPU use (%)": "100", "VRAM Total Memory (B)": "68702699520", "VRAM Total Used Memory (B)": "21474836480"},
+       "card1": {"GPU use (%)": "50", "VRAM Total Memory (B)": "68702699520", "VRAM Total Used Memory (B)": "10737418240"},
+       "system": {"Driver version": "6.7.0"}}'
+"""
+
+
+def test_amd_figures_come_from_rocm_smi(tmp_path, monkeypatch):
+    from moai_recipes import gpu_stats
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "rocm-smi").write_text(FAKE_ROCM_SMI)
+    (bin_dir / "rocm-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))  # no nvidia-smi, whatever this machine has
+    monkeypatch.setattr(gpu_stats, "_nvml", lambda: None)
+    gpus = read_gpus()
+    assert (gpus.used_mib, gpus.total_mib, gpus.utilization) == (30 * 1024, 2 * 65520, 75)
+    assert gpus.per_pid_mib is None  # rocm-smi does not tell: smi shows the GPUs' figure for the device
 
 
 def test_ls_lists_the_recipes_and_the_options_of_each_group():
@@ -285,6 +363,28 @@ def test_validate_checks_the_checkpoint_folder_has_what_the_model_needs(tmp_path
     next(folder.glob("*.safetensors")).unlink()
     code, out = validate_here(capsys, "lora_finetune", "model=mistral", f"model.checkpoint_dir={folder}")
     assert code == 2 and "no *.safetensors weights" in out
+
+
+def test_validate_checks_what_generate_reads_an_adapter_and_its_base_included(tmp_path, capsys):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    qwen = make_hf_checkpoint(tmp_path / "qwen2", "qwen2")
+    code, out = validate_here(capsys, "generate", f"model.checkpoint_dir={qwen}", "temperature=0.7")
+    assert code == 0 and f"Model from {qwen}: qwen2" in out and "temperature 0.7" in out, out  # any family, as generate
+    assert "\nOK: nothing wrong found.\n" in out and "recipes.plan" not in out  # no training hint for generate
+    adapter = tmp_path / "adapter"  # made by peft itself; its config names the qwen2 folder as its base
+    get_peft_model(AutoModelForCausalLM.from_pretrained(str(qwen)), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+                   ).save_pretrained(adapter)
+    code, out = validate_here(capsys, "generate", f"adapter_dir={adapter}")
+    assert code == 0 and f"Model from {qwen}" in out and f"Adapter {adapter}: r=4" in out, out
+    other = make_hf_checkpoint(tmp_path / "llama", "llama", hidden=128)
+    code, out = validate_here(capsys, "generate", f"adapter_dir={adapter}", f"model.checkpoint_dir={other}")
+    assert code == 2 and "trained for another base model" in out, out
+    for bad, words in (("temperature=-1", "temperature=-1"), ("device_map=spread", "balanced_low_0"),
+                       ("top_p=0", "top_p=0"), ("adapter_dir=/nonexistent", "adapter_dir=/nonexistent")):
+        code, out = validate_here(capsys, "generate", f"model.checkpoint_dir={qwen}", bad)
+        assert code == 2 and words in out, (bad, out)
 
 
 def test_run_starts_a_recipe_from_any_folder_and_passes_its_command_line(tmp_path):

@@ -104,6 +104,28 @@ def test_the_adapter_finds_its_base_and_generates_as_peft_does_token_for_token(r
 
 
 @pytest.mark.slow
+def test_an_adapter_whose_base_is_a_hub_name_finds_it_in_the_hub_cache(runs, tmp_path):
+    # What peft does with base_model_name_or_path "owner/name": here offline, from a Hub cache made by hand.
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--me--tiny-facts" / "snapshots" / ("0" * 40)
+    shutil.copytree(runs.model, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    for name, base in (("cached", "me/tiny-facts"), ("missing", "me/never-downloaded")):
+        adapter = tmp_path / name
+        shutil.copytree(runs.adapter, adapter)
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}))
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    r = run_recipe(f"adapter_dir={tmp_path / 'cached'}", f"prompt={FRANCE}", module="recipes.generate", env=env)
+    assert r.returncode == 0 and "Paris" in r.stdout and f"Model {snapshot}" in r.stderr, r.stdout + r.stderr
+    r = run_recipe(f"adapter_dir={tmp_path / 'missing'}", f"prompt={FRANCE}", module="recipes.generate", env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    for words in ("names the base model me/never-downloaded: could not get", "HF_HUB_OFFLINE", "model.checkpoint_dir=DIR"):
+        assert words in r.stderr, r.stderr
+
+
+@pytest.mark.slow
 def test_sampling_is_reproducible_and_its_limits_are_greedy(runs):
     model = f"model.checkpoint_dir={runs.model}"
     prompt = 'Say "hi", then: ${x} null, 42'  # taken as typed, not as Hydra syntax

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import make_hf_checkpoint
-from tests.test_full_finetune import metrics, run_recipe
+from tests.test_full_finetune import metrics, run_recipe, tensors
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +26,11 @@ def lora(*args, **kw):
     return run_recipe(*args, module="recipes.lora_finetune", **kw)
 
 
-@pytest.mark.parametrize("family, flavor, tie", [("llama", "cpu-2", False), ("qwen2", "cpu", True), ("mistral", "cpu", False)])
-def test_peft_loads_the_adapter_and_it_matches_the_merged_model(tmp_path, data_file, family, flavor, tie):
-    from peft import PeftModel
+# Every family, with and without the output projection adapted (a tied output cannot be: see below).
+@pytest.mark.parametrize("family, flavor, tie, output", [("llama", "cpu-2", False, True), ("qwen2", "cpu", True, False),
+                                                         ("qwen2", "cpu", False, True), ("mistral", "cpu", False, True)])
+def test_peft_loads_the_adapter_and_it_matches_the_merged_model(tmp_path, data_file, family, flavor, tie, output):
+    from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
     ckpt = make_hf_checkpoint(tmp_path / "base", family, tie=tie)
@@ -36,13 +38,16 @@ def test_peft_loads_the_adapter_and_it_matches_the_merged_model(tmp_path, data_f
     r = lora(f"model.checkpoint_dir={ckpt}", f"flavor={flavor}", "dataset=instruct", f"dataset.path={data_file}",
              "max_steps=3", "batch_size=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "logger=stdout",
              "lora.attn_modules=[q_proj,k_proj,v_proj,output_proj]", "lora.apply_to_mlp=true", "lora.rank=4",
-             f"output_dir={out}")
+             f"lora.apply_to_output={str(output).lower()}", f"output_dir={out}")
     assert r.returncode == 0, r.stdout + r.stderr
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 16.0 and config["base_model_name_or_path"] == str(ckpt)
-    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert config["lora_dropout"] == 0.0
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj", *(["lm_head"] if output else [])}
     names = load_file(out / "adapter" / "adapter_model.safetensors").keys()
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in names
+    assert ("base_model.model.lm_head.lora_B.weight" in names) == output
 
     tokens = torch.randint(0, 300, (2, 12))
     base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
@@ -50,8 +55,19 @@ def test_peft_loads_the_adapter_and_it_matches_the_merged_model(tmp_path, data_f
         base_logits = base(tokens).logits
         peft_logits = PeftModel.from_pretrained(base, out / "adapter")(tokens).logits
         merged_logits = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32)(tokens).logits
+        # base_model_name_or_path is usable as it is: peft's Auto class finds the base through it alone.
+        auto_logits = AutoPeftModelForCausalLM.from_pretrained(out / "adapter", dtype=torch.float32)(tokens).logits
     torch.testing.assert_close(peft_logits, merged_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(auto_logits, peft_logits, atol=0, rtol=0)
     assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapter changed the model
+
+    # Only the adapters trained (at lr 1e-2 with weight decay): every weight no adapter touches is the base's
+    # bit for bit in the merged model, and every adapted one moved.
+    adapted = {n.removeprefix("base_model.model.").replace(".lora_A", "") for n in names if ".lora_A." in n}
+    before, merged = tensors(ckpt), tensors(out / "model")
+    assert before.keys() == merged.keys() and adapted <= before.keys()
+    for name in before:
+        assert torch.equal(before[name], merged[name]) == (name not in adapted), name
 
 
 def test_only_adapters_train_and_losses_agree_across_flavors(tmp_path, hf_checkpoints, data_file):
@@ -62,13 +78,45 @@ def test_only_adapters_train_and_losses_agree_across_flavors(tmp_path, hf_checkp
     for name, extra in {"cpu": ["flavor=cpu"], "cpu-2": ["flavor=cpu-2"], "mbs1": ["plan.micro_batch_size=1"]}.items():
         r = lora(*common, *extra, f"output_dir={tmp_path / name}")
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "Trainable: 0.0" in r.stdout
+        assert "Trainable: 0.0" in r.stdout and "[Step 4/4] | Loss: " in r.stdout and "tokens/sec" in r.stdout
         losses[name] = [row["loss"] for row in metrics(tmp_path / name)]
         assert not (tmp_path / name / "model").exists() and (tmp_path / name / "adapter").exists()
+        for output in ("loss.png", "plan.json", "config.yaml"):  # what the full fine-tuning recipe writes, too
+            assert (tmp_path / name / output).is_file(), output
     assert losses["cpu"][-1] < losses["cpu"][0]
     for name, got in losses.items():
+        assert len(got) == 4
         for a, b in zip(losses["cpu"], got):
             assert abs(a - b) <= 1e-4 * abs(a), (name, losses)
+
+
+def test_lora_dropout_applies_in_training_and_the_adapter_config_says_so(tmp_path, hf_checkpoints, data_file):
+    common = [f"model.checkpoint_dir={hf_checkpoints['llama']}", "dataset=instruct", f"dataset.path={data_file}",
+              "batch_size=6", "max_steps=3", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "save_merged=false",
+              "flavor=cpu", "sample_max_new_tokens=0"]
+    losses = {}
+    for dropout, logger in ((0.0, "stdout"), (0.5, "wandb")):  # W&B (offline here) records LoRA runs too
+        out = tmp_path / f"dropout-{dropout}"
+        r = lora(*common, f"lora.dropout={dropout}", f"logger={logger}", f"output_dir={out}")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert json.loads((out / "adapter" / "adapter_config.json").read_text())["lora_dropout"] == dropout
+        losses[dropout] = [row["loss"] for row in metrics(out)]
+    assert list((tmp_path / "dropout-0.5" / "wandb").glob("offline-run-*"))
+    # B starts at zero, so the first step cannot tell; from the second on, the adapters trained on dropped inputs.
+    assert losses[0.5][0] == pytest.approx(losses[0.0][0], rel=1e-6)
+    assert all(abs(a - b) > 1e-4 * abs(a) for a, b in zip(losses[0.0][1:], losses[0.5][1:])), losses
+
+
+def test_an_adapter_on_a_tied_output_is_refused():
+    from moai_recipes.errors import UserError
+    from moai_recipes.lora import lora_options
+    from moai_recipes.models import spec_from_hf_config
+
+    spec = spec_from_hf_config(dict(model_type="qwen2", vocab_size=384, hidden_size=64, intermediate_size=160,
+                                    num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=True))
+    with pytest.raises(UserError, match=r"apply_to_output=true is not possible .*\(tie_word_embeddings\)"):
+        lora_options(attn_modules=["q_proj"], apply_to_mlp=False, apply_to_output=True, rank=4, alpha=8, dropout=0.0,
+                     quantize_base=False, spec=spec)
 
 
 @pytest.mark.parametrize("args, words", [
