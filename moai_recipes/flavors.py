@@ -63,8 +63,9 @@ class Flavor:
 
     def describe(self) -> str:
         cards = ""
-        if self.device.per_card > 1:
-            cards = f" ({self.num_devices // self.device.per_card} {self.device.name.upper()} cards)"
+        if self.device.per_card > 1:  # Small.64GB is half an MI250 card
+            count = self.num_devices / self.device.per_card
+            cards = f" ({count:g} {self.device.name.upper()} card{'' if count == 1 else 's'})"
         return (f"{self.name}: {self.num_devices} x {self.device.name} device{'s' if self.num_devices > 1 else ''}"
                 f"{cards}, {self.device_memory_gb:.4g} GB each, {self.total_memory_gb:.5g} GB in all")
 

@@ -25,6 +25,16 @@ def resolve_checkpoint_dir(*, name: str, checkpoint_dir: str | None, hf_repo: st
     return _download(name, hf_repo)
 
 
+def base_model_name(folder: Path, hf_repo: str | None) -> str:
+    """How a PEFT adapter names its base: the Hub repository when the weights are its snapshot in the
+    Hugging Face cache (downloaded for the run), otherwise the local folder the run trained on."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    if hf_repo and Path(folder).resolve().is_relative_to(Path(HF_HUB_CACHE).resolve()):
+        return hf_repo
+    return str(folder)
+
+
 def _download(name: str, repo: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -34,5 +44,5 @@ def _download(name: str, repo: str) -> Path:
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
         offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
         raise UserError(f"model={name}: could not get {repo} from the Hugging Face Hub{offline}: "
-                        f"{str(e).splitlines()[0]}. Download it (huggingface-cli download {repo} --local-dir DIR; "
+                        f"{str(e).splitlines()[0].rstrip('.')}. Download it (huggingface-cli download {repo} --local-dir DIR; "
                         f"gated models need `huggingface-cli login`) and pass model.checkpoint_dir=DIR") from None

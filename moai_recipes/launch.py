@@ -8,6 +8,7 @@ each running the same command; with one process it just runs.
 
 import logging
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -23,6 +24,7 @@ from moai_recipes.errors import EXIT_USER_ERROR, UserError
 
 # A run stopped on SIGTERM/SIGINT at a step boundary, its state saved: not a failure to retry.
 EXIT_STOPPED = 0
+LAUNCHER_ENV = "MOAI_LAUNCHER_PID"  # set for the workers our launcher starts
 from moai_recipes.flavors import Flavor, local_capacity
 
 
@@ -95,6 +97,7 @@ def relaunch(flavor: Flavor, module: str, argv: list[str]) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     n = flavor.num_devices
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers stop with us (stop_with_launcher)
     # Each worker gets its share of the cores, as torchrun would, instead of oversubscribing them.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
@@ -128,10 +131,29 @@ def decided_by_main(world: World, decide):
     return box[0]
 
 
+def stop_with_launcher() -> None:
+    """In a worker our launcher started: receive SIGTERM when the launcher dies, even by kill -9.
+
+    Otherwise the workers of a killed launcher train on unseen, and the same command run again would
+    put a second group in the same folder. SIGTERM is what a scheduler's preemption sends: the run
+    saves a checkpoint at the next step boundary and stops (training.train_loop). Linux only.
+    """
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(launcher):  # it died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 @contextmanager
 def distributed(flavor: Flavor):
     """Initialise the process group (gloo on CPU, NCCL/RCCL on GPUs) and a 1-D mesh; tear it down after."""
     if in_launched_world():
+        stop_with_launcher()
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     else:

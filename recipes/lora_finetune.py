@@ -19,6 +19,7 @@ from moai_recipes.entry import run_recipe
 from moai_recipes.errors import exit_on_user_error
 from moai_recipes.flavors import Flavor
 from moai_recipes.hf_checkpoint import load_weights, save_weights
+from moai_recipes.hub import base_model_name
 from moai_recipes.inputs import describe_inputs, read_inputs
 from moai_recipes.launch import World, decided_by_main
 from moai_recipes.lora import freeze_base, gather_adapters, init_adapters, lora_options, merge_into, save_adapter
@@ -92,7 +93,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     adapters = gather_adapters(model)
     if world.is_main:
         save_adapter(adapters, opts=opts, ckpt=inputs.ckpt, out_dir=inputs.out / "adapter",
-                     base_model=cfg.model.hf_repo or str(inputs.ckpt.folder))
+                     base_model=base_model_name(inputs.ckpt.folder, cfg.model.hf_repo))
     if cfg.save_merged:
         save_weights(model, inputs.ckpt, inputs.out / "model", rank=world.rank,
                      transform=merge_into(adapters, opts.scale))

@@ -164,3 +164,26 @@ def test_a_worker_that_dies_while_exiting_a_finished_run_loses_nothing(tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "a worker failed while exiting" in r.stderr and "restarting" not in r.stdout
     assert (out / "model" / "config.json").exists() and (out / "loss.png").exists() and len(metrics(out)) == 4
+
+
+def test_a_killed_launcher_takes_its_workers_down_with_a_checkpoint(tmp_path, reference):
+    """kill -9 of the launcher (no signal handler runs there): its workers must not train on unseen; they
+    stop as if preempted, saving the step they reached, and the same command finishes the run exactly."""
+    out = tmp_path / "run"
+    env = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1"}
+    with open(tmp_path / "log", "w") as log:  # a file, not a pipe: nobody reads it once the launcher is gone
+        proc = subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *COMMON, "flavor=cpu-2",
+                                 f"output_dir={out}"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wait_for_step(out, 3, proc)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "recipes.full_finetune" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        proc.kill()
+        proc.wait()
+        _, alive = psutil.wait_procs(workers, timeout=120)
+    assert not alive, (tmp_path / "log").read_text()
+    done = len(metrics(out))
+    assert done < 12 and int(sorted((out / "checkpoints").glob("step-*"))[-1].name[5:]) == done
+    r = run_recipe(*COMMON, "flavor=cpu-2", f"output_dir={out}")
+    assert r.returncode == 0 and f"continuing at step {done + 1}" in r.stdout, r.stdout + r.stderr
+    assert losses(out) == losses(reference)

@@ -3,6 +3,7 @@ loads, the same losses on any flavor. Run: pytest tests/test_lora_finetune.py  (
 QLoRA alone: -k qlora)"""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,3 +235,16 @@ def test_qlora_trains_alike_on_cpu_and_cpu_2_and_peft_loads_its_adapter(tmp_path
     torch.testing.assert_close(on_nf4, merged, atol=1e-4, rtol=1e-4)
     # On the original base, the adapter loads like any other; the logits then differ by NF4's error only.
     assert (on_original - merged).norm() < 0.3 * merged.norm() and (on_original - original).abs().max() > 1e-2
+
+
+def test_the_adapter_names_its_base_as_the_run_found_it(tmp_path):
+    """A Hub download is named by its repository (peft fetches it again); a local folder by its path, even
+    when the model config names a Hub repository (a custom model must not be swapped for the Hub's)."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    from moai_recipes.hub import base_model_name
+
+    snapshot = Path(HF_HUB_CACHE) / "models--meta-llama--Llama-3.1-8B" / "snapshots" / "abc123"
+    assert base_model_name(snapshot, "meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"
+    assert base_model_name(tmp_path, "meta-llama/Llama-3.1-8B") == str(tmp_path)
+    assert base_model_name(tmp_path, None) == str(tmp_path)
