@@ -2,9 +2,11 @@
 
 With a large vocabulary the logits dominate a step's memory: 8K tokens x 128K entries are 4 GB in
 fp32, and the loss's backward holds two or three such tensors. `chunked=True` never makes them
-whole: the model stops at its final norm, and the output projection and the loss run on
-CHUNK_TOKENS tokens at a time, each chunk recomputed in the backward pass (one extra forward of
-the output projection: about 2% of a Llama-3-8B step). The loss and the gradients are the same.
+whole: the model stops after its last layer, and the final norm, the output projection and the loss
+run on CHUNK_TOKENS tokens at a time, each chunk recomputed in the backward pass (one extra forward
+of the output projection: about 2% of a Llama-3-8B step). The norm works token by token, so it
+chunks exactly, and its backward's fp32 temporaries stay a chunk's size too. The loss and the
+gradients are the same.
 Test: `python -m pytest tests/test_loss.py -q`.
 """
 
@@ -24,13 +26,13 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def chunked_cross_entropy_sum(project, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """cross_entropy_sum(project(hidden), labels), CHUNK_TOKENS tokens at a time, each chunk recomputed in
-    the backward pass so that only one chunk's logits ever exist."""
+def chunked_cross_entropy_sum(head, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """cross_entropy_sum(head(hidden), labels), CHUNK_TOKENS tokens at a time, each chunk recomputed in the
+    backward pass so that only one chunk's logits ever exist. `head` must work token by token."""
     hidden, labels = hidden.flatten(0, -2), labels.flatten()
     total = hidden.new_zeros((), dtype=torch.float32)
     for h, y in zip(hidden.split(CHUNK_TOKENS), labels.split(CHUNK_TOKENS)):
-        total = total + checkpoint(lambda h, y: cross_entropy_sum(project(h), y), h, y, use_reentrant=False)
+        total = total + checkpoint(lambda h, y: cross_entropy_sum(head(h), y), h, y, use_reentrant=False)
     return total
 
 
@@ -38,8 +40,8 @@ def token_loss_sum(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
     """The summed loss of a torchtune decoder on a micro-batch; `chunked` never materialises all logits."""
     if not chunked:
         return cross_entropy_sum(model(tokens), labels)
-    from moai_recipes.models import output_layer_skipped
+    from moai_recipes.models import head_skipped
 
-    with output_layer_skipped(model):
+    with head_skipped(model):
         hidden = model(tokens)
-    return chunked_cross_entropy_sum(model.output, hidden, labels)
+    return chunked_cross_entropy_sum(lambda h: model.output(model.norm(h)), hidden, labels)

@@ -249,13 +249,12 @@ def nf4_weights(spec: ModelSpec, opts) -> dict[str, tuple[tuple[int, int], str]]
 
 
 @contextmanager
-def output_layer_skipped(model: torch.nn.Module):
-    """Within it, the decoder returns its final hidden states (after the final norm) instead of logits,
-    so that the loss can project them chunk by chunk (loss.chunked_cross_entropy_sum). torchtune's
-    TransformerDecoder.forward ends with `self.unembed(h)` = norm, then output: only the norm is kept.
-    The module stays the same object (FSDP2's hooks, which gather the output weight with the root, stay)."""
-    norm = model.norm
-    model.unembed = lambda h: norm(h)  # a function, not the module: nn.Module would register it as a child
+def head_skipped(model: torch.nn.Module):
+    """Within it, the decoder returns the last layer's hidden states instead of logits, so that the loss
+    can run the final norm and the output projection chunk by chunk (loss.chunked_cross_entropy_sum).
+    torchtune's TransformerDecoder.forward ends with `self.unembed(h)` (norm, then output): skipped here.
+    The modules stay the same objects (FSDP2's hooks, which gather the norm and output with the root, stay)."""
+    model.unembed = lambda h: h  # a function on the instance shadows the method
     try:
         yield model
     finally:

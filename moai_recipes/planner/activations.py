@@ -14,7 +14,9 @@ flash attention, into the math path that materialises the attention matrix), whi
 is alive (it inflated the backward's peak by a third in a layer of 256 x 512 tokens).
 """
 
+import functools
 import hashlib
+import math
 import json
 import os
 import warnings
@@ -65,10 +67,37 @@ def trace_layer(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.d
 def trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked: bool, dtype: torch.dtype,
                lora: tuple | None = None) -> HeadTrace:
     """Bytes, FLOPs and traffic of the final norm, the output projection and the loss (chunked or not),
-    forward and backward, on a micro-batch."""
-    return _cached(HeadTrace, ("head", spec, micro_batch_size, seq_len, chunked, dtype, lora),
-                   lambda: _trace_head(spec, micro_batch_size=micro_batch_size, seq_len=seq_len, chunked=chunked,
-                                       dtype=dtype, lora=lora))
+    forward and backward, on a micro-batch.
+
+    Each is linear in the micro-batch size: the plain loss's from the first sequence, the chunked loss's
+    (a chunk's worth whatever the batch, plus the hidden states and their gradient) once two chunks
+    run. So larger micro-batches are extrapolated from two traced ones (exactly for the plain loss,
+    within a partial chunk's traffic for the chunked one): a chunked trace of 64 x 8K tokens would run
+    512 chunks.
+    """
+    def traced(sequences: int) -> HeadTrace:
+        return _cached(HeadTrace, ("head", spec, sequences, seq_len, chunked, dtype, lora),
+                       lambda: _trace_head(spec, micro_batch_size=sequences, seq_len=seq_len, chunked=chunked,
+                                           dtype=dtype, lora=lora))
+
+    from moai_recipes.loss import CHUNK_TOKENS
+
+    # Two micro-batches to extrapolate from: for the chunked loss, ones that run whole chunks, two of
+    # them at least (each chunk also adds the output projection's gradient to its sum, so a partial
+    # chunk moves nearly a whole one's bytes; between whole chunks the estimate is a little low).
+    a, b = 1, 2
+    if chunked and CHUNK_TOKENS % seq_len == 0:
+        a, b = 2 * CHUNK_TOKENS // seq_len, 3 * CHUNK_TOKENS // seq_len
+    elif chunked and seq_len % CHUNK_TOKENS:
+        a = math.ceil(2 * CHUNK_TOKENS / seq_len)
+        b = a + 1
+    if micro_batch_size <= b:
+        return traced(micro_batch_size)
+    lo, hi = traced(a), traced(b)
+    per = lambda f: (f(hi) - f(lo)) / (b - a)
+    more = micro_batch_size - b
+    return HeadTrace(peak=int(hi.peak + more * per(lambda t: t.peak)), flops=int(hi.flops + more * per(lambda t: t.flops)),
+                     traffic=int(hi.traffic + more * per(lambda t: t.traffic)))
 
 
 def _cached(cls, key_parts: tuple, trace):
@@ -90,6 +119,7 @@ def _cache_folder() -> Path:
     return Path(os.environ.get("MOAI_CACHE") or Path.home() / ".cache" / "moai-recipes") / "layer-traces"
 
 
+@functools.cache  # importlib.metadata scans the installed distributions: milliseconds, and planning asks often
 def _torchtune_version() -> str:
     from importlib.metadata import version
 
@@ -230,7 +260,7 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
 def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked: bool, dtype: torch.dtype,
                 lora: tuple | None) -> HeadTrace:
     """The decoder's last steps as loss.token_loss_sum runs them: torchtune's unembed (norm, output,
-    float) and the loss, or the chunked loss on the normed hidden states."""
+    float) and the loss, or the chunked norm, output and loss."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from moai_recipes.loss import IGNORE_INDEX, chunked_cross_entropy_sum, cross_entropy_sum
@@ -244,7 +274,7 @@ def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked
         count = OpCounter(existing=[*model.parameters(), *model.buffers(), h, labels])
         with count:
             if chunked:
-                loss = chunked_cross_entropy_sum(model.output, model.norm(h), labels)
+                loss = chunked_cross_entropy_sum(lambda x: model.output(model.norm(x)), h, labels)
             else:
                 loss = cross_entropy_sum(model.output(model.norm(h)).float(), labels)
             loss.backward()

@@ -78,6 +78,21 @@ def choose_plan(*, spec: ModelSpec, flavor: Flavor, batch_size: int, seq_len: in
                 forced: dict | None = None, lora=None) -> PlanChoice:
     """Plan a run; a UserError when nothing fits, naming a flavor or the settings that would."""
     forced = {k: v for k, v in (forced or {}).items() if v is not None}
+    candidates, budget = _candidates(spec, flavor, batch_size, seq_len, dtype, forced, lora)
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        smallest = min(candidates, key=lambda c: c.memory.total)
+        what = ("with " + ", ".join(f"plan.{k}={v}" for k, v in forced.items())) if forced else "with any plan"
+        raise UserError(f"nothing fits {flavor.name} {what}: the smallest plan needs {smallest.memory.total / GiB:,.1f} GiB "
+                        f"per device (budget {budget / GiB:.3g} GiB = {flavor.device_memory_gb:.4g} GiB less "
+                        f"{SAFETY_MARGIN:.0%}). {_what_would_fit(spec, flavor, batch_size, seq_len, dtype, forced, lora)}")
+    chosen = min(fitting, key=lambda c: (round(c.time.total_s, 6), c.memory.total))
+    return PlanChoice(chosen=chosen, candidates=candidates, budget_bytes=budget)
+
+
+def _candidates(spec: ModelSpec, flavor: Flavor, batch_size: int, seq_len: int, dtype: str, forced: dict,
+                lora) -> tuple[list[Candidate], int]:
+    """Every plan the forced fields allow, with its predictions; a UserError if they allow none."""
     n = flavor.num_devices
     per_device = math.ceil(batch_size / n)
     if forced.get("micro_batch_size", 0) > per_device:
@@ -106,15 +121,7 @@ def choose_plan(*, spec: ModelSpec, flavor: Flavor, batch_size: int, seq_len: in
         time = predict_time(spec, sizes, flavor.device, num_devices=n, batch_size=batch_size, accumulation_steps=accumulation,
                             seq_len=seq_len, compute_dtype=compute, lora=lora_key, **o)
         candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=memory.total <= budget))
-    fitting = [c for c in candidates if c.fits]
-    if not fitting:
-        smallest = min(candidates, key=lambda c: c.memory.total)
-        what = ("with " + ", ".join(f"plan.{k}={v}" for k, v in forced.items())) if forced else "with any plan"
-        raise UserError(f"nothing fits {flavor.name} {what}: the smallest plan needs {smallest.memory.total / GiB:,.1f} GiB "
-                        f"per device (budget {budget / GiB:.3g} GiB = {flavor.device_memory_gb:.4g} GiB less "
-                        f"{SAFETY_MARGIN:.0%}). {_what_would_fit(spec, flavor, batch_size, seq_len, dtype, forced, lora)}")
-    chosen = min(fitting, key=lambda c: (round(c.time.total_s, 6), c.memory.total))
-    return PlanChoice(chosen=chosen, candidates=candidates, budget_bytes=budget)
+    return candidates, budget
 
 
 def _what_would_fit(spec, flavor: Flavor, batch_size, seq_len, dtype, forced, lora) -> str:
@@ -144,8 +151,6 @@ def _what_would_fit(spec, flavor: Flavor, batch_size, seq_len, dtype, forced, lo
 
 def _fits(spec, flavor, batch_size, seq_len, dtype, forced, lora) -> bool:
     try:
-        choose_plan(spec=spec, flavor=flavor, batch_size=batch_size, seq_len=seq_len, dtype=dtype, forced=forced,
-                    lora=lora)
-        return True
-    except UserError:
+        return any(c.fits for c in _candidates(spec, flavor, batch_size, seq_len, dtype, forced, lora)[0])
+    except UserError:  # the forced fields allow no plan there
         return False
