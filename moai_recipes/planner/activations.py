@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from moai_recipes.models import ModelSpec, build_model
 from moai_recipes.parallel import apply_recompute
 
-_VERSION = 3  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 4  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class LayerTrace:
     grads_at_peak: int  # weight-gradient bytes alive at that peak (whatever the batch)
     flops: int  # matmul and attention FLOPs of forward, recompute and backward, per sequence
     traffic: int  # bytes read and written by the other operators (norms, activations, RoPE...), per sequence
+    ops: int  # operators dispatched (each costs a launch, whatever its size), per micro-batch
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class HeadTrace:
     peak: int  # activation bytes at their peak beyond the hidden states, forward to end of backward
     flops: int
     traffic: int
+    ops: int
 
 
 _CACHE: dict[str, object] = {}
@@ -97,7 +99,7 @@ def trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked:
     per = lambda f: (f(hi) - f(lo)) / (b - a)
     more = micro_batch_size - b
     return HeadTrace(peak=int(hi.peak + more * per(lambda t: t.peak)), flops=int(hi.flops + more * per(lambda t: t.flops)),
-                     traffic=int(hi.traffic + more * per(lambda t: t.traffic)))
+                     traffic=int(hi.traffic + more * per(lambda t: t.traffic)), ops=int(hi.ops + more * per(lambda t: t.ops)))
 
 
 def _cached(cls, key_parts: tuple, trace):
@@ -166,7 +168,7 @@ class OpCounter(TorchDispatchMode):
 
     def __init__(self, existing=()):
         super().__init__()
-        self.current = self.peak = self.flops = self.traffic = 0
+        self.current = self.peak = self.flops = self.traffic = self.ops = 0
         self._live: dict[int, tuple[weakref.ref, int]] = {}
         self._at_peak: list[weakref.ref] = []
         self._existing = {id(t.untyped_storage()): t.untyped_storage() for t in existing}
@@ -174,6 +176,7 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.ops += 1
         formula = _FLOP_FORMULAS.get(func._overloadpacket)
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if formula is not None:
@@ -254,7 +257,7 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
             y.backward(grad_out)
         grads_at_peak = count.bytes_at_peak([p.grad for p in layer.parameters() if p.grad is not None])
     return LayerTrace(retained=retained, transient=max(0, count.peak - retained - grads_at_peak),
-                      grads_at_peak=grads_at_peak, flops=count.flops, traffic=count.traffic)
+                      grads_at_peak=grads_at_peak, flops=count.flops, traffic=count.traffic, ops=count.ops)
 
 
 def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked: bool, dtype: torch.dtype,
@@ -280,4 +283,4 @@ def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked
             loss.backward()
         # The weights' gradients are the memory model's (the output projection's lives on with the root's).
         grads = count.bytes_at_peak([p.grad for p in model.parameters() if p.grad is not None])
-    return HeadTrace(peak=count.peak - grads, flops=count.flops, traffic=count.traffic)
+    return HeadTrace(peak=count.peak - grads, flops=count.flops, traffic=count.traffic, ops=count.ops)

@@ -74,7 +74,8 @@ def _measure(threads: int) -> CpuSpeed:
     try:
         a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
         flops = _best_rate(2 * 1024**3, lambda: torch.mm(a, b))
-        x, y = torch.randn(2**23), torch.randn(2**23)  # 32 MiB each: beyond the caches
+        # 128 MiB each: beyond the caches (virtual machines report L3 caches of hundreds of MiB).
+        x, y = torch.randn(2**25), torch.randn(2**25)
         out = torch.empty_like(x)
         bandwidth = _best_rate(3 * x.numel() * 4, lambda: torch.add(x, y, out=out))
     finally:

@@ -1,8 +1,8 @@
 """Step time of a plan: traced FLOPs and memory traffic against the device, FSDP collectives against the links.
 
-compute = FLOPs / (peak x efficiency) + bytes moved / memory bandwidth, both traced from the real
-layer and head (activations.py) as the plan runs them: recomputation adds its operators, a chunked
-loss its extra projection. Efficiency grows with the tokens in a micro-batch (small matmuls do not
+compute = FLOPs / (peak x efficiency) + bytes moved / memory bandwidth, and the operators' dispatch,
+all traced from the real layer and head (activations.py) as the plan runs them: recomputation adds
+its operators, a chunked loss its extra projection. Efficiency grows with the tokens in a micro-batch (small matmuls do not
 fill a device). The optimizer and the gradient clipping stream every trainable value through memory.
 Collectives per micro-batch are the all-gather of the parameters (again in the backward when
 resharded after the forward) and the reduce-scatter of the gradients, mostly hidden behind compute
@@ -25,13 +25,18 @@ from moai_recipes.planner.memory import DTYPE_BYTES, ModelSizes
 
 # Share of the peak FLOP/s that large micro-batches reach, and the micro-batch (tokens) at which half of
 # that is reached. GPU figures are typical of FSDP training; the CPU's fitted with bench/planner_accuracy.py.
-EFFICIENCY = {"gpu": (0.55, 1024), "cpu": (0.6, 64)}
-# Share of the memory bandwidth that elementwise kernels reach (the CPU's is measured on such a kernel).
-BANDWIDTH_EFFICIENCY = {"gpu": 0.7, "cpu": 1.0}
+EFFICIENCY = {"gpu": (0.55, 1024), "cpu": (1.0, 128)}
+# Share of the memory bandwidth that a training step's elementwise kernels reach (many small ones).
+BANDWIDTH_EFFICIENCY = {"gpu": 0.7, "cpu": 0.47}
 # Bytes per trainable value and step: gradient clipping reads the gradients for their norm and scales
 # them (12); AdamW, counted with activations.OpCounter on torch 2.13: foreach (CPU) 52, fused (GPU)
 # reads parameter, gradient and both moments and writes three of them once (28).
 OPTIMIZER_TRAFFIC = {"gpu": 12 + 28, "cpu": 12 + 52}
+# Cost of dispatching one operator, whatever its size: PyTorch's eager dispatch (and on a GPU the kernel
+# launch, asynchronous: the device works meanwhile). Selective recompute runs its policy, in Python, on
+# every operator of the layer: SELECTIVE_OP_S more each. The CPU's fitted with bench/planner_accuracy.py.
+PER_OP_S = {"gpu": 10e-6, "cpu": 4.1e-6}
+SELECTIVE_OP_S = {"gpu": 2.5e-6, "cpu": 2.5e-6}
 OVERLAP = 0.8  # share of collective time FSDP hides behind compute
 LATENCY_S = {"gpu": 30e-6, "cpu": 150e-6}  # per collective
 PCIE_GBPS = 25
@@ -77,9 +82,15 @@ def predict_time(spec: ModelSpec, sizes: ModelSizes, device: Device, *, num_devi
     peak, bandwidth = device_speed(device, compute_dtype=compute_dtype, num_devices=n)
     top, half = EFFICIENCY[device.kind]
     mb_tokens = micro_batch_size * seq_len
-    compute = flops / (peak * top * mb_tokens / (mb_tokens + half)) + traffic / (bandwidth * BANDWIDTH_EFFICIENCY[device.kind])
+    memory_speed = bandwidth * BANDWIDTH_EFFICIENCY[device.kind]
+    work = flops / (peak * top * mb_tokens / (mb_tokens + half)) + traffic / memory_speed
     if not cpu_offload:  # offloaded, the optimizer runs on the host (below)
-        compute += sizes.trainable / n * OPTIMIZER_TRAFFIC[device.kind] / bandwidth
+        work += sizes.trainable / n * OPTIMIZER_TRAFFIC[device.kind] / memory_speed
+    dispatch = accumulation_steps * (L * layer.ops + head.ops) * PER_OP_S[device.kind]
+    if recompute == "selective":
+        dispatch += accumulation_steps * L * layer.ops * SELECTIVE_OP_S[device.kind]
+    # A GPU works while the host dispatches ahead of it: the slower of the two. A CPU does one, then the other.
+    compute = max(work, dispatch) if device.kind == "gpu" else work + dispatch
     comm = 0.0
     if n > 1:
         c = DTYPE_BYTES[compute_dtype]
