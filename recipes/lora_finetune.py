@@ -28,7 +28,7 @@ from moai_recipes.models import build_model, init_buffers
 from moai_recipes.parallel import apply_recompute, materialize, shard_model
 from moai_recipes.planner import choose_plan
 from moai_recipes.samples import Samples
-from moai_recipes.training import build_optimizer, build_scheduler, train_loop
+from moai_recipes.training import build_optimizer, build_scheduler, mark_memory_baseline, train_loop
 
 RECIPE = "lora_finetune"
 
@@ -56,6 +56,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     say(f"Configuration for parallelism is selected: {plan.describe()}")
 
     # 3. Build with adapters on meta, recompute, shard, then give memory, base weights and adapters.
+    mark_memory_baseline()  # the measured peak counts what training allocates from here, as the plan predicts
     with torch.device("meta"):
         model = build_model(inputs.ckpt.spec, max_seq_len=cfg.max_seq_len, lora=opts.builder_kwargs(),
                             quantize_base=opts.quantize_base)

@@ -8,6 +8,8 @@ beside the layer traces. Measuring takes a fraction of a second.
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,7 +38,7 @@ def cpu_speed(threads: int) -> CpuSpeed:
     except (OSError, ValueError):
         known = {}
     if key not in known:
-        known[key] = asdict(_measure(threads))
+        known[key] = _measure_apart(threads)
         try:  # a cache: a read-only home only costs the measurement next time
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -45,6 +47,17 @@ def cpu_speed(threads: int) -> CpuSpeed:
         except OSError:
             pass
     return CpuSpeed(**known[key])
+
+
+def _measure_apart(threads: int) -> dict:
+    """Measure in a process of its own: its arrays (384 MiB) and thread settings must not stay in a training
+    process, whose peak memory is measured (ru_maxrss would keep them for good)."""
+    try:
+        done = subprocess.run([sys.executable, "-m", "moai_recipes.planner.cpu_speed", str(threads)], capture_output=True,
+                              text=True, timeout=120, check=True)
+        return json.loads(done.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return asdict(_measure(threads))
 
 
 def _cpu_name() -> str:
@@ -81,3 +94,7 @@ def _measure(threads: int) -> CpuSpeed:
     finally:
         torch.set_num_threads(before)
     return CpuSpeed(fp32_flops=flops, bytes_per_s=bandwidth)
+
+
+if __name__ == "__main__":  # python -m moai_recipes.planner.cpu_speed THREADS: what cpu_speed runs apart
+    print(json.dumps(asdict(_measure(int(sys.argv[1])))))
