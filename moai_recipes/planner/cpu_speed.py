@@ -49,11 +49,15 @@ def cpu_speed(threads: int) -> CpuSpeed:
     return CpuSpeed(**known[key])
 
 
+_APART = "import sys, json, dataclasses; from moai_recipes.planner.cpu_speed import _measure; " \
+         "print(json.dumps(dataclasses.asdict(_measure(int(sys.argv[1])))))"
+
+
 def _measure_apart(threads: int) -> dict:
     """Measure in a process of its own: its arrays (384 MiB) and thread settings must not stay in a training
     process, whose peak memory is measured (ru_maxrss would keep them for good)."""
     try:
-        done = subprocess.run([sys.executable, "-m", "moai_recipes.planner.cpu_speed", str(threads)], capture_output=True,
+        done = subprocess.run([sys.executable, "-c", _APART, str(threads)], capture_output=True,
                               text=True, timeout=120, check=True)
         return json.loads(done.stdout)
     except (OSError, subprocess.SubprocessError, ValueError):
@@ -95,6 +99,3 @@ def _measure(threads: int) -> CpuSpeed:
         torch.set_num_threads(before)
     return CpuSpeed(fp32_flops=flops, bytes_per_s=bandwidth)
 
-
-if __name__ == "__main__":  # python -m moai_recipes.planner.cpu_speed THREADS: what cpu_speed runs apart
-    print(json.dumps(asdict(_measure(int(sys.argv[1])))))
