@@ -1,13 +1,15 @@
 """Planner accuracy: predicted against measured peak memory and step time, on real CPU training steps.
 
-    python bench/planner_accuracy.py            # the default grid, ~5 minutes on 2 cores
-    python bench/planner_accuracy.py --quick    # a smaller grid
+    python bench/planner_accuracy.py                  # the default grid, ~4 minutes on 2 cores
+    python bench/planner_accuracy.py --processes 2    # the same on 2 gloo processes: FSDP2 shards the model
+    python bench/planner_accuracy.py --quick          # a smaller grid
 
 For each model and sequence length it takes every plan of a batch of 4 sequences (micro-batch 1, 2
-or 4 with 4, 2 or 1 accumulation steps, each with the three recompute policies), builds the model as a recipe does (meta -> recompute -> FSDP2 on a 1-process gloo
-world -> memory), runs real optimizer steps on random tokens of exactly the sequence length, and
+or 4 with 4, 2 or 1 accumulation steps, each with the three recompute policies), builds the model as a
+recipe does (meta -> recompute -> shard_model -> memory: on one fp32 process a plain module, on
+--processes 2 FSDP2 over a gloo world, as flavor=cpu-2), runs real optimizer steps on random tokens of exactly the sequence length, and
 measures the peak with PyTorch's MemTracker (every tensor allocation, by category) and the step time
-(the fastest of --steps). The prediction is the planner's for the same plan, without the fixed
+(the fastest of --steps; with several processes the largest over them). The prediction is the planner's for the same plan, without the fixed
 overhead and slack (MemTracker counts tensors only). Then, under budgets that rule plans out, it
 compares the plan the planner chooses with the fastest measured plan that fits the same budget.
 Prints a table and the error summary; docs/planner.md records a run.
@@ -56,7 +58,7 @@ def measure(spec: ModelSpec, *, seq: int, mbs: int, accum: int, recompute: str, 
     with torch.device("meta"):
         model = build_model(spec, max_seq_len=seq)
     apply_recompute(model.layers, recompute)
-    mesh = init_device_mesh("cpu", (1,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     shard_model(model, model.layers, mesh=mesh, param_dtype=torch.float32)
     model.to_empty(device="cpu")
     init_buffers(model, device="cpu")
@@ -85,18 +87,37 @@ def measure(spec: ModelSpec, *, seq: int, mbs: int, accum: int, recompute: str, 
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    return peak, min(times, default=float("nan"))
+    # Every process holds the same share; a step lasts as long as its slowest process.
+    worst = torch.tensor([float(peak), min(times, default=float("nan"))], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return int(worst[0]), float(worst[1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--processes", type=int, default=1, help="gloo processes, as flavor=cpu-N (default 1)")
     args = ap.parse_args()
+    n = args.processes
+    # Each process gets its share of the cores, as the recipe's launcher gives its workers.
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29512", WORLD_SIZE=str(n))
+    if n == 1:
+        run(0, args)
+    else:
+        torch.multiprocessing.spawn(run, args=(args,), nprocs=n)
+
+
+def run(rank: int, args) -> None:
+    """The grid on one process of the world (rank 0 prints)."""
+    n = args.processes
     warnings.filterwarnings("ignore", message="DTensor random")  # the random init of the measured models
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29512", RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    flavor = resolve_flavor(name="cpu", device="cpu", memory_gb=None, processes=1, device_memory_gb=None)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")
+    flavor = resolve_flavor(name="cpu", device="cpu", memory_gb=None, processes=n, device_memory_gb=None)
     grid_models = ["llama-256x4"] if args.quick else list(MODELS)
     seqs = [256] if args.quick else [128, 512]
     # Every plan of a batch of BATCH sequences per device: (micro-batch size, accumulation steps) x recompute.
@@ -104,9 +125,10 @@ def main() -> None:
     # The chunked loss is left out: MemTracker takes the final norm, called once per chunk after the model's
     # forward, for a new iteration and stops. Its memory is traced exactly (tests/test_loss.py, test_planner.py).
     rows = []
-    speed = cpu_speed(process_threads(1))
+    speed = cpu_speed(process_threads(n))
     print(f"This CPU, measured for the planner: {speed.fp32_flops / 1e9:.0f} GFLOP/s fp32 matmul, "
-          f"{speed.bytes_per_s / 1e9:.1f} GB/s elementwise, {torch.get_num_threads()} threads\n")
+          f"{speed.bytes_per_s / 1e9:.1f} GB/s elementwise, {torch.get_num_threads()} threads per process, "
+          f"{n} process(es){' (FSDP2)' if n > 1 else ' (a plain module)'}\n")
     print(f"{'model':>12} {'seq':>4} {'mbs':>3} {'acc':>3} {'recompute':>9} {'chunked':>7} {'pred MiB':>9} {'meas MiB':>9} "
           f"{'err':>7} {'phase':>20} {'pred s':>7} {'meas s':>7} {'err':>7}")
     for name in grid_models:
@@ -114,11 +136,11 @@ def main() -> None:
         sizes = model_sizes(spec)
         for seq in seqs:
             for mbs, accum, rc, chunked in plans:
-                pred = predict_memory(spec, sizes, num_devices=1, micro_batch_size=mbs, seq_len=seq, recompute=rc,
+                pred = predict_memory(spec, sizes, num_devices=n, micro_batch_size=mbs, seq_len=seq, recompute=rc,
                                       reshard_after_forward=True, cpu_offload=False, chunked_loss=chunked,
                                       compute_dtype="float32", fixed_overhead=0, slack=0.0, optimizer_temporary=OPTIMIZER_TEMPORARY["cpu"],
                                       accumulation_steps=accum)
-                t_pred = predict_time(spec, sizes, flavor.device, num_devices=1, batch_size=BATCH, micro_batch_size=mbs,
+                t_pred = predict_time(spec, sizes, flavor.device, num_devices=n, batch_size=BATCH * n, micro_batch_size=mbs,
                                       accumulation_steps=accum, seq_len=seq, recompute=rc, reshard_after_forward=True,
                                       cpu_offload=False, chunked_loss=chunked, compute_dtype="float32").total_s
                 peak, secs = measure(spec, seq=seq, mbs=mbs, accum=accum, recompute=rc, chunked=chunked, steps=args.steps)
@@ -142,10 +164,10 @@ def main() -> None:
             sub = [r for r in rows if r["model"] == name and r["seq"] == seq and not r["chunked"]]
             for budget in sorted({r["meas"] * 1.15 for r in sub}):
                 gb = budget / (1 - SAFETY_MARGIN) / 2**30
-                cpu = resolve_flavor(name="cpu", device="cpu", memory_gb=None, processes=1, device_memory_gb=gb)
+                cpu = resolve_flavor(name="cpu", device="cpu", memory_gb=None, processes=n, device_memory_gb=gb)
                 try:
-                    choice = choose_plan(spec=MODELS[name], flavor=cpu, batch_size=BATCH, seq_len=seq, dtype="fp32",
-                                         forced={"chunked_loss": False})
+                    choice = choose_plan(spec=MODELS[name], flavor=cpu, batch_size=BATCH * n, seq_len=seq, dtype="fp32",
+                                         forced={"chunked_loss": False, "reshard_after_forward": True})
                 except UserError:
                     print(f"  {name} seq {seq} budget {budget / 2**20:.0f} MiB: nothing predicted to fit")
                     continue

@@ -40,8 +40,9 @@ DEVICES = {
     "a100": Device("a100", "gpu", 80, 1, 8, 312, 19.5, 2039, 300, 25),
     "h100": Device("h100", "gpu", 80, 1, 8, 989, 67, 3350, 450, 50),
     "h200": Device("h200", "gpu", 141, 1, 8, 989, 67, 4800, 450, 50),
-    # Measured on this project's 2-core CI machine (fp32 training of small Llamas): ~25 GFLOP/s.
-    "cpu": Device("cpu", "cpu", 0, 1, 1, 0.01, 0.025, 20, 10, 10),
+    # The CPU's compute and memory speed are measured on the machine (planner/cpu_speed.py); its "link" is
+    # gloo between processes of one machine, fitted with bench/planner_accuracy.py --processes 2.
+    "cpu": Device("cpu", "cpu", 0, 1, 1, 0.01, 0.025, 20, 0.83, 0.83),
 }
 
 

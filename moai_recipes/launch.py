@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moai_recipes.errors import EXIT_USER_ERROR, UserError
+from moai_recipes.flavors import Flavor, local_capacity
 
 # A run stopped on SIGTERM/SIGINT at a step boundary, its state saved: not a failure to retry.
 EXIT_STOPPED = 0
 LAUNCHER_ENV = "MOAI_LAUNCHER_PID"  # set for the workers our launcher starts
-from moai_recipes.flavors import Flavor, local_capacity
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ model is sharded or offloaded. The planner (moai_recipes/planner/) chooses one b
 import math
 from dataclasses import asdict, dataclass
 
+from moai_recipes.parallel import uses_fsdp
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -22,12 +24,21 @@ class Plan:
     def batch_per_device(self) -> int:
         return math.ceil(self.batch_size / self.num_devices)
 
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP2 wraps the model: not for one device computing in the master dtype."""
+        return uses_fsdp(self.num_devices, cpu_offload=self.cpu_offload, mixed_precision=self.param_dtype != self.master_dtype)
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "batch_per_device": self.batch_per_device}
+        return {**asdict(self), "batch_per_device": self.batch_per_device, "sharded": self.sharded}
 
     def describe(self) -> str:
         return (f"batch {self.batch_size} over {self.num_devices} device(s): batch_per_device {self.batch_per_device}, "
                 f"micro_batch_size {self.micro_batch_size}, num_micro_batches {self.accumulation_steps}, "
-                f"recomputation {self.recompute}, distribute_param true (FSDP2, reshard_after_forward "
-                f"{str(self.reshard_after_forward).lower()}), cpu_offload {str(self.cpu_offload).lower()}, "
+                f"recomputation {self.recompute}, {self._distribution()}, cpu_offload {str(self.cpu_offload).lower()}, "
                 f"chunked loss {str(self.chunked_loss).lower()}, {self.param_dtype} compute, {self.master_dtype} master weights")
+
+    def _distribution(self) -> str:
+        if not self.sharded:
+            return "distribute_param false (one device: a plain module, no FSDP2)"
+        return f"distribute_param true (FSDP2, reshard_after_forward {str(self.reshard_after_forward).lower()})"

@@ -113,10 +113,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - _BASELINE_RSS)
 
 
-def max_over_ranks(value: float, world: World) -> float:
-    return _all_reduce([value], world.device, op=dist.ReduceOp.MAX)[0]
-
-
 class Stopped(Exception):
     """The run stopped at a step boundary on SIGTERM or SIGINT, after saving a checkpoint."""
 
@@ -180,14 +176,15 @@ def train_loop(model: nn.Module, optimizer, scheduler, inputs, *, micro_batch_si
                                     f"grad norm {result.grad_norm}); stopped without applying it. "
                                     f"{f'The last good checkpoint is {last[-1]}. ' if last else ''}"
                                     "Lower optimizer.lr, or tolerate such steps with skip_nonfinite_steps=K")
-            peak = max_over_ranks(peak_memory_bytes(world.device), world)
+            # One collective for both: the peak of any rank, and whether any rank was asked to stop.
+            peak, stopping = _all_reduce([peak_memory_bytes(world.device), float(stop.signame is not None)],
+                                         world.device, op=dist.ReduceOp.MAX)
             if log:
                 log.step(step=step + 1, loss=result.loss, lr=lr, tokens=result.tokens,
                          tokens_per_sec=result.tokens / timer.seconds, step_time_s=timer.seconds,
                          grad_norm=result.grad_norm, peak_memory_bytes=int(peak), target_tokens=result.target_tokens,
                          skipped=not result.finite)
             done = step + 1
-            stopping = max_over_ranks(float(stop.signame is not None), world) > 0  # every rank stops together
             if stopping or (checkpoint_every and done % checkpoint_every == 0 and done < inputs.total_steps):
                 path, seconds, size = save(done)
                 if log:

@@ -102,16 +102,18 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tm
     assert all(torch.equal(ref[k], got[k]) for k in ref)
 
 
-@pytest.mark.parametrize("flavor", ["cpu", "cpu-4"])
-def test_a_run_checkpointed_on_cpu_2_resumes_on_another_flavor(tmp_path, reference, flavor):
+# cpu is a plain module (one fp32 process: no FSDP2), cpu-2 and cpu-4 shard it: a checkpoint crosses both ways.
+@pytest.mark.parametrize("saved_on, resumed_on", [("cpu-2", "cpu"), ("cpu-2", "cpu-4"), ("cpu", "cpu-2")])
+def test_a_run_checkpointed_on_one_flavor_resumes_on_another(tmp_path, reference, saved_on, resumed_on):
     out = tmp_path / "run"
-    proc = start("flavor=cpu-2", f"output_dir={out}")
+    proc = start(f"flavor={saved_on}", f"output_dir={out}")
     wait_for_step(out, 3, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
-    r = run_recipe(*COMMON, f"flavor={flavor}", f"output_dir={out}")
+    r = run_recipe(*COMMON, f"flavor={resumed_on}", f"output_dir={out}")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "saved on cpu-2 with 2 process(es)" in r.stdout
+    processes = {"cpu": 1, "cpu-2": 2, "cpu-4": 4}[saved_on]
+    assert f"saved on {saved_on} with {processes} process(es)" in r.stdout
     for a, b in zip(losses(reference), losses(out), strict=True):
         assert abs(a - b) <= 1e-4 * abs(a)
 

@@ -77,6 +77,22 @@ def test_every_chosen_plan_fits_and_is_the_fastest_that_does():
     assert choice.chosen.plan.param_dtype == "bfloat16" and choice.chosen.plan.num_devices == 32
 
 
+def test_fsdp2_wraps_the_model_only_where_it_does_something():
+    # One fp32 process: nothing to shard or cast, so a plain module; nothing gathered beyond the output's gradient.
+    _, spec, cpu = setup("flavor=cpu")
+    one = choose_plan(spec=spec, flavor=cpu, batch_size=8, seq_len=128, dtype="auto")
+    assert not one.chosen.plan.sharded and "distribute_param false" in one.chosen.plan.describe()
+    _, _, cpu2 = setup("flavor=cpu-2")
+    two = choose_plan(spec=spec, flavor=cpu2, batch_size=16, seq_len=128, dtype="auto",
+                      forced={"micro_batch_size": one.chosen.plan.micro_batch_size, "recompute": one.chosen.plan.recompute,
+                              "chunked_loss": one.chosen.plan.chunked_loss, "reshard_after_forward": True})
+    assert two.chosen.plan.sharded and two.chosen.memory.gathered > one.chosen.memory.gathered
+    # One GPU: FSDP2 casts to bf16 (mixed precision) and offloads, so it stays.
+    _, spec8, gpu = setup("model=llama3_8b", "flavor=small", "flavor.device=h100", "flavor.memory_gb=80")
+    assert gpu.num_devices == 1
+    assert choose_plan(spec=spec8, flavor=gpu, batch_size=4, seq_len=512, dtype="auto").chosen.plan.sharded
+
+
 def test_forced_fields_are_honoured_or_refused_with_the_predicted_memory():
     _, spec, flavor = setup("model=llama3_8b", "flavor=xlarge")
     forced = choose_plan(spec=spec, flavor=flavor, batch_size=64, seq_len=2048, dtype="auto",

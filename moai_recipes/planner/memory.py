@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from moai_recipes.models import ModelSpec, nf4_weights
+from moai_recipes.parallel import uses_fsdp
 from moai_recipes.planner.activations import trace_head, trace_layer
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -100,15 +101,19 @@ def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micr
     # FSDP2 keeps the root group (embeddings, norm, output) gathered for the whole step, and a layer
     # plus the next one (prefetch) in the backward; without resharding after forward every layer
     # stays gathered until its backward. NF4 weights are gathered as NF4 (torchao's FSDP2 hooks), and
-    # not at all in one process (FSDP leaves them alone there, see parallel.shard_model).
+    # not at all in one process (FSDP leaves them alone there, see parallel.shard_model). One process
+    # computing in fp32 keeps a plain module (parallel.uses_fsdp): it uses its parameters as they are.
+    fsdp = uses_fsdp(n, cpu_offload=cpu_offload, mixed_precision=compute_dtype != "float32")
     layer_c = (sizes.per_layer - sizes.nf4_per_layer) * c + (sizes.nf4_per_layer * NF4_BYTES if n > 1 else 0)
+    layer_c = layer_c if fsdp else 0
     layers_gathered = (lambda k: k * layer_c) if reshard_after_forward else (lambda k: L * layer_c)
+    root_gathered = sizes.root * c if fsdp else 0
     # The root's weight gradients (in the compute dtype, before their reduce-scatter, which comes last):
     # the output projection's from the loss's backward on, the embeddings' only after the first layer's.
     # At the end of a layer's backward FSDP2 copies its gradients into one flat fp32 buffer for the
     # reduce-scatter (whatever the world size) while they are still alive (measured: +1 layer of grads).
     output_grad = (sizes.root - spec.vocab_size * spec.embed_dim * (not spec.tie_word_embeddings)) * c if full else 0
-    reduce_copy = sizes.per_layer * 4 * sizes.trainable / sizes.total
+    reduce_copy = sizes.per_layer * 4 * sizes.trainable / sizes.total if fsdp else 0
     # Sharded gradients of all layers but the first (and not yet the root's) while the first runs its backward.
     layer_trainable = (sizes.trainable - (sizes.root if full else 0)) / L if L else 0
     later_grads = 0 if cpu_offload else (L - 1) * layer_trainable * 4 / n
@@ -126,11 +131,11 @@ def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micr
     # The last layer stays gathered from its forward (parallel.shard_model); in the backward each layer
     # is gathered with the next one (prefetch), but the first has no next.
     phases = {
-        "loss backward": dict(gathered=sizes.root * c + layers_gathered(1) + output_grad, grads=earlier_grads,
+        "loss backward": dict(gathered=root_gathered + layers_gathered(1) + output_grad, grads=earlier_grads,
                               activations=retained, logits=logits),
-        "last layer backward": dict(gathered=sizes.root * c + layers_gathered(2) + output_grad, grads=earlier_grads,
+        "last layer backward": dict(gathered=root_gathered + layers_gathered(2) + output_grad, grads=earlier_grads,
                                     activations=retained + layer_backward, logits=0),
-        "first layer backward": dict(gathered=sizes.root * c + layers_gathered(1) + output_grad,
+        "first layer backward": dict(gathered=root_gathered + layers_gathered(1) + output_grad,
                                      grads=max(earlier_grads, later_grads),
                                      activations=micro_batch_size * act.retained + layer_backward, logits=0),
         "optimizer step": dict(gathered=0, grads=sharded_grads, logits=0,

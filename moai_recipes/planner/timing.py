@@ -25,9 +25,9 @@ from moai_recipes.planner.memory import DTYPE_BYTES, ModelSizes
 
 # Share of the peak FLOP/s that large micro-batches reach, and the micro-batch (tokens) at which half of
 # that is reached. GPU figures are typical of FSDP training; the CPU's fitted with bench/planner_accuracy.py.
-EFFICIENCY = {"gpu": (0.55, 1024), "cpu": (1.0, 128)}
+EFFICIENCY = {"gpu": (0.55, 1024), "cpu": (0.92, 16)}
 # Share of the memory bandwidth that a training step's elementwise kernels reach (many small ones).
-BANDWIDTH_EFFICIENCY = {"gpu": 0.7, "cpu": 0.47}
+BANDWIDTH_EFFICIENCY = {"gpu": 0.7, "cpu": 0.63}
 # Bytes per trainable value and step: gradient clipping reads the gradients for their norm and scales
 # them (12); AdamW, counted with activations.OpCounter on torch 2.13: foreach (CPU) 52, fused (GPU)
 # reads parameter, gradient and both moments and writes three of them once (28).
@@ -35,10 +35,13 @@ OPTIMIZER_TRAFFIC = {"gpu": 12 + 28, "cpu": 12 + 52}
 # Cost of dispatching one operator, whatever its size: PyTorch's eager dispatch (and on a GPU the kernel
 # launch, asynchronous: the device works meanwhile). Selective recompute runs its policy, in Python, on
 # every operator of the layer: SELECTIVE_OP_S more each. The CPU's fitted with bench/planner_accuracy.py.
-PER_OP_S = {"gpu": 10e-6, "cpu": 4.1e-6}
-SELECTIVE_OP_S = {"gpu": 2.5e-6, "cpu": 2.5e-6}
-OVERLAP = 0.8  # share of collective time FSDP hides behind compute
-LATENCY_S = {"gpu": 30e-6, "cpu": 150e-6}  # per collective
+PER_OP_S = {"gpu": 10e-6, "cpu": 1.8e-6}
+SELECTIVE_OP_S = {"gpu": 2.5e-6, "cpu": 2.4e-6}
+# Share of collective time FSDP hides behind compute: on GPUs its own streams; on the CPU none, gloo's
+# collectives take the cores the compute needs. Per collective, a fixed cost: on the CPU FSDP2's hooks
+# and gloo's round trip, 2.2 ms (fitted with bench/planner_accuracy.py --processes 2).
+OVERLAP = {"gpu": 0.8, "cpu": 0.0}
+LATENCY_S = {"gpu": 30e-6, "cpu": 2.2e-3}
 PCIE_GBPS = 25
 
 
@@ -101,7 +104,8 @@ def predict_time(spec: ModelSpec, sizes: ModelSizes, device: Device, *, num_devi
         link = device.intra_node_gbps if n <= device.per_node else device.inter_node_gbps
         collectives = L * (gathers + 1) + 2
         comm = accumulation_steps * (per_micro / (link * 1e9) + collectives * LATENCY_S[device.kind])
-    exposed = max(comm - OVERLAP * compute, comm * (1 - OVERLAP))
+    overlap = OVERLAP[device.kind]
+    exposed = max(comm - overlap * compute, comm * (1 - overlap))
     offload = 0.0
     if cpu_offload:
         moved = accumulation_steps * sizes.total / n * DTYPE_BYTES[compute_dtype] * 2 + sizes.trainable * 4 / n
