@@ -1,4 +1,4 @@
-# make demo: install, then fine-tune the tiny model on the demo data on the CPU (about two minutes).
+# make demo: install, then fine-tune the tiny model on the demo data on the CPU (about a minute in all).
 # make test: install, then run the test suite (about ten minutes on two cores).
 PYTHON ?= python3
 VENV ?= .venv

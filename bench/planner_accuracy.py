@@ -96,7 +96,7 @@ def measure(spec: ModelSpec, *, seq: int, mbs: int, accum: int, recompute: str, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--processes", type=int, default=1, help="gloo processes, as flavor=cpu-N (default 1)")
     args = ap.parse_args()
     n = args.processes
