@@ -187,6 +187,9 @@ def run(rank: int, args) -> None:
     print(f"chosen plans: at most {worst_ranked:.1%} slower than the fastest measured of the plans predicted to fit; "
           f"at most {worst:.1%} slower than the fastest that really fits (the memory margin's cost)")
     dist.destroy_process_group()
+    if n > 1:  # torch 2.13's gloo can abort while a spawned process exits; its work is done and printed
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
