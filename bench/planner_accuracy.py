@@ -1,15 +1,16 @@
 """Planner accuracy: predicted against measured peak memory and step time, on real CPU training steps.
 
-    python bench/planner_accuracy.py                  # the default grid, ~4 minutes on 2 cores
+    python bench/planner_accuracy.py                  # the default grid, ~3 minutes on 2 cores
     python bench/planner_accuracy.py --processes 2    # the same on 2 gloo processes: FSDP2 shards the model
     python bench/planner_accuracy.py --quick          # a smaller grid
 
 For each model and sequence length it takes every plan of a batch of 4 sequences (micro-batch 1, 2
 or 4 with 4, 2 or 1 accumulation steps, each with the three recompute policies), builds the model as a
 recipe does (meta -> recompute -> shard_model -> memory: on one fp32 process a plain module, on
---processes 2 FSDP2 over a gloo world, as flavor=cpu-2), runs real optimizer steps on random tokens of exactly the sequence length, and
-measures the peak with PyTorch's MemTracker (every tensor allocation, by category) and the step time
-(the fastest of --steps; with several processes the largest over them). The prediction is the planner's for the same plan, without the fixed
+--processes 2 FSDP2 over a gloo world, as flavor=cpu-2), runs real optimizer steps on random tokens
+of exactly the sequence length, and measures the peak with PyTorch's MemTracker (every tensor
+allocation, by category) and the step time (the fastest of --steps; with several processes the
+largest over them). The prediction is the planner's for the same plan, without the fixed
 overhead and slack (MemTracker counts tensors only). Then, under budgets that rule plans out, it
 compares the plan the planner chooses with the fastest measured plan that fits the same budget.
 Prints a table and the error summary; docs/planner.md records a run.

@@ -87,7 +87,7 @@ def test_fsdp2_wraps_the_model_only_where_it_does_something():
                       forced={"micro_batch_size": one.chosen.plan.micro_batch_size, "recompute": one.chosen.plan.recompute,
                               "chunked_loss": one.chosen.plan.chunked_loss, "reshard_after_forward": True})
     assert two.chosen.plan.sharded and two.chosen.memory.gathered > one.chosen.memory.gathered
-    # One GPU: FSDP2 casts to bf16 (mixed precision) and offloads, so it stays.
+    # One GPU computes in bf16 from fp32 master weights: FSDP2's mixed precision does the cast, so it stays.
     _, spec8, gpu = setup("model=llama3_8b", "flavor=small", "flavor.device=h100", "flavor.memory_gb=80")
     assert gpu.num_devices == 1
     assert choose_plan(spec=spec8, flavor=gpu, batch_size=4, seq_len=512, dtype="auto").chosen.plan.sharded

@@ -104,8 +104,7 @@ def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micr
     # not at all in one process (FSDP leaves them alone there, see parallel.shard_model). One process
     # computing in fp32 keeps a plain module (parallel.uses_fsdp): it uses its parameters as they are.
     fsdp = uses_fsdp(n, cpu_offload=cpu_offload, mixed_precision=compute_dtype != "float32")
-    layer_c = (sizes.per_layer - sizes.nf4_per_layer) * c + (sizes.nf4_per_layer * NF4_BYTES if n > 1 else 0)
-    layer_c = layer_c if fsdp else 0
+    layer_c = ((sizes.per_layer - sizes.nf4_per_layer) * c + (sizes.nf4_per_layer * NF4_BYTES if n > 1 else 0)) if fsdp else 0
     layers_gathered = (lambda k: k * layer_c) if reshard_after_forward else (lambda k: L * layer_c)
     root_gathered = sizes.root * c if fsdp else 0
     # The root's weight gradients (in the compute dtype, before their reduce-scatter, which comes last):
