@@ -11,7 +11,7 @@ Run it from the repository root. Each run is the command a user types:
     python -m recipes.lora_finetune model=tiny logger=stdout flavor=cpu-2 checkpoint_every=2 max_steps=12 ...
 
 and the numbers are what the run recorded: checkpoints.jsonl (each checkpoint's seconds and bytes, from
-moai_recipes.checkpointing.save_checkpoint: every rank's DCP shards of the trainable parameters and their
+moai_recipes.checkpoint.steps.save_checkpoint: every rank's DCP shards of the trainable parameters and their
 optimizer state, RNG, scheduler, meta.json, the rename and the rotation, barrier to barrier) and
 metrics.jsonl (step_time_s; step 1 left out, it warms up). The table gives medians over the run's
 checkpoints and steps, and the ratio: a checkpoint costs that many steps. docs/benchmarks.md

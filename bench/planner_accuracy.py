@@ -17,11 +17,11 @@ Prints a table and the error summary; docs/planner.md records a run.
 """
 
 import argparse
-import warnings
 import os
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,15 +32,21 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
 
-from moai_recipes.flavors import resolve_flavor
-from moai_recipes.models import ModelSpec, build_model, init_buffers
-from moai_recipes.parallel import apply_recompute, shard_model
-from moai_recipes.planner.memory import model_sizes, predict_memory
 from moai_recipes.errors import UserError
-from moai_recipes.planner.search import OPTIMIZER_TEMPORARY, SAFETY_MARGIN, SLACK, choose_plan
+from moai_recipes.flavors import resolve_flavor
+from moai_recipes.models.build import build_model, init_buffers
+from moai_recipes.models.spec import ModelSpec
 from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
+from moai_recipes.planner.memory import model_sizes, predict_memory
+from moai_recipes.planner.search import (
+    OPTIMIZER_TEMPORARY,
+    SAFETY_MARGIN,
+    SLACK,
+    choose_plan,
+)
 from moai_recipes.planner.timing import predict_time
-from moai_recipes.loss import token_loss_sum
+from moai_recipes.train.loss import token_loss_sum
+from moai_recipes.train.parallel import apply_recompute, shard_model
 
 BASE = ModelSpec(family="llama", vocab_size=2048, num_layers=4, num_heads=8, num_kv_heads=4, embed_dim=256,
                  intermediate_dim=704, head_dim=32, max_position_embeddings=4096, rope_base=10000.0, norm_eps=1e-5,

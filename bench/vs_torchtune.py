@@ -80,7 +80,7 @@ def make_checkpoint(folder: Path, size: str, *, max_positions: int, seed: int = 
     import torch
     import transformers
 
-    from moai_recipes.tiny import demo_texts, write_tokenizer
+    from moai_recipes.models.tiny import demo_texts, write_tokenizer
 
     hidden, layers, heads, kv_heads, inter = MODEL_SIZES[size]
     vocab = write_tokenizer(folder, demo_texts(), vocab_size=512)
@@ -103,7 +103,7 @@ def make_text_rows(checkpoint: Path, *, count: int, min_tokens: int, seed: int =
     """`count` rows of plain text, each at least `min_tokens` tokens long (words drawn from the demo data)."""
     from tokenizers import Tokenizer
 
-    from moai_recipes.tiny import demo_texts
+    from moai_recipes.models.tiny import demo_texts
 
     tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     words = " ".join(demo_texts()).split()
@@ -167,7 +167,7 @@ def ours_command(args, *, processes: int, checkpoint: Path, data: Path, out: Pat
 
 def torchtune_config(args, *, checkpoint: Path, data: Path, out: Path) -> str:
     """The YAML for torchtune's full_finetune_single_device recipe, mirroring ours."""
-    from moai_recipes.models import read_spec
+    from moai_recipes.models.spec import read_spec
 
     s = read_spec(checkpoint)
     shards = sorted(p.name for p in checkpoint.glob("*.safetensors"))
@@ -397,8 +397,8 @@ def main() -> int:
     import torch
     import torchtune
 
-    from moai_recipes.batching import GlobalBatches
-    from moai_recipes.models import read_spec
+    from moai_recipes.data.batches import GlobalBatches
+    from moai_recipes.models.spec import read_spec
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="moai-vs-torchtune-"))
     work.mkdir(parents=True, exist_ok=True)

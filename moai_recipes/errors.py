@@ -1,4 +1,12 @@
-"""The one error type for a user's mistake, and the entry-point guard that turns it into exit code 2."""
+"""The one error type for a user's mistake, the exit codes a scheduler can act on, and the entry-point guard.
+
+Exit codes of every recipe and of `moai`:
+    0   finished
+    2   a mistake of the user (the message says what to fix); running it again changes nothing
+    75  stopped on a signal (SIGTERM, SIGINT) after saving its state: run the same command to resume
+        (EX_TEMPFAIL of sysexits.h; a scheduler requeues it)
+    other: a failure (a crash, a dead worker after max_restarts)
+"""
 
 import functools
 import os
@@ -13,6 +21,7 @@ class UserError(Exception):
 
 
 EXIT_USER_ERROR = 2
+EXIT_STOPPED = 75
 
 
 def exit_on_user_error(main):

@@ -1,1 +1,1 @@
-"""Recipes: one file per recipe, run from the repository root as `python -m recipes.<name>`."""
+"""Recipes from the checkout: `python -m recipes.<name>` runs moai_recipes/recipes/<name>.py (see DESIGN.md)."""

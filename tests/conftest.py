@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # torchtune's wheel ships a top-level `recipes` that raises on import: ours must come first.
 sys.path.insert(0, str(ROOT))
 
-from moai_recipes.tiny import demo_texts, write_tokenizer  # noqa: E402
+from moai_recipes.models.tiny import demo_texts, write_tokenizer  # noqa: E402
 
 FAMILIES = ("llama", "mistral", "qwen2")
 

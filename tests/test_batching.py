@@ -1,6 +1,6 @@
 """Global batches do not depend on the number of ranks. Run: pytest tests/test_batching.py"""
 
-from moai_recipes.batching import GlobalBatches, split_micro_batches
+from moai_recipes.data.batches import GlobalBatches, split_micro_batches
 
 
 def test_the_global_batch_is_the_same_set_whatever_the_world_size():

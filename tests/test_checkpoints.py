@@ -15,6 +15,7 @@ import psutil
 import pytest
 import torch
 
+from moai_recipes.errors import EXIT_STOPPED
 from tests.conftest import ROOT
 from tests.test_full_finetune import metrics, run_recipe, tensors
 
@@ -74,7 +75,7 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path, reference)
     wait_for_step(out, 4, proc)
     proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler's preemption would
     log = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0, log
+    assert proc.returncode == EXIT_STOPPED, log  # saved and stopped: a scheduler requeues it
     assert "Run the same command again to resume" in log and "Traceback" not in log
     stopped_at = len(metrics(out))
     assert 4 <= stopped_at < 12 and not (out / "model").exists()
@@ -109,7 +110,7 @@ def test_a_run_checkpointed_on_one_flavor_resumes_on_another(tmp_path, reference
     proc = start(f"flavor={saved_on}", f"output_dir={out}")
     wait_for_step(out, 3, proc)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0
+    assert proc.wait(timeout=120) == EXIT_STOPPED
     r = run_recipe(*COMMON, f"flavor={resumed_on}", f"output_dir={out}")
     assert r.returncode == 0, r.stdout + r.stderr
     processes = {"cpu": 1, "cpu-2": 2, "cpu-4": 4}[saved_on]
@@ -125,7 +126,7 @@ def test_resume_refuses_another_config_and_never_means_never(tmp_path, reference
     proc = start("flavor=cpu", f"output_dir={out}")
     wait_for_step(out, 3, proc)
     proc.send_signal(signal.SIGINT)  # Ctrl-C
-    assert proc.wait(timeout=120) == 0
+    assert proc.wait(timeout=120) == EXIT_STOPPED
     (out / "checkpoints" / ".step-000099.tmp").mkdir()  # what a crash while saving leaves behind: ignored
     other = run_recipe(*COMMON, "flavor=cpu", "optimizer.lr=1e-3", f"output_dir={out}")
     assert other.returncode == 2 and "optimizer.lr" in other.stderr and "Traceback" not in other.stderr

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import ROOT, make_hf_checkpoint
-from moai_recipes import cli
-from moai_recipes.config import load_config
+
+from moai_recipes.tools import cli
+from moai_recipes.config.compose import load_config
 from moai_recipes.flavors import resolve_flavor
-from moai_recipes.gpu_stats import read_gpus
-from moai_recipes.registry import registered, running, runs_dir
+from moai_recipes.launch.registry import registered, running, runs_dir
+from moai_recipes.tools.gpu_stats import read_gpus
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +36,7 @@ def home(tmp_path, monkeypatch) -> Path:
 
 
 def moai(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return run_python("-m", "moai_recipes.cli", *args, **kwargs)
+    return run_python("-m", "moai_recipes.tools.cli", *args, **kwargs)
 
 
 def run_python(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -124,7 +124,7 @@ class Terminal:
 
 
 def test_interactive_switch_in_a_terminal(home):
-    term = Terminal("-m", "moai_recipes.cli", "switch")
+    term = Terminal("-m", "moai_recipes.tools.cli", "switch")
     screen = term.expect("Selection (1-16, q, Q): ")
     assert "Current MoAI Accelerator: cpu\n" in screen.replace("\r", "")
     assert "1. Small.64GB\r\n" in screen and "8. 4xLarge.2048GB\r\n" in screen and "14. cpu  *" in screen
@@ -151,7 +151,7 @@ def test_registration_ends_with_the_run_even_when_it_fails():
 LAUNCHER = """
 import subprocess, sys, time
 from moai_recipes.flavors import resolve_flavor
-from moai_recipes.registry import registered
+from moai_recipes.launch.registry import registered
 worker = "import os, time; assert os.environ['MOAI_JOB_ID']; x = bytes([1]) * (200 * 2**20); print('up', flush=True); time.sleep(120)"
 flavor = resolve_flavor(name="cpu-2", device="cpu", memory_gb=None, processes=2, device_memory_gb=None)
 with registered(flavor):
@@ -177,17 +177,19 @@ def test_smi_counts_the_memory_of_the_workers_a_run_launched():
 
 # A launcher whose workers register as a recipe's do (run_recipe enters `registered` in every process).
 REGISTERING_LAUNCHER = """
-import subprocess, sys, time
+import os, subprocess, sys, time
 from moai_recipes.flavors import resolve_flavor
-from moai_recipes.registry import registered
+from moai_recipes.launch import env
+from moai_recipes.launch.registry import registered
 worker = '''
 import time
 from moai_recipes.flavors import resolve_flavor
-from moai_recipes.registry import registered
+from moai_recipes.launch.registry import registered
 with registered(resolve_flavor(name="cpu-2", device="cpu", memory_gb=None, processes=2, device_memory_gb=None)):
     print("up", flush=True)
     time.sleep(120)
 '''
+env.set_launcher(os.getpid())  # as elastic.relaunch announces itself to the workers it starts
 with registered(resolve_flavor(name="cpu-2", device="cpu", memory_gb=None, processes=2, device_memory_gb=None)):
     workers = [subprocess.Popen([sys.executable, "-c", worker], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     [w.stdout.readline() for w in workers]
@@ -290,7 +292,7 @@ echo '{"card0": {"GPU use (%)": "100", "VRAM Total Memory (B)": "68702699520", "
 
 
 def test_amd_figures_come_from_rocm_smi(tmp_path, monkeypatch):
-    from moai_recipes import gpu_stats
+    from moai_recipes.tools import gpu_stats
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -314,7 +316,7 @@ def test_a_copied_config_runs_from_its_own_folder(tmp_path):
     mine = tmp_path / "mine"
     result = moai("cp", "full_finetune", str(mine / "my.yaml"))
     assert result.returncode == 0 and f"--config-path {mine} --config-name my" in result.stdout
-    shipped = (ROOT / "configs" / "full_finetune.yaml").read_text()
+    shipped = (ROOT / "moai_recipes" / "configs" / "full_finetune.yaml").read_text()
     (mine / "my.yaml").write_text(shipped.replace("batch_size: 16 ", "batch_size: 4 "))
     assert moai("cp", "model/mistral", f"{mine}/").returncode == 0  # lands where Hydra looks: mine/model/
     edited = (mine / "model" / "mistral.yaml").read_text().replace("mistralai/Mistral-7B-v0.1", "me/my-mistral")

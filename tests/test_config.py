@@ -6,7 +6,12 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from moai_recipes.config import CONFIG_DIR, group_options, load_config, recipe_groups
+from moai_recipes.config.compose import (
+    CONFIG_DIR,
+    group_options,
+    load_config,
+    recipe_groups,
+)
 from moai_recipes.errors import UserError
 from tests.conftest import ROOT
 

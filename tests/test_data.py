@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from moai_recipes.data import IGNORE_INDEX, collate, load_dataset
+from moai_recipes.data.datasets import IGNORE_INDEX, collate, load_dataset
+from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
-from moai_recipes.tiny import DEMO_DATA, EOS, IM_END, tiny_checkpoint_dir
-from moai_recipes.tokenizer import Tokenizer
+from moai_recipes.models.tiny import DEMO_DATA, EOS, IM_END, tiny_checkpoint_dir
 
 INSTRUCT = [
     {"instruction": "What is the opposite of open?", "input": "", "output": "The opposite of open is closed."},
@@ -350,9 +350,10 @@ LLAMA3_TEMPLATE = (
 
 
 def test_llama3_template_and_a_tokenizer_that_adds_bos_itself(tmp_path):
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-    from moai_recipes.tiny import demo_texts
+    from moai_recipes.models.tiny import demo_texts
 
     special = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
     hf = HFTokenizer(models.BPE())

@@ -2,10 +2,10 @@
 
 import pytest
 
-from moai_recipes.config import load_config
+from moai_recipes.config.compose import load_config
 from moai_recipes.errors import UserError
 from moai_recipes.flavors import resolve_flavor
-from moai_recipes.launch import needs_launch
+from moai_recipes.launch.elastic import needs_launch
 
 
 def flavor(*overrides):

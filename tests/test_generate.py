@@ -14,12 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from moai_recipes.config import load_config
-from moai_recipes.device_map import (STRATEGIES, decoder_blocks, describe, device_budgets, dispatch, place_blocks,
-                                    setup_caches)
+from moai_recipes.config.compose import load_config
+from moai_recipes.data.tokenizer import prompt_ids
 from moai_recipes.errors import UserError
-from moai_recipes.samples import prompt_ids
-from moai_recipes.tiny import DEMO_DATA
+from moai_recipes.inference.device_map import (
+    STRATEGIES,
+    decoder_blocks,
+    describe,
+    device_budgets,
+    dispatch,
+    place_blocks,
+    setup_caches,
+)
+from moai_recipes.models.tiny import DEMO_DATA
 from tests.conftest import make_hf_checkpoint
 from tests.test_full_finetune import run_recipe
 
@@ -52,7 +59,7 @@ def runs(tmp_path_factory) -> Runs:
 
 def generate(*args, prompt: str) -> tuple[object, list[int]]:
     """The recipe's own generate(), in this process: (tokenizer, completion tokens)."""
-    from recipes.generate import generate as recipe_generate
+    from moai_recipes.recipes.generate import generate as recipe_generate
 
     return recipe_generate(load_config("generate", list(args)), prompt=prompt)
 
@@ -80,7 +87,7 @@ def test_the_adapter_finds_its_base_and_generates_as_peft_does_token_for_token(r
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from recipes.generate import main
+    from moai_recipes.recipes.generate import main
 
     assert main([f"adapter_dir={runs.adapter}", f"prompt={FRANCE}"]) == 0  # the base from adapter_config.json
     out = capsys.readouterr()
@@ -147,7 +154,7 @@ def test_sampling_is_reproducible_and_its_limits_are_greedy(runs):
     (["adapter_dir=/nonexistent/adapter"], ["adapter_dir=/nonexistent/adapter"]),
 ])
 def test_user_mistakes_exit_2_with_one_message(args, words, capsys):
-    from recipes.generate import main
+    from moai_recipes.recipes.generate import main
 
     with pytest.raises(SystemExit) as e:
         main([*args, f"prompt={FRANCE}"])
@@ -159,7 +166,7 @@ def test_user_mistakes_exit_2_with_one_message(args, words, capsys):
 
 @pytest.mark.slow
 def test_an_adapter_for_another_base_a_dora_adapter_and_a_missing_prompt_exit_2(runs, tmp_path, capsys):
-    from recipes.generate import main
+    from moai_recipes.recipes.generate import main
 
     other = make_hf_checkpoint(tmp_path / "other", "llama")
     with pytest.raises(SystemExit) as e:
@@ -234,8 +241,8 @@ def test_device_map_keeps_the_order_and_every_budget(strategy):
 
 
 def _reference_and_dispatched(folder: Path, placement_for):
-    from moai_recipes.hf_checkpoint import HFCheckpoint, load_weights
-    from moai_recipes.models import build_model, init_buffers
+    from moai_recipes.models.build import build_model, init_buffers
+    from moai_recipes.models.hf_format import HFCheckpoint, load_weights
 
     ckpt = HFCheckpoint.open(folder)
     with torch.device("meta"):
@@ -251,8 +258,8 @@ def _reference_and_dispatched(folder: Path, placement_for):
 
 @pytest.mark.parametrize("family, tie", [("llama", False), ("qwen2", True)])
 def test_dispatch_on_the_cpu_is_the_plain_model_and_cached_greedy_matches(tmp_path, family, tie):
-    from moai_recipes.generation import Sampling, complete
-    from moai_recipes.samples import greedy_continuation
+    from moai_recipes.inference.sampling import Sampling, complete
+    from moai_recipes.train.answers import greedy_continuation
 
     folder = make_hf_checkpoint(tmp_path / family, family, tie=tie)
     reference, model, placement = _reference_and_dispatched(folder, lambda blocks: dict.fromkeys(blocks, "cpu"))
@@ -269,7 +276,7 @@ def test_dispatch_on_the_cpu_is_the_plain_model_and_cached_greedy_matches(tmp_pa
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_dispatch_across_gpus_and_the_cpu_moves_activations_at_the_boundaries(tmp_path):
-    from moai_recipes.generation import Sampling, complete
+    from moai_recipes.inference.sampling import Sampling, complete
 
     devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] + ["cpu"]
 

@@ -14,13 +14,18 @@ from typing import Callable
 import pytest
 import torch
 import transformers
+from conftest import make_hf_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import make_hf_checkpoint
 from moai_recipes.errors import UserError
-from moai_recipes.hf_checkpoint import INDEX, HFCheckpoint, load_weights, save_weights
-from moai_recipes.models import build_model, init_buffers
+from moai_recipes.models.build import build_model, init_buffers
+from moai_recipes.models.hf_format import (
+    INDEX,
+    HFCheckpoint,
+    load_weights,
+    save_weights,
+)
 
 SEQ = 128
 
@@ -209,7 +214,7 @@ def _sharded_worker(rank: int, world_size: int, rendezvous: str, jobs: list[tupl
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from moai_recipes.parallel import shard_model
+    from moai_recipes.train.parallel import shard_model
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
@@ -295,7 +300,7 @@ def _export_memory_worker(rank: int, world_size: int, rendezvous: str, jobs: lis
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
 
-    from moai_recipes.parallel import shard_model
+    from moai_recipes.train.parallel import shard_model
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:

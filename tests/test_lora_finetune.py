@@ -110,8 +110,8 @@ def test_lora_dropout_applies_in_training_and_the_adapter_config_says_so(tmp_pat
 
 def test_an_adapter_on_a_tied_output_is_refused():
     from moai_recipes.errors import UserError
-    from moai_recipes.lora import lora_options
-    from moai_recipes.models import spec_from_hf_config
+    from moai_recipes.models.lora import lora_options
+    from moai_recipes.models.spec import spec_from_hf_config
 
     spec = spec_from_hf_config(dict(model_type="qwen2", vocab_size=384, hidden_size=64, intermediate_size=160,
                                     num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=True))
@@ -139,7 +139,7 @@ QLORA_DIMS = dict(hidden=256, intermediate=512)
 
 
 def _qlora_options(spec, *, world_size=1, **kw):
-    from moai_recipes.lora import lora_options
+    from moai_recipes.models.lora import lora_options
 
     args = dict(attn_modules=["q_proj", "v_proj"], apply_to_mlp=False, apply_to_output=False, rank=4, alpha=16,
                 dropout=0.0, quantize_base=True)
@@ -150,10 +150,9 @@ def _qlora_options(spec, *, world_size=1, **kw):
 def test_qlora_keeps_the_base_in_nf4_where_torchtune_puts_it(tmp_path, family):
     from torchao.dtypes.nf4tensor import NF4Tensor
 
-    from moai_recipes.hf_checkpoint import HFCheckpoint, full_tensor, load_weights
-    from moai_recipes.lora import NF4_BLOCK
-    from moai_recipes.models import nf4_weights
-    from moai_recipes.models import build_model, init_buffers
+    from moai_recipes.models.build import build_model, init_buffers, nf4_weights
+    from moai_recipes.models.hf_format import HFCheckpoint, full_tensor, load_weights
+    from moai_recipes.models.lora import NF4_BLOCK
 
     ckpt = HFCheckpoint.open(make_hf_checkpoint(tmp_path / family, family, **QLORA_DIMS))
     opts = _qlora_options(ckpt.spec, world_size=2)
@@ -178,7 +177,7 @@ def test_qlora_keeps_the_base_in_nf4_where_torchtune_puts_it(tmp_path, family):
 
 def test_qlora_dims_that_nf4_cannot_hold_are_a_user_error():
     from moai_recipes.errors import UserError
-    from moai_recipes.models import spec_from_hf_config
+    from moai_recipes.models.spec import spec_from_hf_config
 
     config = dict(model_type="llama", vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4)
@@ -242,7 +241,7 @@ def test_the_adapter_names_its_base_as_the_run_found_it(tmp_path):
     when the model config names a Hub repository (a custom model must not be swapped for the Hub's)."""
     from huggingface_hub.constants import HF_HUB_CACHE
 
-    from moai_recipes.hub import base_model_name
+    from moai_recipes.models.sources import base_model_name
 
     snapshot = Path(HF_HUB_CACHE) / "models--meta-llama--Llama-3.1-8B" / "snapshots" / "abc123"
     assert base_model_name(snapshot, "meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"

@@ -7,7 +7,13 @@ import json
 import pytest
 import torch
 
-from moai_recipes.loss import CHUNK_TOKENS, IGNORE_INDEX, chunked_cross_entropy_sum, cross_entropy_sum, token_loss_sum
+from moai_recipes.train.loss import (
+    CHUNK_TOKENS,
+    IGNORE_INDEX,
+    chunked_cross_entropy_sum,
+    cross_entropy_sum,
+    token_loss_sum,
+)
 from tests.test_full_finetune import metrics, run_recipe
 
 
@@ -30,8 +36,9 @@ def test_chunks_give_the_loss_and_gradients_of_the_whole():
 
 @pytest.mark.parametrize("model_name", ["tiny", "qwen2_5_0_5b"])  # untied llama; qwen2 with tied embeddings
 def test_a_chunked_model_loss_equals_the_plain_one(model_name):
-    from moai_recipes.config import load_config
-    from moai_recipes.models import build_model, init_buffers, spec_for
+    from moai_recipes.config.compose import load_config
+    from moai_recipes.models.build import build_model, init_buffers
+    from moai_recipes.models.spec import spec_for
 
     cfg = load_config("full_finetune", [f"model={model_name}"])
     spec = spec_for(architecture=cfg.model.architecture, checkpoint_dir=None)

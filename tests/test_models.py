@@ -9,10 +9,11 @@ import transformers
 import yaml
 
 from moai_recipes.errors import UserError
-from moai_recipes.models import build_model, init_buffers, read_spec, spec_for, spec_from_hf_config
-from moai_recipes.tiny import tiny_checkpoint_dir
+from moai_recipes.models.build import build_model, init_buffers
+from moai_recipes.models.spec import read_spec, spec_for, spec_from_hf_config
+from moai_recipes.models.tiny import tiny_checkpoint_dir
 
-MODEL_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs" / "model").glob("*.yaml"))
+MODEL_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "moai_recipes" / "configs" / "model").glob("*.yaml"))
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,

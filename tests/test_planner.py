@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from moai_recipes.config import load_config
+from moai_recipes.config.compose import load_config
 from moai_recipes.errors import UserError
 from moai_recipes.flavors import resolve_flavor
-from moai_recipes.models import spec_for
+from moai_recipes.models.spec import spec_for
 from moai_recipes.planner import GiB, choose_plan
 from moai_recipes.planner.activations import trace_layer
 from tests.conftest import ROOT
@@ -41,8 +41,8 @@ def test_the_traced_layer_keeps_what_a_real_layer_keeps(recompute):
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from moai_recipes.models import build_model, init_buffers
-    from moai_recipes.parallel import apply_recompute
+    from moai_recipes.models.build import build_model, init_buffers
+    from moai_recipes.train.parallel import apply_recompute
 
     _, spec, _ = setup("model=qwen2_5_0_5b")
     spec = dataclasses.replace(spec, num_layers=1, embed_dim=256, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -121,8 +121,8 @@ def test_lora_plans_fit_where_full_fine_tuning_does_not():
 def test_the_planner_counts_exactly_the_adapters_torchtune_builds(model, targets):
     import torch
 
-    from moai_recipes.lora import is_adapter
-    from moai_recipes.models import build_model
+    from moai_recipes.models.build import build_model
+    from moai_recipes.models.lora import is_adapter
     from moai_recipes.planner.memory import lora_params
 
     _, spec, _ = setup(f"model={model}")
@@ -133,7 +133,7 @@ def test_the_planner_counts_exactly_the_adapters_torchtune_builds(model, targets
 
 
 def _lora(spec, *, attn_modules, apply_to_mlp):
-    from moai_recipes.lora import lora_options
+    from moai_recipes.models.lora import lora_options
 
     return lora_options(attn_modules=attn_modules, apply_to_mlp=apply_to_mlp, apply_to_output=False, rank=8,
                         alpha=16, dropout=0.0, quantize_base=False, spec=spec)

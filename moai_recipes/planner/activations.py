@@ -16,8 +16,8 @@ is alive (it inflated the backward's peak by a third in a layer of 256 x 512 tok
 
 import functools
 import hashlib
-import math
 import json
+import math
 import os
 import warnings
 import weakref
@@ -26,11 +26,16 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import (
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
-from moai_recipes.models import ModelSpec, build_model
-from moai_recipes.parallel import apply_recompute
+from moai_recipes.models.build import build_model
+from moai_recipes.models.spec import ModelSpec
+from moai_recipes.train.parallel import apply_recompute
 
 _VERSION = 4  # of what a trace measures: bump to ignore older cached traces
 
@@ -82,7 +87,7 @@ def trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked:
                        lambda: _trace_head(spec, micro_batch_size=sequences, seq_len=seq_len, chunked=chunked,
                                            dtype=dtype, lora=lora))
 
-    from moai_recipes.loss import CHUNK_TOKENS
+    from moai_recipes.train.loss import CHUNK_TOKENS
 
     # Two micro-batches to extrapolate from: for the chunked loss, ones that run whole chunks, two of
     # them at least (each chunk also adds the output projection's gradient to its sum, so a partial
@@ -221,7 +226,7 @@ class OpCounter(TorchDispatchMode):
 def _meta_model(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None):
     """A one-layer model as training runs it, on the meta device: in `dtype`, frozen as LoRA freezes it,
     its layer recomputed as planned."""
-    from moai_recipes.lora import freeze_base
+    from moai_recipes.models.lora import freeze_base
 
     with torch.device("meta"):
         model = build_model(replace(spec, num_layers=1), max_seq_len=seq_len, lora=dict(lora) if lora else None)
@@ -266,7 +271,11 @@ def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked
     float) and the loss, or the chunked norm, output and loss."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from moai_recipes.loss import IGNORE_INDEX, chunked_cross_entropy_sum, cross_entropy_sum
+    from moai_recipes.train.loss import (
+        IGNORE_INDEX,
+        chunked_cross_entropy_sum,
+        cross_entropy_sum,
+    )
 
     model = _meta_model(spec, seq_len=seq_len, recompute="none", dtype=dtype, lora=lora)
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():

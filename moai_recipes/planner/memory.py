@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moai_recipes.models import ModelSpec, nf4_weights
-from moai_recipes.parallel import uses_fsdp
+from moai_recipes.models.build import nf4_weights
+from moai_recipes.models.spec import ModelSpec
 from moai_recipes.planner.activations import trace_head, trace_layer
+from moai_recipes.train.parallel import uses_fsdp
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 NF4_BYTES = 0.5 + 1 / 64 * 4 / 4 + 0.01  # 4-bit codes, per-block scales, double-quantized scalers

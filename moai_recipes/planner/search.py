@@ -9,9 +9,9 @@ from omegaconf import OmegaConf
 
 from moai_recipes.errors import UserError
 from moai_recipes.flavors import Flavor, resolve_flavor
-from moai_recipes.models import ModelSpec
-from moai_recipes.plan import Plan
+from moai_recipes.models.spec import ModelSpec
 from moai_recipes.planner.memory import MemoryBreakdown, model_sizes, predict_memory
+from moai_recipes.planner.plan import Plan
 from moai_recipes.planner.timing import TimeEstimate, predict_time
 
 GiB = 2**30
@@ -125,7 +125,7 @@ def _candidates(spec: ModelSpec, flavor: Flavor, batch_size: int, seq_len: int, 
 
 
 def _what_would_fit(spec, flavor: Flavor, batch_size, seq_len, dtype, forced, lora) -> str:
-    from moai_recipes.config import CONFIG_DIR
+    from moai_recipes.config.compose import CONFIG_DIR
 
     hints = []
     if forced and _fits(spec, flavor, batch_size, seq_len, dtype, {}, lora):

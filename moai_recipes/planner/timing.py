@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from moai_recipes.flavors import Device
-from moai_recipes.models import ModelSpec
+from moai_recipes.models.spec import ModelSpec
 from moai_recipes.planner.activations import trace_head, trace_layer
 from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
 from moai_recipes.planner.memory import DTYPE_BYTES, ModelSizes

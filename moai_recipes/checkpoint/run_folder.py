@@ -1,0 +1,91 @@
+"""A run's folder: never overwrite an earlier run, resume one when asked, write the config and the plan.
+
+`resume=auto` continues an earlier run of the same config from its newest complete checkpoint;
+`resume=never` refuses a folder that holds a run; `resume=PATH` continues from that checkpoint.
+"""
+
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from moai_recipes.checkpoint.steps import complete_checkpoints
+from moai_recipes.errors import UserError
+
+# What marks a folder as holding an earlier run.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "plan.json", "model", "adapter", "checkpoints")
+# What may change between a run and its resumption: where and how it runs, not what it computes.
+RESUMABLE_CHANGES = ("flavor", "plan", "logger", "output_dir", "resume", "checkpoint_every", "checkpoint_keep",
+                     "max_restarts", "skip_nonfinite_steps", "sample_max_new_tokens")
+
+
+def check_output_dir(cfg: DictConfig, *, restarting: bool = False) -> tuple[Path, Path | None]:
+    """Return the run folder and the checkpoint to resume from (None: start afresh), or a UserError.
+
+    `restarting`: the launcher restarted the workers of this very run; without a checkpoint yet,
+    it starts over instead of refusing its own folder.
+    """
+    out = Path(cfg.output_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output_dir={cfg.output_dir} is a file; give a folder")
+    if cfg.resume not in ("auto", "never"):
+        return out, _given_checkpoint(cfg.resume)
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if not found:
+        return out, None
+    finished = [name for name in ("model", "adapter") if (out / name).exists()]
+    checkpoints = complete_checkpoints(out)
+    if cfg.resume == "never" or finished or (not checkpoints and not restarting):
+        why = (f"a finished run ({', '.join(finished)})" if finished else
+               f"an earlier run ({', '.join(found)})" + ("" if checkpoints or cfg.resume == "never" else
+                                                         " with no checkpoint to resume from"))
+        raise UserError(f"output_dir={cfg.output_dir} holds {why}; pass another output_dir=... or remove that folder")
+    if not checkpoints:
+        return out, None
+    _check_same_config(out / "config.yaml", cfg)
+    return out, checkpoints[-1]
+
+
+def run_finished(cfg: DictConfig) -> bool:
+    """Whether the run in output_dir has written its last output: the model (full fine-tuning, or LoRA's
+    merged model, written after the adapter), or the adapter when LoRA saves no merged model."""
+    last = "model" if cfg.get("save_merged", True) else "adapter"
+    return (Path(cfg.output_dir).expanduser() / last).is_dir()
+
+
+def _given_checkpoint(path: str) -> Path:
+    ckpt = Path(path).expanduser().resolve()
+    if not (ckpt / "meta.json").exists():
+        raise UserError(f"resume={path} is not a complete checkpoint folder (one of output_dir/checkpoints/step-*); "
+                        "use resume=auto to take the newest one of output_dir")
+    return ckpt
+
+
+def _identity(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k not in RESUMABLE_CHANGES}
+
+
+def _check_same_config(saved: Path, cfg: DictConfig) -> None:
+    if not saved.exists():
+        return
+    before = _identity(OmegaConf.to_container(OmegaConf.load(saved), resolve=True))
+    now = _identity(OmegaConf.to_container(cfg, resolve=True))
+    if now.get("model", {}).get("checkpoint_dir") is None and "model" in before:
+        now["model"]["checkpoint_dir"] = before["model"].get("checkpoint_dir")  # resolved when the run started
+    changed = sorted(_diff(before, now))
+    if changed:
+        raise UserError(f"output_dir={cfg.output_dir} holds a run with another config (changed: {', '.join(changed[:6])}); "
+                        "resume it with the same settings, or start afresh with another output_dir "
+                        "(flavor, plan and logger may change on resume)")
+
+
+def _diff(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [prefix.rstrip(".")] if a != b else []
+
+
+def write_config(out: Path, cfg: DictConfig) -> None:
+    tmp = out / ".config.yaml.tmp"
+    tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    os.replace(tmp, out / "config.yaml")

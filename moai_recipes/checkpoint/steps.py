@@ -1,0 +1,99 @@
+"""Step checkpoints: the whole recipe state, sharded with torch.distributed.checkpoint, never half-written.
+
+A checkpoint holds what changes during training — the trainable parameters and their optimizer
+state (DCP, each rank writes its shards), the LR schedule, every rank's RNG, the step and the data
+position (a GLOBAL sample index) — plus the plan. The frozen base of a LoRA run is not saved: it
+is the Hugging Face checkpoint the run started from. DCP reshards on load, so a checkpoint made on
+`cpu-2` resumes on `cpu` or `cpu-4`; the global batches do not depend on the flavor, so the loss
+curve continues as if nothing had changed.
+
+Layout: output_dir/checkpoints/step-000004/{*.distcp, .metadata, train_state.pt, rng-rank*.pt, meta.json}.
+It is written as .step-000004.tmp and renamed when complete; only renamed folders count. What a save
+cost (seconds, bytes) is returned; the run's log keeps it in output_dir/checkpoints.jsonl (metrics.py).
+"""
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+STEP_PREFIX = "step-"
+
+
+def checkpoint_dir(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"{STEP_PREFIX}{step:06d}"
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """Complete checkpoints of a run folder, oldest first (a crash mid-save leaves only a .tmp folder)."""
+    root = out / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and (p / "meta.json").exists())
+
+
+def read_meta(path: Path) -> dict:
+    return json.loads((path / "meta.json").read_text())
+
+
+def _trainable_state(model: nn.Module, optimizer) -> dict:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {"model": {k: v for k, v in model_sd.items() if k in trainable}, "optim": optim_sd}
+
+
+def save_checkpoint(out: Path, *, step: int, samples_seen: int, model: nn.Module, optimizer, scheduler,
+                    world, plan: dict, flavor: str, keep: int) -> tuple[Path, float, int]:
+    """Write the state after `step` steps; returns (folder, seconds, bytes). Every rank must call it."""
+    start = time.perf_counter()
+    final = checkpoint_dir(out, step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_trainable_state(model, optimizer), checkpoint_id=str(tmp))
+    torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+               tmp / f"rng-rank{world.rank}.pt")
+    dist.barrier()  # every shard is on disk before the checkpoint becomes visible
+    size = 0
+    if world.is_main:
+        torch.save({"scheduler": scheduler.state_dict()}, tmp / "train_state.pt")
+        meta = {"step": step, "samples_seen": samples_seen, "world_size": world.world_size, "flavor": flavor,
+                "plan": plan, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if final.exists():  # a resumed run saving the same step again
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        for old in complete_checkpoints(out)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        size = sum(f.stat().st_size for f in final.iterdir())
+    dist.barrier()
+    return final, time.perf_counter() - start, size
+
+
+def load_checkpoint(path: Path, *, model: nn.Module, optimizer, scheduler, world) -> dict:
+    """Restore a checkpoint into the (already sharded, base-loaded) model and the optimizer; returns its meta."""
+    state = _trainable_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=False))
+    scheduler.load_state_dict(torch.load(path / "train_state.pt", weights_only=False)["scheduler"])
+    rng = path / f"rng-rank{world.rank}.pt"
+    if rng.exists():  # a rank the saving run did not have keeps its own seed
+        states = torch.load(rng, weights_only=False)
+        torch.set_rng_state(states["cpu"])
+        if states["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(states["cuda"])
+    return read_meta(path)

@@ -1,0 +1,314 @@
+"""Compose a recipe's config with Hydra from the command line, validate it, and answer `--cfg job`.
+
+We use Hydra's compose API rather than `@hydra.main` so that a user's mistake becomes one clean
+message and exit code 2 (see errors.py), the working directory is left alone, and a recipe that
+relaunches itself on several processes hands every worker the same resolved config.
+"""
+
+import difflib
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from moai_recipes.config.user_settings import switched_flavor
+from moai_recipes.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+GROUPS = ("model", "dataset", "optimizer", "flavor", "logger")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    hf_repo: Optional[str] = None
+    checkpoint_dir: Optional[str] = None
+    architecture: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DatasetConfig:
+    kind: str = "demo"
+    path: Optional[str] = None
+    column_map: dict[str, str] = field(default_factory=dict)
+    train_on_input: bool = False
+    sample_prompts: list[str] = field(default_factory=list)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 2e-5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    max_grad_norm: Optional[float] = 1.0
+
+
+@dataclass
+class FlavorConfig:
+    name: str = "cpu"
+    device: str = "cpu"
+    memory_gb: Optional[float] = None
+    processes: Optional[int] = None
+    device_memory_gb: Optional[float] = None
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = "wandb"
+    project: str = "moai-recipes"
+    entity: Optional[str] = None
+    run_name: Optional[str] = None
+    mode: str = "auto"
+
+
+@dataclass
+class PlanConfig:  # null: the planner decides
+    micro_batch_size: Optional[int] = None
+    recompute: Optional[str] = None
+    reshard_after_forward: Optional[bool] = None
+    cpu_offload: Optional[bool] = None
+    chunked_loss: Optional[bool] = None
+
+
+@dataclass
+class RecipeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    flavor: FlavorConfig = field(default_factory=FlavorConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    batch_size: int = 16
+    max_seq_len: int = 256
+    epochs: int = 1
+    max_steps: Optional[int] = None
+    seed: int = 0
+    output_dir: Optional[str] = None
+    dtype: str = "auto"
+    sample_max_new_tokens: int = 24
+    resume: str = "auto"  # auto | never | a checkpoint folder
+    checkpoint_every: Optional[int] = None  # steps
+    checkpoint_keep: int = 2
+    skip_nonfinite_steps: int = 0
+    max_restarts: int = 3  # restarts of the processes after a worker dies, resuming from the last checkpoint
+
+
+@dataclass
+class LoraConfig:
+    attn_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    apply_to_mlp: bool = False
+    apply_to_output: bool = False
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    quantize_base: bool = False  # QLoRA: the frozen base in NF4
+
+
+@dataclass
+class LoraRecipeConfig(RecipeConfig):
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    save_merged: bool = True  # also write model/, the base with the adapters merged in
+
+
+@dataclass
+class PlanRecipeConfig(LoraRecipeConfig):
+    method: str = "full"  # what recipes.plan plans: full | lora
+
+
+@dataclass
+class GenerateConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prompt: Optional[str] = None
+    adapter_dir: Optional[str] = None  # a PEFT LoRA adapter merged into the base (model.checkpoint_dir or its config's)
+    chat: bool = True  # the prompt is a user turn (the chat template); false: plain text to continue
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_k: Optional[int] = None
+    top_p: float = 1.0
+    seed: int = 0
+    dtype: str = "auto"
+    device_map: str = "auto"  # auto | balanced | balanced_low_0 | sequential, as Accelerate's
+    max_memory_gb: Optional[float] = None  # per GPU; null: 90% of what is free
+
+
+ConfigStore.instance().store(name="full_finetune_schema", node=RecipeConfig)
+ConfigStore.instance().store(name="plan_schema", node=PlanRecipeConfig)
+ConfigStore.instance().store(name="lora_finetune_schema", node=LoraRecipeConfig)
+ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
+
+USAGE = """usage: python -m recipes.{recipe} [--cfg job] [--config-path DIR] [--config-name NAME] [key=value ...]
+
+Compose configs/{recipe}.yaml with the groups {groups}, then apply key=value overrides:
+  GROUP=OPTION (model=mistral)            pick an option of a group
+  KEY=VALUE (model.checkpoint_dir=DIR)    set any key; --cfg job lists them
+  --cfg job                               print the composed config and exit
+  --config-path DIR --config-name NAME    compose your own copy of a config (moai cp)
+Options of each group:
+{options}"""
+
+
+def group_options(config_dir: Path = CONFIG_DIR) -> dict[str, list[str]]:
+    """Each group's options: those of `config_dir` and, behind them on the search path, the shipped ones."""
+    return {g: sorted({p.stem for d in (config_dir, CONFIG_DIR) for p in (d / g).glob("*.yaml")}) for g in GROUPS}
+
+
+def recipe_groups(config_file: Path) -> list[str]:
+    """The groups a config composes, in the order of its defaults (generate has only `model`)."""
+    try:
+        defaults = OmegaConf.load(config_file).get("defaults") or []
+    except Exception:  # a malformed or missing file: composing it says what is wrong
+        return []
+    return [g for d in defaults if OmegaConf.is_dict(d) for g in d if g in GROUPS]
+
+
+def _split_argv(argv: list[str], recipe: str) -> tuple[dict, list[str]]:
+    flags = {"cfg": None, "config_path": str(CONFIG_DIR), "config_name": recipe}
+    overrides, it = [], iter(argv)
+    for arg in it:
+        if arg in ("-h", "--help"):
+            groups = recipe_groups(Path(flags["config_path"]) / f"{flags['config_name']}.yaml")
+            opts = "\n".join(f"  {g}: {', '.join(o)}" for g, o in group_options().items() if g in groups)
+            print(USAGE.format(recipe=recipe, groups=", ".join(groups), options=opts))
+            sys.exit(0)
+        name, eq, value = arg.partition("=")
+        if name in ("--cfg", "-c", "--config-path", "-cp", "--config-name", "-cn"):
+            value = value if eq else next(it, None)
+            if value is None:
+                raise UserError(f"{name} needs a value")
+            key = {"--cfg": "cfg", "-c": "cfg", "--config-path": "config_path", "-cp": "config_path"}.get(name, "config_name")
+            flags[key] = value
+        elif arg.startswith("-"):
+            raise UserError(f"unknown option {arg}; see --help")
+        else:
+            overrides.append(arg)
+    if flags["cfg"] not in (None, "job", "all"):
+        raise UserError(f"--cfg {flags['cfg']}: valid values are job, all")
+    return flags, overrides
+
+
+def _explain(e: Exception, overrides: list[str], config_dir: Path, recipe: str) -> str:
+    """Turn Hydra's and OmegaConf's exceptions into one sentence that says what to do."""
+    msg = str(e).strip()
+    cause = e.__cause__ or e.__context__
+    if isinstance(e, MissingConfigException) or "Could not find" in msg:
+        for group, options in group_options(config_dir).items():
+            for o in overrides:
+                key, _, value = o.partition("=")
+                if key.lstrip("+~") == group and value not in options:
+                    near = difflib.get_close_matches(value, options, n=1)
+                    hint = f" (did you mean {group}={near[0]}?)" if near else ""
+                    return f"unknown {group} '{value}'{hint}; valid: {', '.join(options)}"
+        return msg.splitlines()[0]
+    if cause is not None and isinstance(cause, OmegaConfBaseException):
+        text = str(cause).splitlines()[0]
+        key = getattr(cause, "full_key", None)
+        if "not in struct" in text or "Key '" in text and "not in" in text:
+            parent = key.rsplit(".", 1)[0] if key and "." in key else None
+            return f"unknown key '{key}'{_did_you_mean(key, parent, recipe)}; see the keys with --cfg job"
+        return f"bad value for '{key}': {text}" if key else text
+    return msg.splitlines()[0] if msg else type(e).__name__
+
+
+def _did_you_mean(key: str | None, parent: str | None, recipe: str) -> str:
+    if not key:
+        return ""
+    fields = _schema_keys(parent, recipe)
+    near = difflib.get_close_matches(key.rsplit(".", 1)[-1], fields, n=1)
+    return f" (did you mean {(parent + '.') if parent else ''}{near[0]}?)" if near else ""
+
+
+def _schema_keys(parent: str | None, recipe: str) -> list[str]:
+    try:  # the recipe's own schema, as registered in Hydra's ConfigStore
+        node = ConfigStore.instance().load(f"{recipe}_schema.yaml").node
+    except Exception:
+        node = OmegaConf.structured(RecipeConfig)
+    for part in (parent.split(".") if parent else []):
+        node = node.get(part) if isinstance(node, DictConfig) else None
+    return list(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def load_config(recipe: str, argv: list[str] | None = None) -> DictConfig:
+    """Compose `configs/<recipe>.yaml` with the command line; print it and exit on `--cfg`."""
+    argv = sys.argv[1:] if argv is None else argv
+    flags, overrides = _split_argv(argv, recipe)
+    config_dir = Path(flags["config_path"]).resolve()
+    config_file = config_dir / f"{flags['config_name']}.yaml"
+    if not config_file.exists():
+        raise UserError(f"no config {config_file.name} in {config_dir}")
+    if config_dir != CONFIG_DIR:  # a copy (`moai cp`) finds the groups it does not have itself among the shipped ones
+        shipped = str(CONFIG_DIR).replace("'", "\\'")
+        overrides.append(f"hydra.searchpath=['file://{shipped}']")
+    overrides += _switched_flavor(overrides, config_file)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            cfg = compose(config_name=flags["config_name"], overrides=overrides)
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        raise UserError(_explain(e, overrides, config_dir, flags["config_name"])) from None
+    if "output_dir" in cfg and cfg.output_dir is None:  # training recipes; generate writes nothing
+        cfg.output_dir = f"outputs/{recipe}/{datetime.now():%Y-%m-%d_%H-%M-%S}"
+    validate(cfg)
+    if flags["cfg"]:
+        print(OmegaConf.to_yaml(cfg), end="")
+        sys.exit(0)
+    return cfg
+
+
+def _switched_flavor(overrides: list[str], config_file: Path) -> list[str]:
+    """The flavor chosen with `moai switch` for a config with a flavor group, unless the command line picks one."""
+    switched = switched_flavor(overrides)
+    if not switched:
+        return []
+    if "flavor" not in recipe_groups(config_file):  # `generate` has none
+        return []
+    valid = group_options(config_file.parent)["flavor"]
+    if switched[0].partition("=")[2] not in valid:  # checked here: the user did not type it
+        raise UserError(f"your default {switched[0]} (chosen with `moai switch`) is no flavor of this installation; "
+                        f"choose another with `moai switch` (valid: {', '.join(valid)}) or pick one with flavor=NAME")
+    return switched
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(message)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Range and choice checks the schema's types cannot express."""
+    _check(cfg.dtype in ("auto", "fp32", "bf16"), f"dtype={cfg.dtype}: valid values are auto, fp32, bf16")
+    if "batch_size" not in cfg:  # generate: its sampling options are checked where they are used
+        return
+    _check(cfg.batch_size >= 1, f"batch_size={cfg.batch_size} must be at least 1 (it is the global batch, in sequences)")
+    _check(cfg.max_seq_len >= 2, f"max_seq_len={cfg.max_seq_len} must be at least 2")
+    _check(cfg.epochs >= 1, f"epochs={cfg.epochs} must be at least 1")
+    _check(cfg.max_steps is None or cfg.max_steps >= 1, f"max_steps={cfg.max_steps} must be at least 1 (or null)")
+    _check(cfg.sample_max_new_tokens >= 0, "sample_max_new_tokens must be >= 0")
+    _check(cfg.checkpoint_every is None or cfg.checkpoint_every >= 1,
+           f"checkpoint_every={cfg.checkpoint_every} must be at least 1 (or null: no step checkpoints)")
+    _check(cfg.checkpoint_keep >= 1, f"checkpoint_keep={cfg.checkpoint_keep} must be at least 1")
+    _check(cfg.skip_nonfinite_steps >= 0, f"skip_nonfinite_steps={cfg.skip_nonfinite_steps} must be >= 0")
+    _check(cfg.max_restarts >= 0, f"max_restarts={cfg.max_restarts} must be >= 0")
+    o = cfg.optimizer
+    _check(o.name == "adamw", f"optimizer.name={o.name}: only adamw is supported")
+    _check(o.lr >= 0, f"optimizer.lr={o.lr} must be >= 0")
+    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optimizer.betas={list(o.betas)} must be two numbers in [0, 1)")
+    _check(o.warmup_steps >= 0, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
+    _check(o.max_grad_norm is None or o.max_grad_norm > 0, "optimizer.max_grad_norm must be positive (or null: no clipping)")
+    _check(cfg.logger.kind in ("wandb", "stdout"), f"logger.kind={cfg.logger.kind}: valid values are wandb, stdout")
+    _check(cfg.logger.mode in ("auto", "online", "offline", "disabled"),
+           f"logger.mode={cfg.logger.mode}: valid values are auto, online, offline, disabled")
+    p = cfg.plan
+    _check(p.micro_batch_size is None or p.micro_batch_size >= 1, f"plan.micro_batch_size={p.micro_batch_size} must be at least 1")
+    _check(p.recompute in (None, "none", "selective", "full"),
+           f"plan.recompute={p.recompute}: valid values are none, selective, full")

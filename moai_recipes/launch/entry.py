@@ -1,0 +1,65 @@
+"""A recipe's entry point: compose its config, resolve the flavor, start or join the processes, train.
+
+Both training recipes run through `run_recipe`, so the launch logic lives once. When the flavor
+needs several processes, a worker that dies (killed, out of memory) does not end the job: the
+processes are started again, up to `max_restarts` times, and resume from the last checkpoint.
+"""
+
+import sys
+from typing import Callable
+
+from omegaconf import DictConfig
+
+from moai_recipes.checkpoint.run_folder import check_output_dir, run_finished
+from moai_recipes.config.compose import load_config
+from moai_recipes.config.user_settings import switched_flavor
+from moai_recipes.errors import EXIT_STOPPED, EXIT_USER_ERROR
+from moai_recipes.flavors import Flavor, resolve_flavor
+from moai_recipes.launch import env
+from moai_recipes.launch.elastic import needs_launch, relaunch
+from moai_recipes.launch.registry import registered
+from moai_recipes.launch.world import World, distributed
+from moai_recipes.models.sources import model_source, resolve_checkpoint_dir
+from moai_recipes.train.loop import Stopped
+
+
+def run_recipe(recipe: str, train: Callable[[DictConfig, Flavor, World], None], argv: list[str] | None = None) -> int:
+    """Run `train(cfg, flavor, world)` on every process the flavor needs; return the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    # Read `moai switch`'s choice once: workers started (or restarted) later must not see a newer one.
+    argv = [*argv, *switched_flavor(argv)]
+    cfg = load_config(recipe, argv)
+    flavor = resolve_flavor(**cfg.flavor)
+    with registered(flavor):  # `moai smi` lists the run until it ends
+        return _launch_or_train(recipe, train, argv, cfg, flavor)
+
+
+def _launch_or_train(recipe: str, train: Callable, argv: list[str], cfg: DictConfig, flavor: Flavor) -> int:
+    if needs_launch(flavor):
+        # The user never types torchrun: start the flavor's processes, each running this same
+        # command, with what must not differ between them (the output folder, the checkpoint) pinned.
+        check_output_dir(cfg)
+        checkpoint_dir = resolve_checkpoint_dir(**model_source(cfg))
+        worker_argv = [*argv, f"output_dir={cfg.output_dir}", f"model.checkpoint_dir={checkpoint_dir}"]
+        for attempt in range(cfg.max_restarts + 1):
+            env.set_restart(attempt)
+            code = relaunch(flavor, train.__module__, worker_argv)
+            if code not in (0, EXIT_USER_ERROR, EXIT_STOPPED) and run_finished(cfg):
+                # The folder held no finished run when we started (check_output_dir), so this launch
+                # wrote every output before the failure: a worker died on its way out (gloo can abort
+                # at exit), and a restart would only refuse the finished folder.
+                print(f"warning: a worker failed while exiting (exit code {code}) after the run had saved "
+                      f"everything in {cfg.output_dir}; nothing is lost", file=sys.stderr, flush=True)
+                return 0
+            if code in (0, EXIT_USER_ERROR, EXIT_STOPPED) or attempt == cfg.max_restarts:
+                return code
+            print(f"A worker failed (exit code {code}): restarting the {flavor.num_devices} processes, resuming from "
+                  f"the last checkpoint (restart {attempt + 1} of max_restarts={cfg.max_restarts})", flush=True)
+    with distributed(flavor) as world:
+        try:
+            train(cfg, flavor, world)
+        except Stopped as e:
+            if world.is_main:
+                print(e, flush=True)
+            return EXIT_STOPPED
+    return 0

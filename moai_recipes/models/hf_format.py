@@ -1,0 +1,289 @@
+"""Hugging Face checkpoint folders: describe one, load it into a torchtune model, save the model back alike.
+
+Test: `python -m pytest tests/test_hf_checkpoint.py -q`. The model may be plain or FSDP2-sharded
+(DTensor parameters sharded on dim 0). Loading reads one tensor at a time; saving holds one
+input file's tensors at a time, so a 70B model never has to fit whole in one process.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from moai_recipes.errors import UserError
+from moai_recipes.models.build import is_nf4
+from moai_recipes.models.spec import ModelSpec, read_spec
+
+INDEX = "model.safetensors.index.json"
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# Weights in other formats are never copied: a stale pytorch_model.bin beside the new weights would mislead.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".index.json")
+_TIED_OUTPUT = "output.weight"  # torchtune's name for lm_head.weight; absent from tied models
+
+
+@dataclass
+class HFCheckpoint:
+    """An input checkpoint folder, described from its headers without loading weights."""
+
+    folder: Path
+    spec: ModelSpec
+    files: dict[str, list[str]]  # safetensors file name -> the Hugging Face tensor names in it
+    dtypes: dict[str, torch.dtype]
+    shapes: dict[str, tuple]
+
+    @classmethod
+    def open(cls, folder: str | Path) -> "HFCheckpoint":
+        folder = Path(folder)
+        spec = read_spec(folder)  # also says when the folder or config.json is missing
+        files, dtypes, shapes = _weight_map(folder), {}, {}
+        for fname, names in files.items():
+            with _open(folder / fname) as f:
+                present = set(f.keys())
+                for name in names:
+                    if name not in present:
+                        raise UserError(f"{folder / INDEX} puts {name} in {fname}, which does not hold it; "
+                                        "the download is incomplete: download the checkpoint again")
+                    sl = f.get_slice(name)
+                    if sl.get_dtype() not in _DTYPES:
+                        raise UserError(f"{fname}: {name} is {sl.get_dtype()}; only float32, bfloat16 and float16 "
+                                        "checkpoints are supported (not quantized ones)")
+                    dtypes[name], shapes[name] = _DTYPES[sl.get_dtype()], tuple(sl.get_shape())
+        ckpt = cls(folder=folder, spec=spec, files=files, dtypes=dtypes, shapes=shapes)
+        tune_names(ckpt)  # a tensor no converter knows is a UserError now, not halfway through loading
+        return ckpt
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read {path} ({e}); download the checkpoint again") from None
+
+
+def _weight_map(folder: Path) -> dict[str, list[str]]:
+    """safetensors file -> tensor names, from the index or the single weights file."""
+    index = folder / INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise UserError(f"{index} is malformed ({e!r}); download the checkpoint again") from None
+        files: dict[str, list[str]] = {}
+        for name, fname in weight_map.items():
+            files.setdefault(fname, []).append(name)
+        missing = sorted(f for f in files if not (folder / f).is_file())
+        if missing:
+            raise UserError(f"{index} names {', '.join(missing)}, missing from {folder}; "
+                            "the download is incomplete: download the checkpoint again")
+        return dict(sorted(files.items()))
+    found = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not found:
+        raise UserError(f"{folder} has no *.safetensors weights; download the safetensors version of the model "
+                        "(other formats such as pytorch_model.bin are not read)")
+    if "model.safetensors" not in found and len(found) > 1:
+        raise UserError(f"{folder} has several safetensors files ({', '.join(found)}) but no {INDEX}")
+    fname = "model.safetensors" if "model.safetensors" in found else found[0]
+    with _open(folder / fname) as f:
+        return {fname: list(f.keys())}
+
+
+def convert_names(spec: ModelSpec, state_dict: dict, *, to_tune: bool) -> dict:
+    """The one place that calls torchtune's converters (llama and mistral permute q/k for torchtune's RoPE)."""
+    if spec.family == "qwen2":
+        from torchtune.models.qwen2._convert_weights import (
+            qwen2_hf_to_tune as hf_to_tune,
+        )
+        from torchtune.models.qwen2._convert_weights import (
+            qwen2_tune_to_hf as tune_to_hf,
+        )
+    else:
+        from torchtune.models.convert_weights import hf_to_tune, tune_to_hf
+    convert = hf_to_tune if to_tune else tune_to_hf
+    # Ties are handled by the callers, so the qwen2 converters keep lm_head like the others do.
+    return convert(state_dict, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, dim=spec.embed_dim,
+                   head_dim=spec.head_dim)
+
+
+def tune_names(ckpt: HFCheckpoint) -> dict[str, str | None]:
+    """Hugging Face tensor name -> torchtune parameter name (None: not a weight, e.g. rotary inv_freq)."""
+    names = {}
+    for hf_names in ckpt.files.values():
+        for hf in hf_names:
+            try:  # meta tensors: the converter's name mapping and permutation, at no cost
+                converted = convert_names(ckpt.spec, {hf: torch.empty(ckpt.shapes[hf], device="meta")}, to_tune=True)
+            except Exception as e:  # torchtune raises a bare Exception for an unknown key
+                raise UserError(f"{ckpt.folder}: tensor {hf} is not part of a {ckpt.spec.family} model ({e})") from None
+            names[hf] = next(iter(converted), None)
+    return names
+
+
+def _check_matches(model: torch.nn.Module, ckpt: HFCheckpoint, names: dict[str, str | None],
+                   allow_missing: tuple[str, ...]) -> None:
+    """UserError unless the checkpoint has exactly the model's parameters, with their shapes."""
+    params = dict(model.named_parameters())
+    for hf, tune in names.items():
+        if tune is None or (tune == _TIED_OUTPUT and ckpt.spec.tie_word_embeddings):
+            continue
+        if tune not in params:
+            raise UserError(f"{ckpt.folder}: tensor {hf} has no place in the model its config.json describes; "
+                            "the weights and config.json do not belong together")
+        if ckpt.shapes[hf] != tuple(params[tune].shape):
+            raise UserError(f"{ckpt.folder}: tensor {hf} has shape {list(ckpt.shapes[hf])} but its config.json "
+                            f"needs {list(params[tune].shape)}; the weights and config.json do not belong together")
+    missing = set(params) - set(names.values()) - {p for p in params if any(s in p for s in allow_missing)}
+    if missing:
+        raise UserError(f"{ckpt.folder} has no weights for {', '.join(sorted(missing)[:4])}; the weights are "
+                        "incomplete or do not belong to its config.json")
+
+
+@torch.no_grad()
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Set a (possibly sharded) parameter from the whole tensor, which every rank holds."""
+    # The very local tensor FSDP holds (to_local() of a parameter is a new alias): NF4 is updated in it.
+    local = param._local_tensor if isinstance(param, DTensor) else param
+    if is_nf4(local):
+        _copy_full_into_nf4(param, local, full)
+        return
+    full = full.to(param.dtype)
+    if isinstance(param, DTensor):
+        # Every rank read the whole tensor from the file: keep this rank's shard, no communication.
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)
+
+
+def _copy_full_into_nf4(param: torch.Tensor, local: torch.Tensor, full: torch.Tensor) -> None:
+    """Quantize the WHOLE tensor to NF4, then keep this rank's rows: its codes, scales and scaler mean are
+    those of the whole tensor whatever the flavor (a shard quantized alone would have its own mean)."""
+    from torch.distributed.tensor import Shard
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    quantized = to_nf4(full.to(local.device, local.dtype), local.block_size, local.scaler_block_size)
+    if isinstance(param, DTensor):
+        assert param.placements == (Shard(0),) and param.device_mesh.ndim == 1, param.placements
+        mesh = param.device_mesh
+        quantized = torch.chunk(quantized, mesh.size(), dim=0)[mesh.get_local_rank()]  # whole scaler blocks
+    local.copy_(quantized)  # codes and scales, in place: FSDP all-gathers them from this very tensor
+    # to_empty gives memory to those three only; the scaler mean and the NF4 code book stay on meta.
+    local.scaler_mean, local.nf4 = quantized.scaler_mean, quantized.nf4
+
+
+def load_weights(model: torch.nn.Module, ckpt: HFCheckpoint, *, allow_missing: tuple[str, ...] = ()) -> None:
+    """Copy the checkpoint into `model` (plain or FSDP2-sharded), one tensor at a time.
+
+    Every rank reads the files. `allow_missing` names substrings of parameters the checkpoint cannot
+    hold (LoRA adapters: ("lora_a", "lora_b")); all other parameters must be in it.
+    """
+    names = tune_names(ckpt)
+    _check_matches(model, ckpt, names, allow_missing)  # before reading any weight
+    params = dict(model.named_parameters())
+    for fname, hf_names in ckpt.files.items():
+        with _open(ckpt.folder / fname) as f:
+            for hf in hf_names:
+                if names[hf] in params:  # skips rotary inv_freq and the tied lm_head
+                    (tensor,) = convert_names(ckpt.spec, {hf: f.get_tensor(hf)}, to_tune=True).values()
+                    copy_full_into(params[names[hf]], tensor)
+
+
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter on the CPU, as a fresh tensor (a collective for DTensors).
+
+    An NF4 weight (QLoRA) comes back dequantized, in the dtype it was quantized from: each shard holds
+    whole scaler blocks and the whole tensor's scaler mean, so it dequantizes on its own rank.
+    """
+    local = param.to_local() if isinstance(param, DTensor) else param.detach()
+    nf4 = is_nf4(local)
+    if nf4:
+        local = local.get_original_weight()
+    if not isinstance(param, DTensor):
+        return local.to("cpu", copy=True)
+    mesh = param.device_mesh
+    if nf4 or local.device.type != mesh.device_type:  # or CPU-offloaded shards of a GPU mesh
+        param = DTensor.from_local(local.to(mesh.device_type), mesh, param.placements, shape=param.shape,
+                                   stride=param.stride())
+    return param.full_tensor().cpu()
+
+
+def hf_name(spec: ModelSpec, tune_name: str) -> str:
+    """The Hugging Face name of a torchtune parameter name (through the family's converter)."""
+    module = tune_name.rsplit(".", 2)[-2]
+    # The converter permutes q and k, so their meta stand-ins need the real shapes.
+    rows = {"q_proj": spec.num_heads * spec.head_dim, "k_proj": spec.num_kv_heads * spec.head_dim}.get(module, 1)
+    return next(iter(convert_names(spec, {tune_name: torch.empty(rows, spec.embed_dim, device="meta")}, to_tune=False)))
+
+
+def save_weights(model: torch.nn.Module, ckpt: HFCheckpoint, out_dir: Path, *, rank: int,
+                 transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Write `model` to `out_dir` laid out exactly as `ckpt`: files, tensor names, dtypes, index, other files.
+
+    Every rank must call it (gathering sharded parameters is a collective); only rank 0 writes,
+    into a temporary sibling folder renamed to `out_dir` at the end. Raises FileExistsError if
+    `out_dir` exists. Other ranks return without waiting for rank 0 to finish writing.
+    `transform(torchtune_name, whole_tensor)` may change a weight on its way out (LoRA merges its adapters).
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists")
+    names, params = tune_names(ckpt), dict(model.named_parameters())
+    tmp = None
+    if rank == 0:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        total_size = sum(_save_file(params, ckpt, names, fname, tmp, transform) for fname in ckpt.files)
+        if rank == 0:
+            _write_index_and_extras(ckpt, tmp, total_size)
+            os.rename(tmp, out_dir)
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _save_file(params: dict, ckpt: HFCheckpoint, names: dict, fname: str, tmp: Path | None, transform) -> int:
+    """Gather, convert and (if `tmp`, i.e. on rank 0) write one input file's tensors; returns its byte size."""
+    tensors, size = {}, 0
+    with _open(ckpt.folder / fname) as f:
+        for hf in ckpt.files[fname]:  # the same order on every rank: full_tensor() is a collective
+            # A tensor that is not a weight of the model (rotary inv_freq) is copied as it was.
+            tensor = f.get_tensor(hf) if names[hf] is None else _export_tensor(params, ckpt, names[hf], transform)
+            assert tuple(tensor.shape) == ckpt.shapes[hf], (hf, tensor.shape, ckpt.shapes[hf])
+            size += tensor.numel() * ckpt.dtypes[hf].itemsize
+            if tmp is not None:
+                tensors[hf] = tensor.to(ckpt.dtypes[hf]).contiguous()
+            del tensor  # on every rank, before the next gather: only the file's kept tensors stay
+        metadata = {**(f.metadata() or {}), "format": "pt"}
+    if tmp is not None:
+        save_file(tensors, str(tmp / fname), metadata=metadata)
+    return size
+
+
+def _export_tensor(params: dict, ckpt: HFCheckpoint, tune: str, transform) -> torch.Tensor:
+    """One whole weight, gathered, transformed and in Hugging Face layout; its intermediates die on return."""
+    source = "tok_embeddings.weight" if tune == _TIED_OUTPUT and ckpt.spec.tie_word_embeddings else tune
+    whole = full_tensor(params[source])
+    if transform is not None:
+        whole = transform(source, whole)
+    (tensor,) = convert_names(ckpt.spec, {tune: whole}, to_tune=False).values()
+    return tensor
+
+
+def _write_index_and_extras(ckpt: HFCheckpoint, tmp: Path, total_size: int) -> None:
+    index = ckpt.folder / INDEX
+    if index.exists():
+        data = json.loads(index.read_text())
+        data.setdefault("metadata", {})["total_size"] = total_size
+        (tmp / INDEX).write_text(json.dumps(data, indent=2) + "\n")
+    # config.json, generation_config.json, tokenizer files...: everything but weights and subfolders.
+    for path in sorted(ckpt.folder.iterdir()):
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, tmp / path.name)

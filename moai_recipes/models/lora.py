@@ -1,0 +1,186 @@
+"""LoRA: which modules get adapters, their deterministic initialisation, and export as a PEFT adapter.
+
+The adapters are built by torchtune's LoRA model builders (see models.build_model); this module
+freezes the base, initialises the adapters the same way on every flavor, and writes what `peft`
+loads: adapter_config.json and adapter_model.safetensors with PEFT's tensor names.
+"""
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from moai_recipes.errors import UserError
+from moai_recipes.models.build import nf4_weights
+from moai_recipes.models.hf_format import (
+    HFCheckpoint,
+    copy_full_into,
+    full_tensor,
+    hf_name,
+)
+from moai_recipes.models.spec import ModelSpec
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
+# torchao's to_nf4 defaults (torchtune's QLoRA builders use them): one scale per 64 values, and those
+# scales quantized again 256 at a time, so an NF4 weight (and each FSDP shard of it) holds whole blocks
+# of 64 * 256 values.
+NF4_BLOCK = 64 * 256
+# torchtune module name -> the Hugging Face module name PEFT targets
+_PEFT_TARGETS = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj",
+                 "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj", "output": "lm_head"}
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    attn_modules: tuple[str, ...]
+    apply_to_mlp: bool
+    apply_to_output: bool
+    rank: int
+    alpha: float
+    dropout: float
+    quantize_base: bool
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def builder_kwargs(self) -> dict:
+        """The adapters' keyword arguments of torchtune's lora_* model builders (build_model takes
+        quantize_base on its own: the planner traces the layer's activations in full precision)."""
+        return dict(lora_attn_modules=list(self.attn_modules), apply_lora_to_mlp=self.apply_to_mlp,
+                    apply_lora_to_output=self.apply_to_output, lora_rank=self.rank, lora_alpha=self.alpha,
+                    lora_dropout=self.dropout)
+
+
+def lora_options(*, attn_modules, apply_to_mlp: bool, apply_to_output: bool, rank: int, alpha: float,
+                 dropout: float, quantize_base: bool, spec: ModelSpec, world_size: int = 1) -> LoraOptions:
+    """Validate the user's LoRA settings against the model (and, for QLoRA, the number of processes)."""
+    modules = tuple(attn_modules)
+    bad = [m for m in modules if m not in ATTN_MODULES]
+    if bad:
+        raise UserError(f"lora.attn_modules: {', '.join(bad)} is not an attention module; valid: {', '.join(ATTN_MODULES)}")
+    if not modules and not apply_to_mlp and not apply_to_output:
+        raise UserError("LoRA needs at least one target: set lora.attn_modules=[q_proj,v_proj] or lora.apply_to_mlp=true")
+    if rank < 1:
+        raise UserError(f"lora.rank={rank} must be at least 1")
+    if alpha <= 0:
+        raise UserError(f"lora.alpha={alpha} must be positive")
+    if not 0 <= dropout < 1:
+        raise UserError(f"lora.dropout={dropout} must be in [0, 1)")
+    if apply_to_output and spec.tie_word_embeddings:
+        raise UserError("lora.apply_to_output=true is not possible for a model whose output shares the embedding "
+                        "weights (tie_word_embeddings); leave it false")
+    opts = LoraOptions(modules, apply_to_mlp, apply_to_output, rank, float(alpha), float(dropout), quantize_base)
+    if quantize_base:
+        _check_nf4(spec, opts, world_size)
+    return opts
+
+
+def _check_nf4(spec: ModelSpec, opts: LoraOptions, world_size: int) -> None:
+    """UserError unless every NF4 weight, and each process's share of its rows, holds whole NF4 blocks."""
+    for module, ((rows, cols), dims) in nf4_weights(spec, opts).items():
+        share = rows // world_size * cols
+        if rows % world_size == 0 and share % NF4_BLOCK == 0:
+            continue
+        what = f"lora.quantize_base=true: the {module} weight of this model [{rows}, {cols}] ({dims})"
+        if (rows * cols) % NF4_BLOCK:
+            raise UserError(f"{what} cannot be stored in NF4: its {rows * cols} values are not a whole number of "
+                            f"NF4 blocks of {NF4_BLOCK} (64 x 256). Fine-tune this model with plain LoRA "
+                            "(lora.quantize_base=false)")
+        why = (f"its {rows} rows do not split evenly" if rows % world_size else
+               f"a share of {rows // world_size} rows ({share} values) is not a whole number of NF4 blocks of "
+               f"{NF4_BLOCK} (64 x 256)")
+        raise UserError(f"{what} cannot be split in NF4 over {world_size} processes: {why}. Use a flavor with "
+                        "fewer processes, or plain LoRA (lora.quantize_base=false)")
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_a." in name or ".lora_b." in name
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Only adapter parameters get gradients (and so optimizer state)."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+
+
+def init_adapters(model: nn.Module, *, seed: int) -> None:
+    """LoRA's initialisation (A Kaiming-uniform, B zero), computed whole from a seed per tensor so that
+    every flavor, whatever its sharding, starts from the same adapters."""
+    for name, p in model.named_parameters():
+        if ".lora_a." in name:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            bound = 1 / math.sqrt(p.shape[1])  # kaiming_uniform_(a=sqrt(5)) on a [rank, in] matrix
+            copy_full_into(p, (torch.rand(p.shape, generator=g) * 2 - 1) * bound)
+        elif ".lora_b." in name:
+            copy_full_into(p, torch.zeros(p.shape))
+
+
+def gather_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every adapter tensor whole, on every rank (a collective; adapters are small)."""
+    return {name: full_tensor(p) for name, p in model.named_parameters() if is_adapter(name)}
+
+
+def merge_into(adapters: dict[str, torch.Tensor], scale: float):
+    """A save_weights transform: W + scale * B @ A for each base weight that has an adapter.
+
+    QLoRA merges as torchtune does: W is the base the adapters were trained against, the NF4 weight
+    dequantized (full_tensor does it, in float32), not the original checkpoint's; the sum is cast to the
+    checkpoint's dtype when written.
+    """
+
+    def transform(tune_name: str, weight: torch.Tensor) -> torch.Tensor:
+        stem = tune_name.removesuffix(".weight")
+        a, b = adapters.get(f"{stem}.lora_a.weight"), adapters.get(f"{stem}.lora_b.weight")
+        if a is None:
+            return weight
+        return (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
+
+    return transform
+
+
+def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, ckpt: HFCheckpoint, out_dir: Path,
+                 base_model: str) -> None:
+    """Write a PEFT adapter folder (written aside, then renamed): what PeftModel.from_pretrained loads."""
+    tensors, targets = {}, set()
+    for name, t in adapters.items():
+        stem, kind = name.rsplit(".lora_", 1)  # layers.0.attn.q_proj, a.weight
+        base = hf_name(ckpt.spec, f"{stem}.weight")
+        peft = "base_model.model." + base.removesuffix(".weight") + (".lora_A.weight" if kind.startswith("a") else ".lora_B.weight")
+        if kind.startswith("b") and ckpt.spec.family != "qwen2" and stem.endswith(("q_proj", "k_proj")):
+            t = _unpermute_rows(t, ckpt.spec, kv=stem.endswith("k_proj"))
+        tensors[peft] = t.contiguous()
+        targets.add(_PEFT_TARGETS[stem.rsplit(".", 1)[-1]])
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": opts.rank, "lora_alpha": opts.alpha, "lora_dropout": opts.dropout, "target_modules": sorted(targets),
+        "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+        "modules_to_save": None, "use_dora": False, "use_rslora": False, "layers_to_transform": None,
+    }
+    if out_dir.exists():
+        raise FileExistsError(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _unpermute_rows(b: torch.Tensor, spec: ModelSpec, *, kv: bool) -> torch.Tensor:
+    """torchtune keeps q/k rows in RoPE's interleaved order; Hugging Face's halves order for Llama and Mistral.
+    The base weights are converted by torchtune's converter; the adapter's B rows need the same move."""
+    heads = spec.num_kv_heads if kv else spec.num_heads
+    rank = b.shape[1]
+    return b.view(heads, spec.head_dim // 2, 2, rank).transpose(1, 2).reshape(heads * spec.head_dim, rank)

@@ -1,0 +1,108 @@
+"""Sample from a Hugging Face checkpoint, or a PEFT LoRA adapter on its base: what our recipes wrote, or any other.
+
+    python -m recipes.generate model.checkpoint_dir=OUT/model prompt="What is the capital of France?"
+    python -m recipes.generate adapter_dir=OUT/adapter prompt="..." temperature=0.7 top_p=0.9 seed=1
+    python -m recipes.generate model=llama3_8b model.checkpoint_dir=DIR device_map=balanced_low_0 prompt="..."
+
+`generate` reads top to bottom: settings -> checkpoint (and adapter) -> prompt -> build on meta -> place
+the blocks on the devices -> weights (the adapter merged) -> KV caches -> sample; `main` prints. With
+several GPUs the layers are spread over them as Accelerate's device_map does; on the CPU everything runs
+on the CPU. The completion alone goes to stdout; what was loaded and where, to stderr.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from moai_recipes.config.compose import load_config
+from moai_recipes.data.tokenizer import Tokenizer, prompt_ids
+from moai_recipes.errors import UserError, exit_on_user_error
+from moai_recipes.inference.device_map import (
+    block_sizes,
+    check_device_map,
+    describe,
+    dispatch,
+    free_memory,
+    kv_cache_bytes,
+    place_blocks,
+    setup_caches,
+)
+from moai_recipes.inference.sampling import complete, sampling_options
+from moai_recipes.models.build import build_model
+from moai_recipes.models.hf_format import HFCheckpoint, load_weights
+from moai_recipes.models.peft_adapter import PeftAdapter, merge_adapter
+from moai_recipes.models.sources import model_source, resolve_checkpoint_dir
+
+RECIPE = "generate"
+
+
+def base_checkpoint_dir(cfg: DictConfig, adapter: PeftAdapter | None) -> Path:
+    """model.checkpoint_dir (or the model's default); for an adapter without one, the base its config names."""
+    if cfg.model.checkpoint_dir or adapter is None:
+        return resolve_checkpoint_dir(**model_source(cfg))
+    return adapter.base_model_dir()
+
+
+def generate(cfg: DictConfig, *, prompt: str | None) -> tuple[Tokenizer, list[int]]:
+    """The tokenizer and the tokens of the completion of `prompt`, as the command prints them."""
+    say = lambda *a: print(*a, file=sys.stderr, flush=True)
+
+    # 1. Settings, checked before anything is read.
+    sampling = sampling_options(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    if not prompt:
+        raise UserError('prompt="..." is required: the text to answer (chat=true) or to continue (chat=false)')
+    check_device_map(cfg.device_map, cfg.max_memory_gb)
+
+    # 2. The checkpoint and the adapter, described and matched before any weight is read.
+    adapter = PeftAdapter.open(cfg.adapter_dir) if cfg.adapter_dir else None
+    ckpt = HFCheckpoint.open(base_checkpoint_dir(cfg, adapter))
+    spec = ckpt.spec
+    if adapter:
+        adapter.check_base(ckpt)
+    tokenizer = Tokenizer.from_checkpoint(ckpt.folder)
+    ids = prompt_ids(tokenizer, prompt, chat=cfg.chat)
+    max_seq_len = len(ids) + sampling.max_new_tokens
+    if max_seq_len > spec.max_position_embeddings:
+        raise UserError(f"the prompt ({len(ids)} tokens) and max_new_tokens={sampling.max_new_tokens} exceed the "
+                        f"model's context of {spec.max_position_embeddings} tokens; lower max_new_tokens")
+
+    # 3. Build on meta, place whole blocks on the devices (KV caches counted), then give memory and weights.
+    gpu = torch.cuda.is_available()
+    dtype = {"auto": torch.bfloat16 if gpu else torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
+    main_device = torch.device("cuda:0" if gpu else "cpu")  # where the prompt, the logits and the sampling live
+    with torch.device("meta"):
+        model = build_model(spec, max_seq_len=max_seq_len).to(dtype)
+    cache = kv_cache_bytes(num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, max_seq_len=max_seq_len, dtype=dtype)
+    cap = int(cfg.max_memory_gb * 2**30) if cfg.max_memory_gb is not None else None
+    placement = place_blocks(block_sizes(model, dtype=dtype, per_layer_extra=cache), free_memory(cap_bytes=cap),
+                             cfg.device_map)
+    dispatch(model, placement, main=main_device)
+    load_weights(model, ckpt)
+    if adapter:
+        merge_adapter(model, adapter, ckpt)
+    model.eval()
+    setup_caches(model, placement, dtype=dtype, max_seq_len=max_seq_len)
+    say(f"Model {ckpt.folder}: {spec.family}, {spec.num_params() / 1e6:.1f}M parameters in {str(dtype)[6:]}"
+        + (f"; adapter {adapter.folder} merged (r={adapter.rank}, alpha={adapter.alpha:g})" if adapter else ""))
+    say(f"Device map ({cfg.device_map}): {describe(placement)}")
+
+    # 4. Sample.
+    return tokenizer, complete(model, ids, sampling=sampling, stop_ids=tokenizer.stop_ids, device=main_device)
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # prompt=TEXT is taken as typed: Hydra would read its commas, quotes, ${...}, `null` or `42` as syntax.
+    typed = [a.partition("=")[2] for a in argv if a.startswith("prompt=")]
+    cfg = load_config(RECIPE, [a for a in argv if not a.startswith("prompt=")])
+    tokenizer, completion = generate(cfg, prompt=typed[-1] if typed else cfg.prompt)
+    print(tokenizer.decode(completion), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

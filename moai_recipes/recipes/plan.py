@@ -1,0 +1,58 @@
+"""Dry run of the planner: how a run would execute on a flavor, decided on this machine in seconds.
+
+    python -m recipes.plan flavor=4xlarge model=llama3_70b batch_size=512 max_seq_len=4096
+    python -m recipes.plan flavor=small model=llama3_8b method=lora lora.rank=16
+
+Builds nothing real: the architecture comes from the model config (or model.checkpoint_dir's
+config.json), activations are traced on fake tensors. Prints the candidates and the choice, MoAI
+style; `output_dir=DIR` also writes DIR/plan.json. When nothing fits: exit code 2, naming the
+smallest flavor or the settings that would.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+from moai_recipes.config.compose import load_config
+from moai_recipes.errors import UserError, exit_on_user_error
+from moai_recipes.files import write_json
+from moai_recipes.flavors import resolve_flavor
+from moai_recipes.models.lora import lora_options
+from moai_recipes.models.spec import spec_for
+from moai_recipes.planner import GiB, choose_plan
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = load_config("plan", argv if any(a.startswith("output_dir=") for a in argv) else [*argv, "output_dir=-"])
+    if cfg.method not in ("full", "lora"):
+        raise UserError(f"method={cfg.method}: valid values are full, lora")
+    start = time.perf_counter()
+    flavor = resolve_flavor(**cfg.flavor)
+    spec = spec_for(architecture=cfg.model.architecture, checkpoint_dir=cfg.model.checkpoint_dir)
+    lora = lora_options(**cfg.lora, spec=spec, world_size=flavor.num_devices) if cfg.method == "lora" else None
+    choice = choose_plan(spec=spec, flavor=flavor, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, dtype=cfg.dtype,
+                         forced=dict(cfg.plan), lora=lora)
+    print(f"Flavor {flavor.describe()}")
+    print(f"Model {cfg.model.name}: {spec.family}, {spec.num_params() / 1e9:.3g}B parameters; "
+          f"{cfg.method} fine-tuning, global batch {cfg.batch_size} x {cfg.max_seq_len} tokens")
+    print(f"{'mbs':>4} {'accum':>5} {'recompute':>9} {'reshard':>7} {'offload':>7} {'chunked':>7} {'peak GiB':>9} "
+          f"{'s/step':>9}  fits")
+    for c in sorted(choice.candidates, key=lambda c: (not c.fits, c.time.total_s)):
+        p = c.plan
+        mark = " <- chosen" if c is choice.chosen else ""
+        print(f"{p.micro_batch_size:>4} {p.accumulation_steps:>5} {p.recompute:>9} {str(p.reshard_after_forward):>7} "
+              f"{str(p.cpu_offload):>7} {str(p.chunked_loss):>7} {c.memory.total / GiB:>9.2f} {c.time.total_s:>9.3g}  "
+              f"{'yes' if c.fits else 'no'}{mark}")
+    print("\n".join(choice.report()))
+    print(f"Configuration for parallelism is selected: {choice.chosen.plan.describe()}")
+    print(f"Planned in {time.perf_counter() - start:.2f} s")
+    if cfg.output_dir != "-":
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        write_json(Path(cfg.output_dir) / "plan.json", {"flavor": flavor.name, **choice.as_dict()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

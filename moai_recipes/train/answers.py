@@ -1,0 +1,43 @@
+"""The model's answers to a few prompts before and after training, so a newcomer sees that it learned."""
+
+import torch
+from torch import nn
+
+from moai_recipes.data.tokenizer import Tokenizer, prompt_ids
+
+
+def greedy_continuation(model: nn.Module, prompt: list[int], *, max_new_tokens: int, stop_ids: list[int],
+                        device: torch.device) -> list[int]:
+    """Greedy decoding without a cache (short demo answers); every rank runs it so FSDP's gathers match."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            nxt = int(model(torch.tensor([tokens], device=device))[0, -1].argmax())
+            if nxt in stop_ids:
+                break
+            tokens.append(nxt)
+    return tokens[len(prompt):]
+
+
+class Samples:
+    def __init__(self, tokenizer: Tokenizer, *, prompts: list[str], chat: bool, max_new_tokens: int,
+                 device: torch.device):
+        self.tokenizer, self.max_new_tokens, self.device = tokenizer, max_new_tokens, device
+        self.prompts = {p: prompt_ids(tokenizer, p, chat=chat) for p in prompts if max_new_tokens > 0}
+        self.before: dict[str, str] = {}
+
+    def answers(self, model: nn.Module) -> dict[str, str]:
+        was_training = model.training
+        model.eval()
+        out = {p: self.tokenizer.decode(greedy_continuation(model, ids, max_new_tokens=self.max_new_tokens,
+                                                            stop_ids=self.tokenizer.stop_ids, device=self.device))
+               for p, ids in self.prompts.items()}
+        model.train(was_training)
+        return out
+
+    def take_before(self, model: nn.Module) -> None:
+        self.before = self.answers(model)
+
+    def report_after(self, model: nn.Module) -> list[str]:
+        after = self.answers(model)
+        return [f"Sample {p!r}\n  before: {self.before.get(p, '')!r}\n  after:  {after[p]!r}" for p in after]

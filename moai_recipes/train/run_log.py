@@ -1,0 +1,156 @@
+"""What the user sees of a run: the step line, a tqdm bar, metrics.jsonl, checkpoints.jsonl, W&B, and loss.png.
+
+Only rank 0 makes a RunLog. The step line follows the MoAI training log:
+`[Step 4/144] | Loss: 0.85546875 | Duration: 5.30 | Throughput: 99006.09 tokens/sec`.
+"""
+
+import json
+import netrc
+import os
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+from tqdm import tqdm
+
+METRIC_KEYS = ("step", "loss", "lr", "tokens", "tokens_per_sec", "step_time_s", "grad_norm", "peak_memory_bytes")
+
+
+def wandb_logged_in() -> bool:
+    """True when W&B has credentials: WANDB_API_KEY, or a netrc entry for its host (what `wandb login` writes)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def wandb_mode(mode: str) -> str:
+    """`auto`: online when logged in, offline otherwise; an explicit WANDB_MODE in the environment wins."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if mode != "auto":
+        return mode
+    return "online" if wandb_logged_in() else "offline"
+
+
+class RunLog:
+    """Rank 0's record of a run. Every step: a line, a JSON row, a W&B point; at the end: loss.png."""
+
+    def __init__(self, output_dir: Path, *, total_steps: int, config: dict, plan: dict, tracker: dict):
+        self.output_dir = Path(output_dir)
+        self.total_steps = total_steps
+        self.rows: list[dict] = []
+        self._jsonl = open(self.output_dir / "metrics.jsonl", "a", buffering=1)
+        self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=False,
+                         disable=not sys.stderr.isatty(), file=sys.stderr)
+        self._wandb = None
+        if tracker["kind"] == "wandb" and wandb_mode(tracker["mode"]) != "disabled":
+            self._wandb = _start_wandb(self.output_dir, config=config, plan=plan.get("chosen", plan), tracker=tracker)
+
+    @classmethod
+    def start(cls, out: Path, cfg, *, flavor: str, plan: dict, total_steps: int, resume_step: int = 0) -> "RunLog":
+        """Create the run's folder with its resolved config.yaml and plan.json, and the log.
+
+        A resumed run keeps the metrics of the steps its checkpoint covers and drops the later ones
+        (they are about to be run again).
+        """
+        from omegaconf import OmegaConf
+
+        from moai_recipes.checkpoint.run_folder import write_config
+        from moai_recipes.files import write_json
+
+        out.mkdir(parents=True, exist_ok=True)
+        write_config(out, cfg)
+        write_json(out / "plan.json", {"flavor": flavor, **plan})
+        kept = _truncate_jsonl(out / "metrics.jsonl", resume_step)
+        _truncate_jsonl(out / "checkpoints.jsonl", resume_step)
+        log = cls(out, total_steps=total_steps, config=OmegaConf.to_container(cfg, resolve=True), plan=plan,
+                  tracker=dict(cfg.logger))
+        log.rows = kept
+        log._bar.update(resume_step)
+        return log
+
+    def checkpoint(self, *, step: int, path: Path, seconds: float, size: int) -> None:
+        """A step checkpoint's cost: a line, a row of checkpoints.jsonl, a W&B point.
+
+        The row outlives the folder (checkpoint_keep deletes old ones), and the folder's own meta.json
+        cannot hold its size or the time of the save that writes it.
+        """
+        self.info(f"Checkpoint of step {step} saved in {seconds:.2f} s ({size / 2**20:.1f} MiB): {path}")
+        row = {"step": step, "seconds": seconds, "bytes": size, "path": os.path.relpath(path, self.output_dir)}
+        with open(self.output_dir / "checkpoints.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({"checkpoint_seconds": seconds, "checkpoint_bytes": size}, step=step)
+
+    def info(self, text: str) -> None:
+        self._bar.write(text, file=sys.stdout) if not self._bar.disable else print(text, flush=True)
+
+    def step(self, **m) -> None:
+        assert set(m) >= set(METRIC_KEYS), set(METRIC_KEYS) - set(m)
+        self.rows.append(m)
+        self._jsonl.write(json.dumps(m) + "\n")
+        self.info(f"[Step {m['step']}/{self.total_steps}] | Loss: {m['loss']:.8g} | Duration: {m['step_time_s']:.2f} | "
+                  f"Throughput: {m['tokens_per_sec']:.2f} tokens/sec")
+        self._bar.update(1)
+        self._bar.set_postfix(loss=f"{m['loss']:.4f}")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in m.items() if k != "step"}, step=m["step"])
+
+    def summary(self, **values) -> None:
+        if self._wandb is not None:
+            self._wandb.summary.update(values)
+
+    def close(self) -> None:
+        self._bar.close()
+        self._jsonl.close()
+        if self.rows:
+            plot_loss(self.rows, self.output_dir / "loss.png")
+        if self._wandb is not None:
+            self._wandb.finish()
+            if self._wandb.settings.mode == "offline":
+                self.info(f"W&B run saved offline; upload it with: wandb sync {self._wandb.dir.rsplit('/files', 1)[0]}")
+
+
+def _truncate_jsonl(path: Path, last_step: int) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [r for r in rows if r["step"] <= last_step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return kept
+
+
+def _start_wandb(output_dir: Path, *, config: dict, plan: dict, tracker: dict):
+    import wandb
+
+    mode = wandb_mode(tracker["mode"])
+    run = wandb.init(project=tracker["project"], entity=tracker["entity"], name=tracker["run_name"],
+                     dir=str(output_dir), mode=mode, config={**config, "plan": plan},
+                     settings=wandb.Settings(silent=True, console="off"))
+    return run
+
+
+def plot_loss(rows: list[dict], path: Path) -> None:
+    """The loss curve, as in the reference tutorial, written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], color="tab:blue", linewidth=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
