@@ -37,13 +37,9 @@ from moai_recipes.flavors import resolve_flavor
 from moai_recipes.models.build import build_model, init_buffers
 from moai_recipes.models.spec import ModelSpec
 from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
-from moai_recipes.planner.memory import model_sizes, predict_memory
-from moai_recipes.planner.search import (
-    OPTIMIZER_TEMPORARY,
-    SAFETY_MARGIN,
-    SLACK,
-    choose_plan,
-)
+from moai_recipes.planner.memory import SLACK, predict_memory
+from moai_recipes.planner.plan import Plan, Workload
+from moai_recipes.planner.search import SAFETY_MARGIN, choose_plan
 from moai_recipes.planner.timing import predict_time
 from moai_recipes.train.loss import token_loss_sum
 from moai_recipes.train.parallel import apply_recompute, shard_model
@@ -65,8 +61,8 @@ def measure(spec: ModelSpec, *, seq: int, mbs: int, accum: int, recompute: str, 
     with torch.device("meta"):
         model = build_model(spec, max_seq_len=seq)
     apply_recompute(model.layers, recompute)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    shard_model(model, model.layers, mesh=mesh, param_dtype=torch.float32)
+    if dist.get_world_size() > 1:  # one fp32 process: a plain module, as the recipes keep it (Plan.sharded)
+        shard_model(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)), param_dtype=torch.float32)
     model.to_empty(device="cpu")
     init_buffers(model, device="cpu")
     with torch.no_grad():
@@ -140,21 +136,19 @@ def run(rank: int, args) -> None:
           f"{'err':>7} {'phase':>20} {'pred s':>7} {'meas s':>7} {'err':>7}")
     for name in grid_models:
         spec = MODELS[name]
-        sizes = model_sizes(spec)
+        work = {seq: Workload(spec=spec, batch_size=BATCH * n, seq_len=seq, dtype="fp32") for seq in seqs}
         for seq in seqs:
             for mbs, accum, rc, chunked in plans:
-                pred = predict_memory(spec, sizes, num_devices=n, micro_batch_size=mbs, seq_len=seq, recompute=rc,
-                                      reshard_after_forward=True, cpu_offload=False, chunked_loss=chunked,
-                                      compute_dtype="float32", fixed_overhead=0, slack=0.0, optimizer_temporary=OPTIMIZER_TEMPORARY["cpu"],
-                                      accumulation_steps=accum)
-                t_pred = predict_time(spec, sizes, flavor.device, num_devices=n, batch_size=BATCH * n, micro_batch_size=mbs,
-                                      accumulation_steps=accum, seq_len=seq, recompute=rc, reshard_after_forward=True,
-                                      cpu_offload=False, chunked_loss=chunked, compute_dtype="float32").total_s
+                plan = Plan(batch_size=BATCH * n, num_devices=n, micro_batch_size=mbs, accumulation_steps=accum,
+                            recompute=rc, reshard_after_forward=True, cpu_offload=False, chunked_loss=chunked,
+                            param_dtype="float32", master_dtype="float32")
+                pred = predict_memory(plan, work[seq], "cpu")
+                t_pred = predict_time(plan, work[seq], flavor.device).total_s
                 peak, secs = measure(spec, seq=seq, mbs=mbs, accum=accum, recompute=rc, chunked=chunked, steps=args.steps)
-                row = dict(model=name, seq=seq, mbs=mbs, accum=accum, recompute=rc, chunked=chunked, pred=pred.total, meas=peak,
-                           err=(pred.total - peak) / peak, t_pred=t_pred, t_meas=secs, t_err=(t_pred - secs) / secs)
+                row = dict(model=name, seq=seq, mbs=mbs, accum=accum, recompute=rc, chunked=chunked, pred=pred.allocated, meas=peak,
+                           err=(pred.allocated - peak) / peak, t_pred=t_pred, t_meas=secs, t_err=(t_pred - secs) / secs)
                 rows.append(row)
-                print(f"{name:>12} {seq:>4} {mbs:>3} {accum:>3} {rc:>9} {str(chunked):>7} {pred.total / 2**20:>9.1f} {peak / 2**20:>9.1f} "
+                print(f"{name:>12} {seq:>4} {mbs:>3} {accum:>3} {rc:>9} {str(chunked):>7} {pred.allocated / 2**20:>9.1f} {peak / 2**20:>9.1f} "
                       f"{row['err']:>+7.1%} {pred.phase:>20} {t_pred:>7.3f} {secs:>7.3f} {row['t_err']:>+7.1%}", flush=True)
     errs = sorted(abs(r["err"]) for r in rows)
     under = [r["err"] for r in rows if r["err"] < 0]
@@ -173,8 +167,8 @@ def run(rank: int, args) -> None:
                 gb = budget / (1 - SAFETY_MARGIN) / 2**30
                 cpu = resolve_flavor(name="cpu", device="cpu", memory_gb=None, processes=n, device_memory_gb=gb)
                 try:
-                    choice = choose_plan(spec=MODELS[name], flavor=cpu, batch_size=BATCH * n, seq_len=seq, dtype="fp32",
-                                         forced={"chunked_loss": False, "reshard_after_forward": True})
+                    choice = choose_plan(Workload(spec=MODELS[name], batch_size=BATCH * n, seq_len=seq, dtype="fp32"),
+                                         cpu, forced={"chunked_loss": False, "reshard_after_forward": True})
                 except UserError:
                     print(f"  {name} seq {seq} budget {budget / 2**20:.0f} MiB: nothing predicted to fit")
                     continue

@@ -1,10 +1,14 @@
-"""What a training run reads before its first step: its folder, the checkpoint, the tokenizer, the data.
+"""What a run reads before its first step, read and checked in one place for everyone who asks.
 
-Every rank reads the same; a mistake in any of them is a UserError before anything is written.
+The training recipes, `moai validate` and `recipes.plan` all call `read_inputs`: the output folder,
+the checkpoint (config.json, the weights' headers, never the weights), the tokenizer, the LoRA
+settings and the data. What one refuses, all refuse, with the same message. A dry read
+(validate, plan) downloads nothing, waits for no other process and writes nothing; a model that is
+only on the Hub is then described from its config and noted as not checked.
+`read_generate_inputs` does the same for recipes.generate and `moai validate generate`.
 """
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,49 +20,143 @@ from moai_recipes.checkpoint.steps import read_meta
 from moai_recipes.data.batches import GlobalBatches
 from moai_recipes.data.datasets import SFTDataset, load_dataset
 from moai_recipes.data.tokenizer import Tokenizer
+from moai_recipes.flavors import Flavor
+from moai_recipes.inference.device_map import check_device_map
+from moai_recipes.inference.sampling import Sampling, sampling_options
+from moai_recipes.launch import env
 from moai_recipes.models.hf_format import HFCheckpoint
-from moai_recipes.models.sources import model_source, resolve_checkpoint_dir
+from moai_recipes.models.lora import LoraOptions, lora_options
+from moai_recipes.models.peft_adapter import PeftAdapter
+from moai_recipes.models.sources import resolve_checkpoint_dir
+from moai_recipes.models.spec import ModelSpec, same_family, spec_from_hf_config
+from moai_recipes.planner.plan import Workload
 
 
 @dataclass
 class RunInputs:
-    out: Path
-    ckpt: HFCheckpoint
-    tokenizer: Tokenizer
-    dataset: SFTDataset
-    batches: GlobalBatches
-    total_steps: int
+    """A training run's inputs, checked. In a dry read of a model only on the Hub, `ckpt`, `tokenizer`,
+    `dataset` and `batches` are None (nothing to read them from yet)."""
+
+    model_name: str
+    spec: ModelSpec
+    ckpt: HFCheckpoint | None
+    tokenizer: Tokenizer | None
+    lora: LoraOptions | None  # the LoRA recipe's (and a LoRA plan's) adapters
+    dataset: SFTDataset | None
+    batches: GlobalBatches | None
+    total_steps: int | None
+    out: Path | None  # the run folder (None: not checked, as for a plan)
     resume_from: Path | None  # a complete checkpoint to continue from
+    workload: Workload  # what the planner plans: this model, this batch, these sequences
 
     @property
     def resume_step(self) -> int:
         return read_meta(self.resume_from)["step"] if self.resume_from else 0
 
+    def describe(self, cfg: DictConfig) -> list[str]:
+        """What was read, a line each, as a run prints it before its plan and `moai validate` after its checks."""
+        spec = self.spec
+        where = f"from {self.ckpt.folder}" if self.ckpt else f"on the Hugging Face Hub ({cfg.model.hf_repo})"
+        lines = [f"Model {self.model_name} {where}: {spec.family}, {spec.num_params() / 1e6:,.1f}M parameters"
+                 + (f" in {len(self.ckpt.files)} safetensors file(s), tokenizer of {self.tokenizer.vocab_size} tokens"
+                    if self.ckpt else "; the first run downloads it (not checked here: model.checkpoint_dir=DIR "
+                    "checks a local copy)")]
+        if self.lora:
+            o = self.lora
+            targets = [*o.attn_modules, *(["the MLP"] if o.apply_to_mlp else []),
+                       *(["the output"] if o.apply_to_output else [])]
+            lines.append(f"LoRA: rank {o.rank} on {', '.join(targets)}, alpha {o.alpha:g}; "
+                         + ("the base frozen in NF4 (QLoRA)" if o.quantize_base else "the base frozen"))
+        if self.dataset is not None:
+            d = cfg.dataset
+            lines.append(f"Data {d.kind} ({d.path or 'embedded demo'}): {len(self.dataset)} samples, "
+                         f"{self.batches.steps_per_epoch} steps per epoch of global batch {cfg.batch_size}, "
+                         f"{self.total_steps} steps")
+            if self.dataset.dropped:
+                lines.append(f"warning: {self.dataset.dropped} samples had no target token within "
+                             f"max_seq_len={cfg.max_seq_len} and were dropped")
+        if self.out is not None:
+            lines.append(f"Output {self.out}: " + (f"resumes from {self.resume_from}" if self.resume_from else "a new run"))
+        return lines
 
-def read_inputs(cfg: DictConfig) -> RunInputs:
-    """Check the output folder, describe the checkpoint (no weights yet), tokenise the data."""
-    # Restarted workers of this very run (by us or by torchrun) may find their own folder without a checkpoint.
-    restarting = any(int(os.environ.get(v, "0")) > 0 for v in ("MOAI_RESTART", "TORCHELASTIC_RESTART_COUNT"))
-    out, resume_from = check_output_dir(cfg, restarting=restarting)
-    dist.barrier()  # every rank has checked before rank 0 writes anything
-    ckpt = HFCheckpoint.open(resolve_checkpoint_dir(**model_source(cfg)))
-    cfg.model.checkpoint_dir = str(ckpt.folder)  # config.yaml records where the weights came from
-    tokenizer = Tokenizer.from_checkpoint(ckpt.folder)
-    dataset = load_dataset(kind=cfg.dataset.kind, path=cfg.dataset.path, tokenizer=tokenizer,
-                           max_seq_len=cfg.max_seq_len, column_map=dict(cfg.dataset.column_map),
-                           train_on_input=cfg.dataset.train_on_input)
-    batches = GlobalBatches(num_samples=len(dataset), batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed)
-    total_steps = min(batches.total_steps, cfg.max_steps or math.inf)
-    return RunInputs(out=out, ckpt=ckpt, tokenizer=tokenizer, dataset=dataset, batches=batches, total_steps=total_steps,
-                     resume_from=resume_from)
+
+def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: bool = True) -> RunInputs:
+    """Check the output folder (unless `output` is false), describe the checkpoint, read the tokenizer and
+    the LoRA settings, tokenise the data. `dry`: download nothing, wait for no other process."""
+    out = resume_from = None
+    if output:
+        # Restarted workers of this very run (by us or by torchrun) may find their own folder without a checkpoint.
+        out, resume_from = check_output_dir(cfg, restarting=not dry and env.restart_count() > 0)
+        if not dry and dist.is_initialized():
+            dist.barrier()  # every rank has checked before rank 0 writes anything
+    m = cfg.model
+    folder = resolve_checkpoint_dir(name=m.name, checkpoint_dir=m.checkpoint_dir, hf_repo=m.hf_repo, download=not dry)
+    ckpt = HFCheckpoint.open(folder) if folder else None
+    # The model name picks a family; a checkpoint folder's config.json is the truth within it.
+    named = spec_from_hf_config(m.architecture)
+    spec = same_family(ckpt.spec, named, ckpt.folder) if ckpt else named
+    tokenizer = Tokenizer.from_checkpoint(ckpt.folder) if ckpt else None
+    lora = None
+    if "lora" in cfg and cfg.get("method", "lora") == "lora":
+        lora = lora_options(**cfg.lora, spec=spec, world_size=flavor.num_devices)
+    dataset = batches = total_steps = None
+    if tokenizer is not None:
+        d = cfg.dataset
+        dataset = load_dataset(kind=d.kind, path=d.path, tokenizer=tokenizer, max_seq_len=cfg.max_seq_len,
+                               column_map=dict(d.column_map), train_on_input=d.train_on_input)
+        batches = GlobalBatches(num_samples=len(dataset), batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed)
+        total_steps = min(batches.total_steps, cfg.max_steps or math.inf)
+    workload = Workload(spec=spec, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, lora=lora, dtype=cfg.dtype)
+    return RunInputs(model_name=m.name, spec=spec, ckpt=ckpt, tokenizer=tokenizer, lora=lora, dataset=dataset,
+                     batches=batches, total_steps=total_steps, out=out, resume_from=resume_from, workload=workload)
 
 
-def describe_inputs(inputs: RunInputs, cfg: DictConfig) -> list[str]:
-    lines = [f"Model {cfg.model.name} from {inputs.ckpt.folder}: {inputs.ckpt.spec.family}, "
-             f"{inputs.ckpt.spec.num_params() / 1e6:.1f}M parameters",
-             f"Data: {len(inputs.dataset)} samples, {inputs.batches.steps_per_epoch} steps per epoch of global batch "
-             f"{cfg.batch_size}, {inputs.total_steps} steps"]
-    if inputs.dataset.dropped:
-        lines.append(f"warning: {inputs.dataset.dropped} samples had no target token within "
-                     f"max_seq_len={cfg.max_seq_len} and were dropped")
-    return lines
+@dataclass
+class GenerateInputs:
+    """What recipes.generate reads before a weight: its sampling settings, the checkpoint, the adapter."""
+
+    sampling: Sampling
+    ckpt: HFCheckpoint | None  # None: a dry read of a model (or an adapter's base) only on the Hub
+    tokenizer: Tokenizer | None
+    adapter: PeftAdapter | None
+
+    def describe(self, cfg: DictConfig) -> list[str]:
+        s = self.sampling
+        how = "greedy" if s.temperature == 0 else (f"temperature {s.temperature:g}, top_p {s.top_p:g}"
+                                                    + (f", top_k {s.top_k}" if s.top_k else ""))
+        lines = [f"Sampling: {how}, up to {s.max_new_tokens} new tokens; device_map {cfg.device_map}"]
+        a = self.adapter
+        if self.ckpt is None:
+            what = (f"Adapter {a.folder}: r={a.rank} on the base {a.base_model}, which" if a else
+                    f"Model {cfg.model.name} ({cfg.model.hf_repo}), which")
+            return lines + [f"{what} the first run downloads from the Hugging Face Hub (not checked here; "
+                            "model.checkpoint_dir=DIR checks a local copy)"]
+        spec = self.ckpt.spec
+        lines.append(f"Model from {self.ckpt.folder}: {spec.family}, {spec.num_params() / 1e6:.1f}M parameters in "
+                     f"{len(self.ckpt.files)} safetensors file(s), tokenizer of {self.tokenizer.vocab_size} tokens")
+        if a:
+            lines.append(f"Adapter {a.folder}: r={a.rank}, alpha={a.alpha:g} on {len(a.weights)} weights of this base")
+        return lines
+
+
+def read_generate_inputs(cfg: DictConfig, *, dry: bool = False) -> GenerateInputs:
+    """Check the sampling settings, open the adapter and the checkpoint it goes on (model.checkpoint_dir, the
+    model's default, or the base adapter_config.json names) and match them. Like transformers, generate
+    builds whatever family config.json says."""
+    sampling = sampling_options(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    check_device_map(cfg.device_map, cfg.max_memory_gb)
+    adapter = PeftAdapter.open(cfg.adapter_dir) if cfg.adapter_dir else None
+    m = cfg.model
+    if adapter and not m.checkpoint_dir:
+        folder = adapter.base_model_dir(download=not dry)
+    else:
+        folder = resolve_checkpoint_dir(name=m.name, checkpoint_dir=m.checkpoint_dir, hf_repo=m.hf_repo,
+                                        download=not dry)
+    if folder is None:  # a dry read of a model only on the Hub
+        return GenerateInputs(sampling=sampling, ckpt=None, tokenizer=None, adapter=adapter)
+    ckpt = HFCheckpoint.open(folder)
+    if adapter:
+        adapter.check_base(ckpt)
+    return GenerateInputs(sampling=sampling, ckpt=ckpt, tokenizer=Tokenizer.from_checkpoint(ckpt.folder),
+                          adapter=adapter)

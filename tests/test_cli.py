@@ -21,10 +21,10 @@ import psutil
 import pytest
 from conftest import ROOT, make_hf_checkpoint
 
-from moai_recipes.tools import cli
 from moai_recipes.config.compose import load_config
 from moai_recipes.flavors import resolve_flavor
 from moai_recipes.launch.registry import registered, running, runs_dir
+from moai_recipes.tools import cli
 from moai_recipes.tools.gpu_stats import read_gpus
 
 

@@ -223,7 +223,7 @@ def _sharded_worker(rank: int, world_size: int, rendezvous: str, jobs: list[tupl
             ckpt = HFCheckpoint.open(folder)
             with torch.device("meta"):
                 model = build_model(ckpt.spec, max_seq_len=SEQ)
-            shard_model(model, model.layers, mesh=mesh, param_dtype=torch.float32)
+            shard_model(model, mesh=mesh, param_dtype=torch.float32)
             model.to_empty(device="cpu")
             init_buffers(model, device="cpu")
             load_weights(model, ckpt)
@@ -309,7 +309,7 @@ def _export_memory_worker(rank: int, world_size: int, rendezvous: str, jobs: lis
             ckpt = HFCheckpoint.open(folder)
             with torch.device("meta"):
                 model = build_model(ckpt.spec, max_seq_len=SEQ)
-            shard_model(model, model.layers, mesh=mesh, param_dtype=torch.float32)
+            shard_model(model, mesh=mesh, param_dtype=torch.float32)
             model.to_empty(device="cpu")
             init_buffers(model, device="cpu")
             load_weights(model, ckpt)

@@ -13,6 +13,7 @@ from moai_recipes.flavors import resolve_flavor
 from moai_recipes.models.spec import spec_for
 from moai_recipes.planner import GiB, choose_plan
 from moai_recipes.planner.activations import trace_layer
+from moai_recipes.planner.plan import Workload
 from tests.conftest import ROOT
 from tests.test_full_finetune import metrics, run_recipe
 
@@ -69,7 +70,7 @@ def test_the_traced_layer_keeps_what_a_real_layer_keeps(recompute):
 
 def test_every_chosen_plan_fits_and_is_the_fastest_that_does():
     cfg, spec, flavor = setup("model=llama3_8b", "flavor=4xlarge")
-    choice = choose_plan(spec=spec, flavor=flavor, batch_size=256, seq_len=2048, dtype="auto")
+    choice = choose_plan(Workload(spec=spec, batch_size=256, seq_len=2048), flavor)
     fitting = [c for c in choice.candidates if c.fits]
     assert choice.chosen in fitting and len(choice.candidates) > len(fitting) > 0
     assert choice.chosen.time.total_s == min(c.time.total_s for c in fitting)
@@ -80,35 +81,35 @@ def test_every_chosen_plan_fits_and_is_the_fastest_that_does():
 def test_fsdp2_wraps_the_model_only_where_it_does_something():
     # One fp32 process: nothing to shard or cast, so a plain module; nothing gathered beyond the output's gradient.
     _, spec, cpu = setup("flavor=cpu")
-    one = choose_plan(spec=spec, flavor=cpu, batch_size=8, seq_len=128, dtype="auto")
+    one = choose_plan(Workload(spec=spec, batch_size=8, seq_len=128), cpu)
     assert not one.chosen.plan.sharded and "distribute_param false" in one.chosen.plan.describe()
     _, _, cpu2 = setup("flavor=cpu-2")
-    two = choose_plan(spec=spec, flavor=cpu2, batch_size=16, seq_len=128, dtype="auto",
+    two = choose_plan(Workload(spec=spec, batch_size=16, seq_len=128), cpu2,
                       forced={"micro_batch_size": one.chosen.plan.micro_batch_size, "recompute": one.chosen.plan.recompute,
                               "chunked_loss": one.chosen.plan.chunked_loss, "reshard_after_forward": True})
     assert two.chosen.plan.sharded and two.chosen.memory.gathered > one.chosen.memory.gathered
     # One GPU computes in bf16 from fp32 master weights: FSDP2's mixed precision does the cast, so it stays.
     _, spec8, gpu = setup("model=llama3_8b", "flavor=small", "flavor.device=h100", "flavor.memory_gb=80")
     assert gpu.num_devices == 1
-    assert choose_plan(spec=spec8, flavor=gpu, batch_size=4, seq_len=512, dtype="auto").chosen.plan.sharded
+    assert choose_plan(Workload(spec=spec8, batch_size=4, seq_len=512), gpu).chosen.plan.sharded
 
 
 def test_forced_fields_are_honoured_or_refused_with_the_predicted_memory():
     _, spec, flavor = setup("model=llama3_8b", "flavor=xlarge")
-    forced = choose_plan(spec=spec, flavor=flavor, batch_size=64, seq_len=2048, dtype="auto",
+    forced = choose_plan(Workload(spec=spec, batch_size=64, seq_len=2048), flavor,
                          forced={"micro_batch_size": 1, "recompute": "full"})
     assert forced.chosen.plan.micro_batch_size == 1 and forced.chosen.plan.recompute == "full"
     with pytest.raises(UserError, match=r"nothing fits .* plan.micro_batch_size=8.* needs [0-9.]+ GiB"):
-        choose_plan(spec=spec, flavor=flavor, batch_size=64, seq_len=8192, dtype="auto",
+        choose_plan(Workload(spec=spec, batch_size=64, seq_len=8192), flavor,
                     forced={"micro_batch_size": 8, "recompute": "none"})
 
 
 def test_lora_plans_fit_where_full_fine_tuning_does_not():
     _, spec, flavor = setup("model=llama3_8b", "flavor=small")
     with pytest.raises(UserError):
-        choose_plan(spec=spec, flavor=flavor, batch_size=16, seq_len=2048, dtype="auto", forced={"cpu_offload": False})
+        choose_plan(Workload(spec=spec, batch_size=16, seq_len=2048), flavor, forced={"cpu_offload": False})
     lora = _lora(spec, attn_modules=["q_proj", "v_proj"], apply_to_mlp=False)
-    choice = choose_plan(spec=spec, flavor=flavor, batch_size=16, seq_len=2048, dtype="auto", lora=lora,
+    choice = choose_plan(Workload(spec=spec, batch_size=16, seq_len=2048, lora=lora), flavor,
                          forced={"cpu_offload": False})
     # only the adapters have gradients and AdamW moments: 32 layers x rank 8 x (q 4096+4096, v 4096+1024)
     adapters = 32 * 8 * ((4096 + 4096) + (4096 + 1024))

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,6 +44,15 @@ def complete_checkpoints(out: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and (p / "meta.json").exists())
 
 
+@dataclass
+class TrainState:
+    """What a training step changes, and so what a step checkpoint holds (of the model: the trainable part)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object  # an LR scheduler: state_dict() and load_state_dict()
+
+
 def read_meta(path: Path) -> dict:
     return json.loads((path / "meta.json").read_text())
 
@@ -53,25 +63,25 @@ def _trainable_state(model: nn.Module, optimizer) -> dict:
     return {"model": {k: v for k, v in model_sd.items() if k in trainable}, "optim": optim_sd}
 
 
-def save_checkpoint(out: Path, *, step: int, samples_seen: int, model: nn.Module, optimizer, scheduler,
-                    world, plan: dict, flavor: str, keep: int) -> tuple[Path, float, int]:
-    """Write the state after `step` steps; returns (folder, seconds, bytes). Every rank must call it."""
+def save_checkpoint(out: Path, state: TrainState, meta: dict, *, world, keep: int) -> tuple[Path, float, int]:
+    """Write the state after `meta["step"]` steps, with `meta` (the step, the data position `samples_seen`,
+    the flavor and the plan) in its meta.json; keep the newest `keep`. Returns (folder, seconds, bytes).
+    Every rank must call it."""
     start = time.perf_counter()
-    final = checkpoint_dir(out, step)
+    final = checkpoint_dir(out, meta["step"])
     tmp = final.with_name(f".{final.name}.tmp")
     if world.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_trainable_state(model, optimizer), checkpoint_id=str(tmp))
+    dcp.save(_trainable_state(state.model, state.optimizer), checkpoint_id=str(tmp))
     torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
                tmp / f"rng-rank{world.rank}.pt")
     dist.barrier()  # every shard is on disk before the checkpoint becomes visible
     size = 0
     if world.is_main:
-        torch.save({"scheduler": scheduler.state_dict()}, tmp / "train_state.pt")
-        meta = {"step": step, "samples_seen": samples_seen, "world_size": world.world_size, "flavor": flavor,
-                "plan": plan, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        torch.save({"scheduler": state.scheduler.state_dict()}, tmp / "train_state.pt")
+        meta = {**meta, "world_size": world.world_size, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         if final.exists():  # a resumed run saving the same step again
             shutil.rmtree(final)
@@ -83,13 +93,14 @@ def save_checkpoint(out: Path, *, step: int, samples_seen: int, model: nn.Module
     return final, time.perf_counter() - start, size
 
 
-def load_checkpoint(path: Path, *, model: nn.Module, optimizer, scheduler, world) -> dict:
-    """Restore a checkpoint into the (already sharded, base-loaded) model and the optimizer; returns its meta."""
-    state = _trainable_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+def load_checkpoint(path: Path, state: TrainState, world) -> dict:
+    """Restore a checkpoint into the (already sharded, base-loaded) model, the optimizer and the schedule;
+    returns its meta."""
+    saved = _trainable_state(state.model, state.optimizer)
+    dcp.load(saved, checkpoint_id=str(path))
+    set_state_dict(state.model, state.optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optim"],
                    options=StateDictOptions(strict=False))
-    scheduler.load_state_dict(torch.load(path / "train_state.pt", weights_only=False)["scheduler"])
+    state.scheduler.load_state_dict(torch.load(path / "train_state.pt", weights_only=False)["scheduler"])
     rng = path / f"rng-rank{world.rank}.pt"
     if rng.exists():  # a rank the saving run did not have keeps its own seed
         states = torch.load(rng, weights_only=False)

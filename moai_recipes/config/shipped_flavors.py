@@ -20,16 +20,21 @@ from moai_recipes.flavors import Flavor, resolve_flavor
 class FlavorOption:
     option: str  # what `flavor=` takes: 4xlarge, cpu-2
     flavor: Flavor  # resolved on this machine (the CPU flavors share its memory)
+    config: dict  # its configs/flavor/<option>.yaml
 
     @property
     def name(self) -> str:
         return self.flavor.name  # 4xLarge.2048GB, cpu-2
 
+    def on(self, device: str) -> Flavor:
+        """The same flavor re-expressed on another device type (`flavor.device=h100`)."""
+        return resolve_flavor(**{**self.config, "device": device})
+
 
 def catalog(config_dir: Path = CONFIG_DIR) -> list[FlavorOption]:
     """Every shipped flavor: the MoAI ones by size (Small.64GB first, as moreh-switch-model lists them), then the CPU ones."""
-    options = [FlavorOption(p.stem, resolve_flavor(**OmegaConf.to_container(OmegaConf.load(p))))
-               for p in (config_dir / "flavor").glob("*.yaml")]
+    configs = {p.stem: OmegaConf.to_container(OmegaConf.load(p)) for p in (config_dir / "flavor").glob("*.yaml")}
+    options = [FlavorOption(option, resolve_flavor(**c), c) for option, c in configs.items()]
     return sorted(options, key=lambda o: (o.flavor.device.kind == "cpu", o.flavor.total_memory_gb, o.option))
 
 

@@ -23,18 +23,29 @@ from moai_recipes.models.sources import model_source, resolve_checkpoint_dir
 from moai_recipes.train.loop import Stopped
 
 
-def run_recipe(recipe: str, train: Callable[[DictConfig, Flavor, World], None], argv: list[str] | None = None) -> int:
-    """Run `train(cfg, flavor, world)` on every process the flavor needs; return the exit code."""
+def run_recipe(train: Callable[[DictConfig, Flavor, World], None], argv: list[str] | None = None) -> int:
+    """Run `train(cfg, flavor, world)` on every process the flavor needs; return the exit code (errors.py).
+
+    The recipe is the module that defines `train` (moai_recipes.recipes.full_finetune): its config is
+    configs/<its name>.yaml, and the processes a flavor launches run that module."""
     argv = sys.argv[1:] if argv is None else argv
+    module = recipe_module(train)
+    recipe = module.rpartition(".")[2]
     # Read `moai switch`'s choice once: workers started (or restarted) later must not see a newer one.
     argv = [*argv, *switched_flavor(argv)]
     cfg = load_config(recipe, argv)
     flavor = resolve_flavor(**cfg.flavor)
     with registered(flavor):  # `moai smi` lists the run until it ends
-        return _launch_or_train(recipe, train, argv, cfg, flavor)
+        return _launch_or_train(train, module, argv, cfg, flavor)
 
 
-def _launch_or_train(recipe: str, train: Callable, argv: list[str], cfg: DictConfig, flavor: Flavor) -> int:
+def recipe_module(train: Callable) -> str:
+    """The importable name of the recipe module that defines `train`, also when it runs as `python -m` (__main__)."""
+    spec = sys.modules[train.__module__].__spec__
+    return spec.name if spec is not None else train.__module__
+
+
+def _launch_or_train(train: Callable, module: str, argv: list[str], cfg: DictConfig, flavor: Flavor) -> int:
     if needs_launch(flavor):
         # The user never types torchrun: start the flavor's processes, each running this same
         # command, with what must not differ between them (the output folder, the checkpoint) pinned.
@@ -43,7 +54,7 @@ def _launch_or_train(recipe: str, train: Callable, argv: list[str], cfg: DictCon
         worker_argv = [*argv, f"output_dir={cfg.output_dir}", f"model.checkpoint_dir={checkpoint_dir}"]
         for attempt in range(cfg.max_restarts + 1):
             env.set_restart(attempt)
-            code = relaunch(flavor, train.__module__, worker_argv)
+            code = relaunch(flavor, module, worker_argv)
             if code not in (0, EXIT_USER_ERROR, EXIT_STOPPED) and run_finished(cfg):
                 # The folder held no finished run when we started (check_output_dir), so this launch
                 # wrote every output before the failure: a worker died on its way out (gloo can abort

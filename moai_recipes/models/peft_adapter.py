@@ -71,15 +71,16 @@ class PeftAdapter:
         base = self.base_model or ""
         return not Path(base).expanduser().is_dir() and bool(_HUB_NAME.fullmatch(base))
 
-    def base_model_dir(self) -> Path:
+    def base_model_dir(self, *, download: bool = True) -> Path | None:
         """The folder of the base model adapter_config.json names: a local folder, or a Hub name (its cached
-        copy, or a download), as peft's AutoPeftModel reads base_model_name_or_path."""
+        copy, or a download), as peft's AutoPeftModel reads base_model_name_or_path. Without `download`, None
+        for a Hub name not in the cache."""
         base = self.base_model
         if base and Path(base).expanduser().is_dir():
             return Path(base).expanduser().resolve()
         if self.base_on_hub:
             try:
-                return resolve_checkpoint_dir(name=base, checkpoint_dir=None, hf_repo=base)
+                return resolve_checkpoint_dir(name=base, checkpoint_dir=None, hf_repo=base, download=download)
             except UserError as e:  # "model=NAME: could not get ..." would name a model= the user never typed
                 raise UserError(f"{self.folder / CONFIG} names the base model {base}: "
                                 f"{str(e).partition(': ')[2]}") from None

@@ -15,8 +15,10 @@ def model_source(cfg) -> dict:
     return dict(name=cfg.model.name, checkpoint_dir=cfg.model.checkpoint_dir, hf_repo=cfg.model.hf_repo)
 
 
-def resolve_checkpoint_dir(*, name: str, checkpoint_dir: str | None, hf_repo: str | None) -> Path:
-    """The folder to load: the one given, the tiny default made on first use, or a Hub download."""
+def resolve_checkpoint_dir(*, name: str, checkpoint_dir: str | None, hf_repo: str | None,
+                           download: bool = True) -> Path | None:
+    """The folder to load: the one given, the tiny default made on first use, or a Hub download.
+    Without `download`, a Hub model is its copy in the Hugging Face cache, or None when there is none."""
     if checkpoint_dir:
         folder = Path(checkpoint_dir).expanduser().resolve()
         if not folder.is_dir():
@@ -27,7 +29,7 @@ def resolve_checkpoint_dir(*, name: str, checkpoint_dir: str | None, hf_repo: st
         return tiny_checkpoint_dir()
     if not hf_repo:
         raise UserError(f"model={name} needs model.checkpoint_dir=DIR (a Hugging Face checkpoint folder)")
-    return _download(name, hf_repo)
+    return _download(name, hf_repo) if download else _cached(hf_repo)
 
 
 def base_model_name(folder: Path, hf_repo: str | None) -> str:
@@ -38,6 +40,16 @@ def base_model_name(folder: Path, hf_repo: str | None) -> str:
     if hf_repo and Path(folder).resolve().is_relative_to(Path(HF_HUB_CACHE).resolve()):
         return hf_repo
     return str(folder)
+
+
+def _cached(repo: str) -> Path | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=repo, allow_patterns=_PATTERNS, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError):
+        return None
 
 
 def _download(name: str, repo: str) -> Path:

@@ -158,11 +158,13 @@ def spec_for(*, architecture: Mapping, checkpoint_dir: str | Path | None) -> Mod
     Without files the planner can still plan a 70B run. With a folder, its config.json is the truth,
     but it must be of the family the model name promises.
     """
-    planned = spec_from_hf_config(architecture)
-    if checkpoint_dir is None:
-        return planned
-    spec = read_spec(checkpoint_dir)
-    if spec.family != planned.family:
-        raise UserError(f"{checkpoint_dir} holds a {spec.family} model, but the chosen model config is "
-                        f"{planned.family}; pick a {spec.family} model name (see configs/model/)")
+    named = spec_from_hf_config(architecture)
+    return named if checkpoint_dir is None else same_family(read_spec(checkpoint_dir), named, checkpoint_dir)
+
+
+def same_family(spec: ModelSpec, named: ModelSpec, folder: str | Path) -> ModelSpec:
+    """`spec` (a checkpoint folder's), or a UserError when it is not of the family of the model name's `named`."""
+    if spec.family != named.family:
+        raise UserError(f"{folder} holds a {spec.family} model, but the chosen model config is {named.family}; "
+                        f"pick a {spec.family} model name (moai ls lists them)")
     return spec

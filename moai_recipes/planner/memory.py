@@ -12,7 +12,7 @@ import torch
 from moai_recipes.models.build import nf4_weights
 from moai_recipes.models.spec import ModelSpec
 from moai_recipes.planner.activations import trace_head, trace_layer
-from moai_recipes.train.parallel import uses_fsdp
+from moai_recipes.planner.plan import Plan, Workload
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 NF4_BYTES = 0.5 + 1 / 64 * 4 / 4 + 0.01  # 4-bit codes, per-block scales, double-quantized scalers
@@ -20,6 +20,11 @@ NF4_BYTES = 0.5 + 1 / 64 * 4 / 4 + 0.01  # 4-bit codes, per-block scales, double
 # intermediates of about 21 bytes per value whatever the compute dtype (MemTracker, torchao 0.14.1,
 # 1024x1024 and 4096x1024 weights, fp32 and bf16). One linear at a time: the largest one counts.
 NF4_DEQUANT_BYTES = 21
+FIXED_OVERHEAD = {"gpu": 2**30, "cpu": 0}  # CUDA/ROCm context and communication buffers
+SLACK = {"gpu": 0.08, "cpu": 0.05}  # allocator fragmentation, as a share of what is allocated
+# Bytes of temporaries per trainable value in the optimizer step: train/optim.py takes fused AdamW on
+# GPUs (none) and foreach AdamW on the CPU (one fp32 copy of the moments' update).
+OPTIMIZER_TEMPORARY = {"gpu": 0, "cpu": 4}
 
 
 @dataclass(frozen=True)
@@ -68,16 +73,18 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.gathered + self.activations + self.logits + self.overhead
+        return self.allocated + self.overhead
+
+    @property
+    def allocated(self) -> int:
+        """What the tensors hold at the peak, without the overhead of the allocator and the runtime."""
+        return self.params + self.grads + self.optimizer + self.gathered + self.activations + self.logits
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "total": self.total}
 
 
-def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micro_batch_size: int, seq_len: int,
-                   recompute: str, reshard_after_forward: bool, cpu_offload: bool, chunked_loss: bool, compute_dtype: str,
-                   fixed_overhead: int, slack: float, optimizer_temporary: float, lora: tuple | None = None,
-                   accumulation_steps: int = 1) -> MemoryBreakdown:
+def predict_memory(plan: Plan, work: Workload, device_kind: str) -> MemoryBreakdown:
     """Peak bytes on one device for one plan: the largest of four moments of the step.
 
     The sharded parameters and optimizer state live throughout. In the backward pass of the last
@@ -87,11 +94,13 @@ def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micr
     gone, every sharded gradient made); between them memory moves monotonically, layer by layer.
     Weight gradients of earlier micro-batches are alive throughout when accumulating (freed after
     each step otherwise). Then the optimizer step: the sharded state and the optimizer's own
-    temporaries (`optimizer_temporary` bytes per trainable value: foreach AdamW on the CPU makes
+    temporaries (OPTIMIZER_TEMPORARY bytes per trainable value: foreach AdamW on the CPU makes
     one fp32 copy, fused AdamW on GPUs none).
     """
-    c = DTYPE_BYTES[compute_dtype]
-    n, L = num_devices, spec.num_layers
+    spec, sizes, seq_len, lora = work.spec, work.sizes, work.seq_len, work.lora_key
+    micro_batch_size, recompute, cpu_offload = plan.micro_batch_size, plan.recompute, plan.cpu_offload
+    c = DTYPE_BYTES[plan.param_dtype]
+    n, L = plan.num_devices, spec.num_layers
     full = sizes.trainable == sizes.total
     nf4 = sizes.nf4_per_layer * L
     master = (sizes.total - nf4) * 4 + nf4 * NF4_BYTES
@@ -103,10 +112,10 @@ def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micr
     # plus the next one (prefetch) in the backward; without resharding after forward every layer
     # stays gathered until its backward. NF4 weights are gathered as NF4 (torchao's FSDP2 hooks), and
     # not at all in one process (FSDP leaves them alone there, see parallel.shard_model). One process
-    # computing in fp32 keeps a plain module (parallel.uses_fsdp): it uses its parameters as they are.
-    fsdp = uses_fsdp(n, cpu_offload=cpu_offload, mixed_precision=compute_dtype != "float32")
+    # computing in fp32 keeps a plain module (Plan.sharded): it uses its parameters as they are.
+    fsdp = plan.sharded
     layer_c = ((sizes.per_layer - sizes.nf4_per_layer) * c + (sizes.nf4_per_layer * NF4_BYTES if n > 1 else 0)) if fsdp else 0
-    layers_gathered = (lambda k: k * layer_c) if reshard_after_forward else (lambda k: L * layer_c)
+    layers_gathered = (lambda k: k * layer_c) if plan.reshard_after_forward else (lambda k: L * layer_c)
     root_gathered = sizes.root * c if fsdp else 0
     # The root's weight gradients (in the compute dtype, before their reduce-scatter, which comes last):
     # the output projection's from the loss's backward on, the embeddings' only after the first layer's.
@@ -118,16 +127,16 @@ def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micr
     layer_trainable = (sizes.trainable - (sizes.root if full else 0)) / L if L else 0
     later_grads = 0 if cpu_offload else (L - 1) * layer_trainable * 4 / n
 
-    dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
+    dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
     act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora)
     retained = micro_batch_size * L * act.retained
     layer_backward = micro_batch_size * act.transient + act.grads_at_peak + reduce_copy
-    earlier_grads = sharded_grads if accumulation_steps > 1 else 0
+    earlier_grads = sharded_grads if plan.accumulation_steps > 1 else 0
     # The final norm, the output projection and the loss as traced: the logits in the compute dtype and in
     # fp32, the log-softmax and the gradients over them (about 12 bytes per token and vocabulary entry),
     # or one chunk's worth of them with the chunked loss.
-    logits = trace_head(spec, micro_batch_size=micro_batch_size, seq_len=seq_len, chunked=chunked_loss, dtype=dtype,
-                        lora=lora).peak
+    logits = trace_head(spec, micro_batch_size=micro_batch_size, seq_len=seq_len, chunked=plan.chunked_loss,
+                        dtype=dtype, lora=lora).peak
     # The last layer stays gathered from its forward (parallel.shard_model); in the backward each layer
     # is gathered with the next one (prefetch), but the first has no next.
     phases = {
@@ -139,7 +148,7 @@ def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micr
                                      grads=max(earlier_grads, later_grads),
                                      activations=micro_batch_size * act.retained + layer_backward, logits=0),
         "optimizer step": dict(gathered=0, grads=sharded_grads, logits=0,
-                               activations=0 if cpu_offload else sizes.trainable * optimizer_temporary / n),
+                               activations=0 if cpu_offload else sizes.trainable * OPTIMIZER_TEMPORARY[device_kind] / n),
     }
     phase, peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     if phase != "optimizer step":
@@ -147,4 +156,5 @@ def predict_memory(spec: ModelSpec, sizes: ModelSizes, *, num_devices: int, micr
     subtotal = params + optimizer + sum(peak.values())
     return MemoryBreakdown(params=int(params), grads=int(peak["grads"]), optimizer=int(optimizer),
                            gathered=int(peak["gathered"]), activations=int(peak["activations"]),
-                           logits=int(peak["logits"]), overhead=int(fixed_overhead + slack * subtotal), phase=phase)
+                           logits=int(peak["logits"]), overhead=int(FIXED_OVERHEAD[device_kind] + SLACK[device_kind] * subtotal),
+                           phase=phase)

@@ -1,10 +1,37 @@
-"""The run plan: how a rank's share of the global batch is split, what is recomputed, how the
-model is sharded or offloaded. The planner (moai_recipes/planner/) chooses one before the first step."""
+"""What is planned (a Workload) and how it runs (a Plan). The planner (search.py) chooses the Plan before
+the first step; training follows it: the Plan alone splits a global batch into ranks and micro-batches."""
 
 import math
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
-from moai_recipes.train.parallel import uses_fsdp
+from moai_recipes.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model (with its LoRA adapters, if any) trained on global batches of `batch_size` sequences of up to
+    `seq_len` tokens, in the compute dtype the user asked for (auto: bf16 on GPUs, fp32 on the CPU)."""
+
+    spec: ModelSpec
+    batch_size: int
+    seq_len: int
+    lora: object = None  # models.lora.LoraOptions
+    dtype: str = "auto"
+
+    @cached_property
+    def sizes(self):
+        from moai_recipes.planner.memory import model_sizes
+
+        return model_sizes(self.spec, self.lora)
+
+    @cached_property
+    def lora_key(self) -> tuple | None:
+        """The adapters as a hashable key of the layer traces (activations.py caches them by it)."""
+        if self.lora is None:
+            return None
+        items = sorted(self.lora.builder_kwargs().items())
+        return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in items)
 
 
 @dataclass(frozen=True)
@@ -16,7 +43,7 @@ class Plan:
     recompute: str  # none | selective | full
     reshard_after_forward: bool
     cpu_offload: bool
-    chunked_loss: bool  # the output projection and the loss in chunks of tokens (loss.py)
+    chunked_loss: bool  # the output projection and the loss in chunks of tokens (train/loss.py)
     param_dtype: str  # compute dtype of parameters in forward/backward
     master_dtype: str  # dtype of the sharded parameters, gradients and optimizer state
 
@@ -26,8 +53,26 @@ class Plan:
 
     @property
     def sharded(self) -> bool:
-        """Whether FSDP2 wraps the model: not for one device computing in the master dtype."""
-        return uses_fsdp(self.num_devices, cpu_offload=self.cpu_offload, mixed_precision=self.param_dtype != self.master_dtype)
+        """Whether FSDP2 wraps the model: where it shards over several devices, offloads to the CPU or casts to
+        a lower compute dtype. One process computing in its master dtype keeps a plain module: there FSDP2's
+        all-gathers and reduce-scatters are copies of every layer in and out, a fifth of a CPU step at 24M
+        parameters (measured), for nothing."""
+        return self.num_devices > 1 or self.cpu_offload or self.param_dtype != self.master_dtype
+
+    def rank_share(self, indices: list[int], rank: int) -> list[int | None]:
+        """Rank `rank`'s contiguous share of a step's global batch (dataset indices), padded with None to the
+        same length on every rank: FSDP's collectives need the same number of micro-batches everywhere. The
+        shares of all ranks, without the padding, are the global batch in order."""
+        per_rank = math.ceil(len(indices) / self.num_devices)
+        share = indices[rank * per_rank:(rank + 1) * per_rank]
+        return share + [None] * (per_rank - len(share))
+
+    def micro_batches(self, share: list) -> list[list]:
+        """A rank's share as `accumulation_steps` micro-batches of up to `micro_batch_size` (fewer when the
+        last global batch of an epoch is short)."""
+        assert len(share) <= self.batch_per_device, (len(share), self.batch_per_device)
+        m = self.micro_batch_size
+        return [share[i * m:(i + 1) * m] for i in range(self.accumulation_steps) if share[i * m:(i + 1) * m]]
 
     def as_dict(self) -> dict:
         return {**asdict(self), "batch_per_device": self.batch_per_device, "sharded": self.sharded}

@@ -12,16 +12,15 @@ A GPU's peak figures come from its data sheet (flavors.DEVICES), the CPU's are m
 machine (cpu_speed.py); bench/planner_accuracy.py compares predictions with measured steps.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from moai_recipes.flavors import Device
-from moai_recipes.models.spec import ModelSpec
 from moai_recipes.planner.activations import trace_head, trace_layer
 from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
-from moai_recipes.planner.memory import DTYPE_BYTES, ModelSizes
+from moai_recipes.planner.memory import DTYPE_BYTES
+from moai_recipes.planner.plan import Plan, Workload
 
 # Share of the peak FLOP/s that large micro-batches reach, and the micro-batch (tokens) at which half of
 # that is reached. GPU figures are typical of FSDP training; the CPU's fitted with bench/planner_accuracy.py.
@@ -69,15 +68,15 @@ def device_speed(device: Device, *, compute_dtype: str, num_devices: int) -> tup
     return tflops * 1e12, device.hbm_gbps * 1e9
 
 
-def predict_time(spec: ModelSpec, sizes: ModelSizes, device: Device, *, num_devices: int, batch_size: int,
-                 micro_batch_size: int, accumulation_steps: int, seq_len: int, recompute: str,
-                 reshard_after_forward: bool, cpu_offload: bool, chunked_loss: bool, compute_dtype: str,
-                 lora: tuple | None = None) -> TimeEstimate:
-    n, L = num_devices, spec.num_layers
-    per_device = math.ceil(batch_size / n)
+def predict_time(plan: Plan, work: Workload, device: Device) -> TimeEstimate:
+    """Seconds of one optimizer step of `plan` on `device`."""
+    spec, sizes, seq_len, lora = work.spec, work.sizes, work.seq_len, work.lora_key
+    n, L = plan.num_devices, spec.num_layers
+    per_device, micro_batch_size, accumulation_steps = plan.batch_per_device, plan.micro_batch_size, plan.accumulation_steps
+    compute_dtype = plan.param_dtype
     dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
-    layer = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora)
-    head = trace_head(spec, micro_batch_size=micro_batch_size, seq_len=seq_len, chunked=chunked_loss, dtype=dtype,
+    layer = trace_layer(spec, seq_len=seq_len, recompute=plan.recompute, dtype=dtype, lora=lora)
+    head = trace_head(spec, micro_batch_size=micro_batch_size, seq_len=seq_len, chunked=plan.chunked_loss, dtype=dtype,
                       lora=lora)
     heads = per_device / micro_batch_size  # micro-batches' worth of sequences (the last one may be short)
     flops = per_device * L * layer.flops + heads * head.flops
@@ -87,10 +86,10 @@ def predict_time(spec: ModelSpec, sizes: ModelSizes, device: Device, *, num_devi
     mb_tokens = micro_batch_size * seq_len
     memory_speed = bandwidth * BANDWIDTH_EFFICIENCY[device.kind]
     work = flops / (peak * top * mb_tokens / (mb_tokens + half)) + traffic / memory_speed
-    if not cpu_offload:  # offloaded, the optimizer runs on the host (below)
+    if not plan.cpu_offload:  # offloaded, the optimizer runs on the host (below)
         work += sizes.trainable / n * OPTIMIZER_TRAFFIC[device.kind] / memory_speed
     dispatch = accumulation_steps * (L * layer.ops + head.ops) * PER_OP_S[device.kind]
-    if recompute == "selective":
+    if plan.recompute == "selective":
         dispatch += accumulation_steps * L * layer.ops * SELECTIVE_OP_S[device.kind]
     # A GPU works while the host dispatches ahead of it: the slower of the two. A CPU does one, then the other.
     compute = max(work, dispatch) if device.kind == "gpu" else work + dispatch
@@ -99,7 +98,7 @@ def predict_time(spec: ModelSpec, sizes: ModelSizes, device: Device, *, num_devi
         c = DTYPE_BYTES[compute_dtype]
         # Layers are gathered for the forward and, when resharded after it, again for the backward; the
         # root once (FSDP2 keeps it until its backward); gradients are reduce-scattered in fp32.
-        gathers = 2 if reshard_after_forward else 1
+        gathers = 2 if plan.reshard_after_forward else 1
         per_micro = (gathers * (sizes.total - sizes.root) * c + sizes.root * c + sizes.trainable * 4) * (n - 1) / n
         link = device.intra_node_gbps if n <= device.per_node else device.inter_node_gbps
         collectives = L * (gathers + 1) + 2
@@ -107,7 +106,7 @@ def predict_time(spec: ModelSpec, sizes: ModelSizes, device: Device, *, num_devi
     overlap = OVERLAP[device.kind]
     exposed = max(comm - overlap * compute, comm * (1 - overlap))
     offload = 0.0
-    if cpu_offload:
+    if plan.cpu_offload:
         moved = accumulation_steps * sizes.total / n * DTYPE_BYTES[compute_dtype] * 2 + sizes.trainable * 4 / n
         offload = moved / (PCIE_GBPS * 1e9) + sizes.trainable * 16 / n / 20e9  # host-side AdamW
     return TimeEstimate(compute_s=compute, comm_s=comm, exposed_comm_s=exposed, offload_s=offload)

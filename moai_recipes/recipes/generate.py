@@ -11,7 +11,6 @@ on the CPU. The completion alone goes to stdout; what was loaded and where, to s
 """
 
 import sys
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -21,7 +20,6 @@ from moai_recipes.data.tokenizer import Tokenizer, prompt_ids
 from moai_recipes.errors import UserError, exit_on_user_error
 from moai_recipes.inference.device_map import (
     block_sizes,
-    check_device_map,
     describe,
     dispatch,
     free_memory,
@@ -29,47 +27,32 @@ from moai_recipes.inference.device_map import (
     place_blocks,
     setup_caches,
 )
-from moai_recipes.inference.sampling import complete, sampling_options
+from moai_recipes.inference.sampling import complete
 from moai_recipes.models.build import build_model
-from moai_recipes.models.hf_format import HFCheckpoint, load_weights
-from moai_recipes.models.peft_adapter import PeftAdapter, merge_adapter
-from moai_recipes.models.sources import model_source, resolve_checkpoint_dir
+from moai_recipes.models.hf_format import load_weights
+from moai_recipes.models.peft_adapter import merge_adapter
+from moai_recipes.run_inputs import read_generate_inputs
 
 RECIPE = "generate"
-
-
-def base_checkpoint_dir(cfg: DictConfig, adapter: PeftAdapter | None) -> Path:
-    """model.checkpoint_dir (or the model's default); for an adapter without one, the base its config names."""
-    if cfg.model.checkpoint_dir or adapter is None:
-        return resolve_checkpoint_dir(**model_source(cfg))
-    return adapter.base_model_dir()
 
 
 def generate(cfg: DictConfig, *, prompt: str | None) -> tuple[Tokenizer, list[int]]:
     """The tokenizer and the tokens of the completion of `prompt`, as the command prints them."""
     say = lambda *a: print(*a, file=sys.stderr, flush=True)
 
-    # 1. Settings, checked before anything is read.
-    sampling = sampling_options(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                                max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    # 1. Settings, the checkpoint and the adapter, checked, described and matched before any weight is read.
     if not prompt:
         raise UserError('prompt="..." is required: the text to answer (chat=true) or to continue (chat=false)')
-    check_device_map(cfg.device_map, cfg.max_memory_gb)
-
-    # 2. The checkpoint and the adapter, described and matched before any weight is read.
-    adapter = PeftAdapter.open(cfg.adapter_dir) if cfg.adapter_dir else None
-    ckpt = HFCheckpoint.open(base_checkpoint_dir(cfg, adapter))
+    inputs = read_generate_inputs(cfg)
+    sampling, ckpt, tokenizer, adapter = inputs.sampling, inputs.ckpt, inputs.tokenizer, inputs.adapter
     spec = ckpt.spec
-    if adapter:
-        adapter.check_base(ckpt)
-    tokenizer = Tokenizer.from_checkpoint(ckpt.folder)
     ids = prompt_ids(tokenizer, prompt, chat=cfg.chat)
     max_seq_len = len(ids) + sampling.max_new_tokens
     if max_seq_len > spec.max_position_embeddings:
         raise UserError(f"the prompt ({len(ids)} tokens) and max_new_tokens={sampling.max_new_tokens} exceed the "
                         f"model's context of {spec.max_position_embeddings} tokens; lower max_new_tokens")
 
-    # 3. Build on meta, place whole blocks on the devices (KV caches counted), then give memory and weights.
+    # 2. Build on meta, place whole blocks on the devices (KV caches counted), then give memory and weights.
     gpu = torch.cuda.is_available()
     dtype = {"auto": torch.bfloat16 if gpu else torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
     main_device = torch.device("cuda:0" if gpu else "cpu")  # where the prompt, the logits and the sampling live
@@ -89,7 +72,7 @@ def generate(cfg: DictConfig, *, prompt: str | None) -> tuple[Tokenizer, list[in
         + (f"; adapter {adapter.folder} merged (r={adapter.rank}, alpha={adapter.alpha:g})" if adapter else ""))
     say(f"Device map ({cfg.device_map}): {describe(placement)}")
 
-    # 4. Sample.
+    # 3. Sample.
     return tokenizer, complete(model, ids, sampling=sampling, stop_ids=tokenizer.stop_ids, device=main_device)
 
 

@@ -15,98 +15,79 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from moai_recipes.checkpoint.steps import TrainState
 from moai_recipes.errors import exit_on_user_error
 from moai_recipes.flavors import Flavor
 from moai_recipes.launch.entry import run_recipe
 from moai_recipes.launch.world import World, decided_by_main
-from moai_recipes.models.build import build_model, init_buffers
+from moai_recipes.models.build import build_model
 from moai_recipes.models.hf_format import load_weights, save_weights
 from moai_recipes.models.lora import (
     freeze_base,
     gather_adapters,
     init_adapters,
-    lora_options,
     merge_into,
     save_adapter,
 )
 from moai_recipes.models.sources import base_model_name
 from moai_recipes.planner import choose_plan
-from moai_recipes.run_inputs import describe_inputs, read_inputs
-from moai_recipes.train.answers import Samples
-from moai_recipes.train.loop import train_loop
+from moai_recipes.run_inputs import read_inputs
+from moai_recipes.train.answers import Answers
+from moai_recipes.train.loop import LoopSettings, train_loop
 from moai_recipes.train.optim import build_optimizer, build_scheduler
-from moai_recipes.train.parallel import apply_recompute, materialize, shard_model
+from moai_recipes.train.parallel import parallelize
 from moai_recipes.train.peak_memory import mark_memory_baseline
 from moai_recipes.train.run_log import RunLog
-
-RECIPE = "lora_finetune"
 
 
 def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     torch.manual_seed(cfg.seed)
     say = print if world.is_main else (lambda *a, **k: None)
 
-    # 1. What the run reads: its folder (never an earlier run's), the checkpoint, tokenizer, data.
-    inputs = read_inputs(cfg)
-    opts = lora_options(**cfg.lora, spec=inputs.ckpt.spec, world_size=world.world_size)
+    # 1. What the run reads: its folder (never an earlier run's), the checkpoint, tokenizer, LoRA settings, data.
+    inputs = read_inputs(cfg, flavor)
+    lora = inputs.lora
 
     # 2. The plan, decided before the first step.
     # Decided once: step times rest on this machine's measured speed, and the ranks must agree.
-    choice = decided_by_main(world, lambda: choose_plan(spec=inputs.ckpt.spec, flavor=flavor, batch_size=cfg.batch_size,
-                                                        seq_len=cfg.max_seq_len, dtype=cfg.dtype, forced=dict(cfg.plan),
-                                                        lora=opts))
+    choice = decided_by_main(world, lambda: choose_plan(inputs.workload, flavor, forced=cfg.plan))
     plan = choice.chosen.plan
     say(f"Flavor {flavor.describe()}; {world.world_size} process(es), backend {flavor.backend}")
-    say("\n".join(describe_inputs(inputs, cfg)))
-    say(f"LoRA rank {opts.rank}, alpha {opts.alpha:g} on {', '.join(opts.attn_modules) or 'no attention module'}"
-        f"{', the MLP' if opts.apply_to_mlp else ''}{', the output' if opts.apply_to_output else ''}"
-        f"{'; base frozen in NF4 (QLoRA)' if opts.quantize_base else '; base frozen'}")
+    say("\n".join(inputs.describe(cfg)))
     say("\n".join(choice.report()))
     say(f"Configuration for parallelism is selected: {plan.describe()}")
 
-    # 3. Build with adapters on meta, recompute, shard, then give memory, base weights and adapters.
+    # 3. Build with adapters on meta, freeze the base; recompute, shard and give memory; base weights, adapters.
     mark_memory_baseline()  # the measured peak counts what training allocates from here, as the plan predicts
     with torch.device("meta"):
-        model = build_model(inputs.ckpt.spec, max_seq_len=cfg.max_seq_len, lora=opts.builder_kwargs(),
-                            quantize_base=opts.quantize_base)
+        model = build_model(inputs.spec, max_seq_len=cfg.max_seq_len, lora=lora.builder_kwargs(),
+                            quantize_base=lora.quantize_base)
     freeze_base(model)  # before sharding: FSDP2 keeps requires_grad per parameter
-    apply_recompute(model.layers, plan.recompute)
-    shard_model(model, model.layers, mesh=world.mesh, param_dtype=getattr(torch, plan.param_dtype),
-                reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
-    materialize(model, device=world.device, cpu_offload=plan.cpu_offload)
-    init_buffers(model, device=world.device)
+    parallelize(model, plan, world)
     load_weights(model, inputs.ckpt, allow_missing=(".lora_a.", ".lora_b."))
     init_adapters(model, seed=cfg.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
     say(f"Trainable: {sum(p.numel() for p in trainable) / 1e6:.3f}M adapter parameters")
 
     # 4. Only the adapters are trained: only they get gradients and optimizer state.
-    o = cfg.optimizer
-    optimizer = build_optimizer(trainable, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                device=world.device)
-    scheduler = build_scheduler(optimizer, warmup_steps=o.warmup_steps, total_steps=inputs.total_steps)
+    optimizer = build_optimizer(trainable, cfg.optimizer, device=world.device)
+    state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.optimizer, total_steps=inputs.total_steps))
 
     # 5. The loop: the same global batch, loss and gradients on any flavor.
-    log = RunLog.start(inputs.out, cfg, flavor=flavor.name, plan=choice.as_dict(), total_steps=inputs.total_steps,
-                       resume_step=inputs.resume_step) if world.is_main else None
-    samples = Samples(inputs.tokenizer, prompts=list(cfg.dataset.sample_prompts), chat=cfg.dataset.kind != "text",
-                      max_new_tokens=cfg.sample_max_new_tokens, device=world.device)
-    samples.take_before(model)
-    train_loop(model, optimizer, scheduler, inputs, micro_batch_size=plan.micro_batch_size,
-               chunked_loss=plan.chunked_loss, max_grad_norm=o.max_grad_norm, world=world, log=log,
-               checkpoint_every=cfg.checkpoint_every, checkpoint_keep=cfg.checkpoint_keep,
-               skip_nonfinite_steps=cfg.skip_nonfinite_steps, plan=choice.chosen.as_dict(), flavor=flavor.name)
-    say("\n".join(samples.report_after(model)))
+    log = RunLog.start(cfg, inputs, choice) if world.is_main else None
+    answers = Answers.for_run(cfg, inputs.tokenizer, device=world.device)
+    answers.take_before(model)
+    train_loop(state, inputs, choice, LoopSettings.from_config(cfg), world, log)
+    say("\n".join(answers.report_after(model)))
 
     # 6. The adapter in PEFT format, and the base with the adapters merged in Hugging Face format
     #    (QLoRA: the base it was trained with, dequantized from NF4).
     adapters = gather_adapters(model)
     if world.is_main:
-        save_adapter(adapters, opts=opts, ckpt=inputs.ckpt, out_dir=inputs.out / "adapter",
+        save_adapter(adapters, opts=lora, ckpt=inputs.ckpt, out_dir=inputs.out / "adapter",
                      base_model=base_model_name(inputs.ckpt.folder, cfg.model.hf_repo))
     if cfg.save_merged:
-        save_weights(model, inputs.ckpt, inputs.out / "model", rank=world.rank,
-                     transform=merge_into(adapters, opts.scale))
+        save_weights(model, inputs.ckpt, inputs.out / "model", rank=world.rank, transform=merge_into(adapters, lora.scale))
     if log:  # before the last barrier: a worker that crashes while exiting cannot cut it short
         log.close()
         say(f"Adapter saved in {inputs.out / 'adapter'}" + (f", merged model in {inputs.out / 'model'}"
@@ -116,7 +97,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    return run_recipe(RECIPE, train, argv)
+    return run_recipe(train, argv)
 
 
 if __name__ == "__main__":

@@ -14,29 +14,27 @@ import time
 from pathlib import Path
 
 from moai_recipes.config.compose import load_config
-from moai_recipes.errors import UserError, exit_on_user_error
+from moai_recipes.errors import exit_on_user_error
 from moai_recipes.files import write_json
 from moai_recipes.flavors import resolve_flavor
-from moai_recipes.models.lora import lora_options
-from moai_recipes.models.spec import spec_for
 from moai_recipes.planner import GiB, choose_plan
+from moai_recipes.run_inputs import read_inputs
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = load_config("plan", argv if any(a.startswith("output_dir=") for a in argv) else [*argv, "output_dir=-"])
-    if cfg.method not in ("full", "lora"):
-        raise UserError(f"method={cfg.method}: valid values are full, lora")
-    start = time.perf_counter()
     flavor = resolve_flavor(**cfg.flavor)
-    spec = spec_for(architecture=cfg.model.architecture, checkpoint_dir=cfg.model.checkpoint_dir)
-    lora = lora_options(**cfg.lora, spec=spec, world_size=flavor.num_devices) if cfg.method == "lora" else None
-    choice = choose_plan(spec=spec, flavor=flavor, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, dtype=cfg.dtype,
-                         forced=dict(cfg.plan), lora=lora)
+    # What the run would read, as the training recipes read it, but nothing downloaded: a model only on the
+    # Hub is planned from its config's architecture.
+    inputs = read_inputs(cfg, flavor, dry=True, output=False)
+    start = time.perf_counter()
+    choice = choose_plan(inputs.workload, flavor, forced=cfg.plan)
     print(f"Flavor {flavor.describe()}")
-    print(f"Model {cfg.model.name}: {spec.family}, {spec.num_params() / 1e9:.3g}B parameters; "
-          f"{cfg.method} fine-tuning, global batch {cfg.batch_size} x {cfg.max_seq_len} tokens")
+    print("\n".join(inputs.describe(cfg)))
+    print(f"{cfg.method} fine-tuning of {inputs.spec.num_params() / 1e9:.3g}B parameters, global batch "
+          f"{cfg.batch_size} x {cfg.max_seq_len} tokens")
     print(f"{'mbs':>4} {'accum':>5} {'recompute':>9} {'reshard':>7} {'offload':>7} {'chunked':>7} {'peak GiB':>9} "
           f"{'s/step':>9}  fits")
     for c in sorted(choice.candidates, key=lambda c: (not c.fits, c.time.total_s)):
@@ -50,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Planned in {time.perf_counter() - start:.2f} s")
     if cfg.output_dir != "-":
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        write_json(Path(cfg.output_dir) / "plan.json", {"flavor": flavor.name, **choice.as_dict()})
+        write_json(Path(cfg.output_dir) / "plan.json", choice.as_dict())
     return 0
 
 

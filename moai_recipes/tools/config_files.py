@@ -5,7 +5,6 @@ carry itself (model/, dataset/, ...) come from the shipped configs. Test: `pytho
 """
 
 import difflib
-import math
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -120,74 +119,15 @@ def validate(config: str, overrides: list[str]) -> Iterator[str]:
 
 
 def _check_inputs(recipe: str, cfg) -> Iterator[str]:
-    """What `recipe` reads before it starts, checked; a line per check passed."""
+    """What `recipe` reads before it starts, read as the recipe reads it (run_inputs) without downloading or
+    writing anything; a line per thing read."""
     # Imported only now: torch and torchtune take seconds, which a mistake in the config need not wait for.
-    from moai_recipes.checkpoint.run_folder import check_output_dir
-    from moai_recipes.data.datasets import load_dataset
-    from moai_recipes.data.tokenizer import Tokenizer
     from moai_recipes.flavors import resolve_flavor
-    from moai_recipes.inference.device_map import check_device_map
-    from moai_recipes.inference.sampling import sampling_options
-    from moai_recipes.models.hf_format import HFCheckpoint
-    from moai_recipes.models.lora import lora_options
-    from moai_recipes.models.peft_adapter import PeftAdapter
-    from moai_recipes.models.sources import resolve_checkpoint_dir
-    from moai_recipes.models.spec import spec_for
+    from moai_recipes.run_inputs import read_generate_inputs, read_inputs
 
-    flavor = resolve_flavor(**cfg.flavor) if "flavor" in cfg else None
-    if flavor:
-        yield f"Flavor {flavor.describe()}"
-    adapter = None
     if recipe == "generate":  # what recipes.generate checks before it reads a weight (the prompt comes when it runs)
-        s = sampling_options(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
-        check_device_map(cfg.device_map, cfg.max_memory_gb)
-        how = "greedy" if s.temperature == 0 else (f"temperature {s.temperature:g}, top_p {s.top_p:g}"
-                                                    + (f", top_k {s.top_k}" if s.top_k else ""))
-        yield f"Sampling: {how}, up to {s.max_new_tokens} new tokens; device_map {cfg.device_map}"
-        adapter = PeftAdapter.open(cfg.adapter_dir) if cfg.adapter_dir else None
-    if "model" not in cfg:
+        yield from read_generate_inputs(cfg, dry=True).describe(cfg)
         return
-    m = cfg.model
-    if adapter and not m.checkpoint_dir:  # generate's base: the one adapter_config.json names
-        if adapter.base_on_hub:
-            yield (f"Adapter {adapter.folder}: r={adapter.rank} on the base {adapter.base_model}, which the first run "
-                   "downloads from the Hugging Face Hub (not checked here; model.checkpoint_dir=DIR checks a local copy)")
-            return
-        folder = adapter.base_model_dir()
-    elif not m.checkpoint_dir and m.name != "tiny" and m.hf_repo:
-        spec = spec_for(architecture=m.architecture, checkpoint_dir=None)
-        yield (f"Model {m.name}: {spec.family}, {spec.num_params() / 1e9:.3g}B parameters; the first run downloads "
-               f"{m.hf_repo} from the Hugging Face Hub (not checked here; model.checkpoint_dir=DIR checks a local copy)")
-        return
-    else:
-        folder = resolve_checkpoint_dir(name=m.name, checkpoint_dir=m.checkpoint_dir, hf_repo=m.hf_repo)
-    ckpt = HFCheckpoint.open(folder)  # config.json, the weights' files, names and dtypes
-    # Training recipes build the family the model name says; generate, like transformers, whatever config.json says.
-    spec = ckpt.spec if recipe == "generate" else spec_for(architecture=m.architecture, checkpoint_dir=ckpt.folder)
-    tokenizer = Tokenizer.from_checkpoint(ckpt.folder)
-    yield (f"Model {'' if recipe == 'generate' else m.name + ' '}from {ckpt.folder}: {spec.family}, "
-           f"{spec.num_params() / 1e6:.1f}M parameters in {len(ckpt.files)} safetensors file(s), tokenizer of "
-           f"{tokenizer.vocab_size} tokens")
-    if adapter:
-        adapter.check_base(ckpt)
-        yield (f"Adapter {adapter.folder}: r={adapter.rank}, alpha={adapter.alpha:g} on {len(adapter.weights)} "
-               "weights of this base")
-    if "lora" in cfg and cfg.get("method", "lora") == "lora":
-        lora_options(**cfg.lora, spec=spec, world_size=flavor.num_devices if flavor else 1)
-        lora = cfg.lora
-        targets = [*lora.attn_modules, *(["the MLP"] if lora.apply_to_mlp else []),
-                   *(["the output"] if lora.apply_to_output else [])]
-        yield f"LoRA: rank {lora.rank} on {', '.join(targets)}" + (", the base in NF4 (QLoRA)" if lora.quantize_base else "")
-    if "dataset" in cfg:
-        d = cfg.dataset
-        data = load_dataset(kind=d.kind, path=d.path, tokenizer=tokenizer, max_seq_len=cfg.max_seq_len,
-                            column_map=dict(d.column_map), train_on_input=d.train_on_input)
-        per_epoch = math.ceil(len(data) / cfg.batch_size)
-        steps = min(per_epoch * cfg.epochs, cfg.max_steps or math.inf)
-        yield (f"Data {d.kind} ({d.path or 'embedded demo'}): {len(data)} samples"
-               f"{f' ({data.dropped} dropped: no target token within max_seq_len)' if data.dropped else ''}, "
-               f"{per_epoch} steps per epoch of global batch {cfg.batch_size}, {steps} steps")
-    if "resume" in cfg:
-        out, resume_from = check_output_dir(cfg)
-        yield f"Output {out}: " + (f"resumes from {resume_from}" if resume_from else "a new run")
+    flavor = resolve_flavor(**cfg.flavor)
+    yield f"Flavor {flavor.describe()}"
+    yield from read_inputs(cfg, flavor, dry=True, output=recipe != "plan").describe(cfg)

@@ -19,7 +19,15 @@ def greedy_continuation(model: nn.Module, prompt: list[int], *, max_new_tokens: 
     return tokens[len(prompt):]
 
 
-class Samples:
+class Answers:
+    """The model's answers to the dataset's sample prompts, taken before training and compared after."""
+
+    @classmethod
+    def for_run(cls, cfg, tokenizer: Tokenizer, *, device: torch.device) -> "Answers":
+        """The prompts of `cfg.dataset.sample_prompts`, asked as chats unless the data is plain text."""
+        return cls(tokenizer, prompts=list(cfg.dataset.sample_prompts), chat=cfg.dataset.kind != "text",
+                   max_new_tokens=cfg.sample_max_new_tokens, device=device)
+
     def __init__(self, tokenizer: Tokenizer, *, prompts: list[str], chat: bool, max_new_tokens: int,
                  device: torch.device):
         self.tokenizer, self.max_new_tokens, self.device = tokenizer, max_new_tokens, device

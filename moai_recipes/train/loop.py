@@ -1,8 +1,9 @@
-"""The pieces of a training step that every recipe shares: optimizer, schedule, the step itself.
+"""The training loop every recipe runs: global batch -> this rank's share -> micro-batches -> optimizer step.
 
 A step runs the global batch as micro-batches on every rank and normalises the loss by the number
 of target tokens in the WHOLE global batch, so the loss and the gradients are the same whatever
-the flavor, the micro-batch size or the number of accumulation steps.
+the flavor, the micro-batch size or the number of accumulation steps. The Plan alone decides how the
+global batch splits into ranks and micro-batches.
 """
 
 import math
@@ -13,25 +14,42 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from moai_recipes.checkpoint.steps import (
+    TrainState,
     complete_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
-from moai_recipes.data.batches import GlobalBatches, split_micro_batches
 from moai_recipes.data.datasets import collate
 from moai_recipes.errors import UserError
 from moai_recipes.launch.world import World
+from moai_recipes.planner.plan import Plan
+from moai_recipes.planner.search import PlanChoice
+from moai_recipes.run_inputs import RunInputs
 from moai_recipes.train.loss import IGNORE_INDEX, token_loss_sum
 from moai_recipes.train.optim import clip_gradients
 from moai_recipes.train.peak_memory import peak_memory_bytes
+from moai_recipes.train.run_log import RunLog
 
 # An empty slot still runs forward and backward (FSDP's collectives must match on every rank),
 # on one padding token whose label is ignored: it adds nothing to the loss or the gradients.
 _EMPTY = {"tokens": None, "labels": [IGNORE_INDEX]}
 
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the user sets about the loop itself (not about the model, the data or the plan)."""
+
+    max_grad_norm: float | None  # None: no clipping
+    checkpoint_every: int | None  # steps; None: only when asked to stop
+    checkpoint_keep: int
+    skip_nonfinite_steps: int  # NaN/inf steps tolerated (skipped) before stopping
+
+    @classmethod
+    def from_config(cls, cfg) -> "LoopSettings":
+        return cls(max_grad_norm=cfg.optimizer.max_grad_norm, checkpoint_every=cfg.checkpoint_every,
+                   checkpoint_keep=cfg.checkpoint_keep, skip_nonfinite_steps=cfg.skip_nonfinite_steps)
 
 
 @dataclass
@@ -49,29 +67,28 @@ def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM)
     return t.tolist()
 
 
-def train_step(model: nn.Module, optimizer, dataset, batches: GlobalBatches, step: int, *, micro_batch_size: int,
-               chunked_loss: bool, max_grad_norm: float | None, world: World, pad_id: int) -> StepResult:
-    """One optimizer step on the global batch of `step` (0-based)."""
-    slots = batches.rank_slots(step, rank=world.rank, world_size=world.world_size)
-    samples = [dataset[i] if i is not None else {**_EMPTY, "tokens": [pad_id]} for i in slots]
+def train_step(state: TrainState, share: list[dict | None], *, plan: Plan, world: World, max_grad_norm: float | None,
+               pad_id: int) -> StepResult:
+    """One optimizer step; `share` is this rank's samples of the global batch (None: an empty slot)."""
+    samples = [s if s is not None else {**_EMPTY, "tokens": [pad_id]} for s in share]
     local_targets = sum(sum(1 for t in s["labels"] if t != IGNORE_INDEX) for s in samples)
-    local_tokens = sum(len(s["tokens"]) for s, i in zip(samples, slots) if i is not None)
+    local_tokens = sum(len(s["tokens"]) for s in share if s is not None)
     global_targets, global_tokens = _all_reduce([local_targets, local_tokens], world.device)
     # FSDP averages gradients over ranks; scaling by world size makes that a sum over the global batch.
     scale = world.world_size / max(global_targets, 1)
     loss_sum = torch.zeros((), device=world.device, dtype=torch.float64)
-    for micro in split_micro_batches(samples, micro_batch_size):
+    for micro in plan.micro_batches(samples):
         batch = collate(micro, pad_id=pad_id)
         tokens, labels = batch["tokens"].to(world.device), batch["labels"].to(world.device)
-        loss = token_loss_sum(model, tokens, labels, chunked=chunked_loss)
+        loss = token_loss_sum(state.model, tokens, labels, chunked=plan.chunked_loss)
         (loss * scale).backward()
         loss_sum += loss.detach().double()
     (total_loss,) = _all_reduce([loss_sum.item()], world.device)
-    grad_norm = clip_gradients(model, max_grad_norm)
+    grad_norm = clip_gradients(state.model, max_grad_norm)
     finite = math.isfinite(total_loss) and math.isfinite(grad_norm)  # the same verdict on every rank
     if finite:  # a NaN/inf step is never applied: the weights stay those of the last good step
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+        state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
     return StepResult(loss=total_loss / max(global_targets, 1), tokens=int(global_tokens),
                       target_tokens=int(global_targets), grad_norm=grad_norm, finite=finite)
 
@@ -101,40 +118,41 @@ class _StopRequest:
             signal.signal(s, handler)
 
 
-def train_loop(model: nn.Module, optimizer, scheduler, inputs, *, micro_batch_size: int, chunked_loss: bool,
-               max_grad_norm: float | None, world: World, log, checkpoint_every: int | None, checkpoint_keep: int,
-               skip_nonfinite_steps: int, plan: dict, flavor: str) -> None:
-    """Run the run's steps, resuming from `inputs.resume_from`: the same global batches on any flavor.
+def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, settings: LoopSettings, world: World,
+               log: RunLog | None) -> None:
+    """Run the run's steps as `choice` planned them, resuming from `inputs.resume_from`: the same global
+    batches on any flavor.
 
-    Saves a checkpoint every `checkpoint_every` steps and when asked to stop; stops with a UserError
-    naming the step after more than `skip_nonfinite_steps` steps with a NaN/inf loss or gradient.
+    Saves a checkpoint every `settings.checkpoint_every` steps and when asked to stop; stops with a UserError
+    naming the step after more than `settings.skip_nonfinite_steps` steps with a NaN/inf loss or gradient.
     """
+    plan, batches = choice.chosen.plan, inputs.batches
     first = 0
     if inputs.resume_from is not None:
-        meta = load_checkpoint(inputs.resume_from, model=model, optimizer=optimizer, scheduler=scheduler, world=world)
+        meta = load_checkpoint(inputs.resume_from, state, world)
         first = meta["step"]
-        assert meta["samples_seen"] == inputs.batches.samples_before(first)
+        assert meta["samples_seen"] == batches.samples_before(first)
         if log:
             log.info(f"Resumed from {inputs.resume_from} (step {first}, saved on {meta['flavor']} with "
                      f"{meta['world_size']} process(es)); continuing at step {first + 1}")
-    save = lambda step: save_checkpoint(inputs.out, step=step, samples_seen=inputs.batches.samples_before(step),
-                                        model=model, optimizer=optimizer, scheduler=scheduler, world=world,
-                                        plan=plan, flavor=flavor, keep=checkpoint_keep)
+    about = {"flavor": choice.flavor, "plan": choice.chosen.as_dict()}
+    save = lambda step: save_checkpoint(inputs.out, state, {"step": step, "samples_seen": batches.samples_before(step),
+                                                            **about}, world=world, keep=settings.checkpoint_keep)
     nonfinite = 0
-    model.train()
+    state.model.train()
     with _StopRequest() as stop:
         for step in range(first, inputs.total_steps):
             with StepTimer(world.device) as timer:
-                result = train_step(model, optimizer, inputs.dataset, inputs.batches, step,
-                                    micro_batch_size=micro_batch_size, chunked_loss=chunked_loss,
-                                    max_grad_norm=max_grad_norm, world=world,
+                share = [inputs.dataset[i] if i is not None else None
+                         for i in plan.rank_share(batches.global_indices(step), world.rank)]
+                result = train_step(state, share, plan=plan, world=world, max_grad_norm=settings.max_grad_norm,
                                     pad_id=inputs.tokenizer.pad_id)
-                lr = scheduler.get_last_lr()[0]
-                scheduler.step()
+                lr = state.scheduler.get_last_lr()[0]
+                state.scheduler.step()
             if not result.finite:
                 nonfinite += 1
                 last = complete_checkpoints(inputs.out)
-                if nonfinite > skip_nonfinite_steps:
+                if nonfinite > settings.skip_nonfinite_steps:
                     raise UserError(f"step {step + 1}: the loss or the gradient is not finite (loss {result.loss}, "
                                     f"grad norm {result.grad_norm}); stopped without applying it. "
                                     f"{f'The last good checkpoint is {last[-1]}. ' if last else ''}"
@@ -148,18 +166,19 @@ def train_loop(model: nn.Module, optimizer, scheduler, inputs, *, micro_batch_si
                          grad_norm=result.grad_norm, peak_memory_bytes=int(peak), target_tokens=result.target_tokens,
                          skipped=not result.finite)
             done = step + 1
-            if stopping or (checkpoint_every and done % checkpoint_every == 0 and done < inputs.total_steps):
+            every = settings.checkpoint_every
+            if stopping or (every and done % every == 0 and done < inputs.total_steps):
                 path, seconds, size = save(done)
                 if log:
                     log.checkpoint(step=done, path=path, seconds=seconds, size=size)
                 if stopping:
                     raise Stopped(done, path, stop.signame or "SIGTERM")
-    if log and log.rows and "predicted_peak_bytes" in plan:
-        measured, predicted = max(r["peak_memory_bytes"] for r in log.rows), plan["predicted_peak_bytes"]
+    if log and log.rows:
+        measured, predicted = max(r["peak_memory_bytes"] for r in log.rows), choice.chosen.memory.total
         log.info(f"Peak memory per device: predicted {predicted / 2**30:.3f} GiB, measured {measured / 2**30:.3f} GiB "
                  f"({(measured - predicted) / max(predicted, 1):+.1%})")
         log.summary(predicted_peak_bytes=predicted, measured_peak_bytes=measured)
-    model.eval()
+    state.model.eval()
 
 
 class StepTimer:

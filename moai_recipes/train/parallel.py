@@ -1,8 +1,9 @@
-"""Parallelise a model in one place and one order: activation checkpointing, then FSDP2; then give it memory.
+"""Parallelise a model in one place and one order (`parallelize`): activation checkpointing, then FSDP2,
+then memory on the device.
 
 torchtitan's order: recomputation wraps each transformer layer first, then `fully_shard` shards
 every layer and finally the root, so each layer's parameters are all-gathered just in time.
-FSDP2 is applied only where it does something (`uses_fsdp`): one fp32 process keeps a plain module.
+FSDP2 is applied only where it does something (Plan.sharded): one fp32 process keeps a plain module.
 """
 
 from functools import partial
@@ -18,6 +19,10 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
     noop_context_fn,
 )
+
+from moai_recipes.launch.world import World
+from moai_recipes.models.build import init_buffers, is_nf4
+from moai_recipes.planner.plan import Plan
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 
@@ -62,17 +67,23 @@ def _checkpointed(forward, context_fn):
     return recomputed_forward
 
 
-def uses_fsdp(num_devices: int, *, cpu_offload: bool, mixed_precision: bool) -> bool:
-    """Whether FSDP2 does anything: shard over several devices, offload to the CPU, or cast to a lower
-    compute dtype. Otherwise (one process in fp32) its all-gathers and reduce-scatters are copies of every
-    layer in and out: a fifth of a CPU step at 24M parameters (measured), for nothing."""
-    return num_devices > 1 or cpu_offload or mixed_precision
+def parallelize(model: nn.Module, plan: Plan, world: World) -> None:
+    """Recompute, shard and give memory to a model built on the meta device, as `plan` says: each layer's
+    recomputation first, then FSDP2 on each layer and the root (where Plan.sharded), then memory on the
+    world's device (the CPU for what FSDP offloads) and the RoPE buffers. The weights come next
+    (models.hf_format.load_weights). A LoRA model's base is frozen before: FSDP2 keeps requires_grad per
+    parameter."""
+    apply_recompute(model.layers, plan.recompute)
+    if plan.sharded:
+        shard_model(model, mesh=world.mesh, param_dtype=getattr(torch, plan.param_dtype),
+                    reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
+    materialize(model, device=world.device, cpu_offload=plan.cpu_offload)
+    init_buffers(model, device=world.device)
 
 
-def shard_model(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, param_dtype: torch.dtype,
-                reshard_after_forward: bool = True, cpu_offload: bool = False) -> None:
-    """FSDP2: shard each transformer layer, then the root (embeddings, final norm, output); nothing where
-    FSDP2 would do nothing (`uses_fsdp`).
+def shard_model(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype, reshard_after_forward: bool = True,
+                cpu_offload: bool = False) -> None:
+    """FSDP2: shard each transformer layer (model.layers), then the root (embeddings, final norm, output).
 
     NF4 weights (QLoRA) are sharded like the others through torchao's FSDP2 all-gather hooks, except
     in a single process: FSDP2's world-size-1 shortcut passes only the first of NF4's three all-gather
@@ -81,13 +92,11 @@ def shard_model(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, pa
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    from moai_recipes.models.build import is_nf4
-
-    if not uses_fsdp(mesh.size(), cpu_offload=cpu_offload, mixed_precision=param_dtype != torch.float32):
-        return
+    
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     ignored = {p for p in model.parameters() if is_nf4(p)} if mesh.size() == 1 else set()
+    layers = model.layers
     for i, layer in enumerate(layers):
         # The last layer is all-gathered again at once by the backward pass: keeping it saves a gather.
         last = i == len(layers) - 1

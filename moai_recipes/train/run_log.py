@@ -51,24 +51,33 @@ class RunLog:
             self._wandb = _start_wandb(self.output_dir, config=config, plan=plan.get("chosen", plan), tracker=tracker)
 
     @classmethod
-    def start(cls, out: Path, cfg, *, flavor: str, plan: dict, total_steps: int, resume_step: int = 0) -> "RunLog":
-        """Create the run's folder with its resolved config.yaml and plan.json, and the log.
+    def start(cls, cfg, inputs, choice) -> "RunLog":
+        """Create the run's folder (inputs.out) with its resolved config.yaml and plan.json (`choice`, a
+        planner.PlanChoice), and the log.
 
-        A resumed run keeps the metrics of the steps its checkpoint covers and drops the later ones
-        (they are about to be run again).
+        config.yaml records the checkpoint folder the weights came from (the tiny default's, a Hub
+        download's). A resumed run keeps the metrics of the steps its checkpoint covers and drops the
+        later ones (they are about to be run again).
         """
+        import copy
+
         from omegaconf import OmegaConf
 
         from moai_recipes.checkpoint.run_folder import write_config
         from moai_recipes.files import write_json
 
+        out, resume_step = inputs.out, inputs.resume_step
+        resolved = copy.deepcopy(cfg)
+        resolved.model.checkpoint_dir = str(inputs.ckpt.folder)
         out.mkdir(parents=True, exist_ok=True)
-        write_config(out, cfg)
-        write_json(out / "plan.json", {"flavor": flavor, **plan})
+        write_config(out, resolved)
+        plan = choice.as_dict()
+        write_json(out / "plan.json", plan)
         kept = _truncate_jsonl(out / "metrics.jsonl", resume_step)
         _truncate_jsonl(out / "checkpoints.jsonl", resume_step)
-        log = cls(out, total_steps=total_steps, config=OmegaConf.to_container(cfg, resolve=True), plan=plan,
-                  tracker=dict(cfg.logger))
+        log = cls(out, total_steps=inputs.total_steps, config=OmegaConf.to_container(resolved, resolve=True,
+                                                                                    enum_to_str=True),
+                  plan=plan, tracker=dict(cfg.logger))
         log.rows = kept
         log._bar.update(resume_step)
         return log
