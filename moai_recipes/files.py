@@ -5,9 +5,16 @@ import os
 from pathlib import Path
 
 
-def write_json(path: Path, value) -> None:
+def write_text(path: Path, text: str) -> None:
     """Write aside, then rename (atomic on POSIX); the pid keeps concurrent writers off each other's file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a full disk leaves nothing half-written behind
+
+
+def write_json(path: Path, value) -> None:
+    write_text(path, json.dumps(value, indent=2) + "\n")

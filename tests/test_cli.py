@@ -316,8 +316,8 @@ def test_a_copied_config_runs_from_its_own_folder(tmp_path):
     mine = tmp_path / "mine"
     result = moai("cp", "full_finetune", str(mine / "my.yaml"))
     assert result.returncode == 0 and f"--config-path {mine} --config-name my" in result.stdout
-    shipped = (ROOT / "moai_recipes" / "configs" / "full_finetune.yaml").read_text()
-    (mine / "my.yaml").write_text(shipped.replace("batch_size: 16 ", "batch_size: 4 "))
+    copy = (mine / "my.yaml").read_text()  # every key with its default: the copy is what a user edits
+    (mine / "my.yaml").write_text(copy.replace("batch_size: 16 ", "batch_size: 4 "))
     assert moai("cp", "model/mistral", f"{mine}/").returncode == 0  # lands where Hydra looks: mine/model/
     edited = (mine / "model" / "mistral.yaml").read_text().replace("mistralai/Mistral-7B-v0.1", "me/my-mistral")
     (mine / "model" / "mistral.yaml").write_text(edited)

@@ -4,13 +4,13 @@
 `resume=never` refuses a folder that holds a run; `resume=PATH` continues from that checkpoint.
 """
 
-import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from moai_recipes.checkpoint.steps import complete_checkpoints
 from moai_recipes.errors import UserError
+from moai_recipes.files import write_text
 
 # What marks a folder as holding an earlier run.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "plan.json", "model", "adapter", "checkpoints")
@@ -69,7 +69,7 @@ def _check_same_config(saved: Path, cfg: DictConfig) -> None:
     if not saved.exists():
         return
     before = _identity(OmegaConf.to_container(OmegaConf.load(saved), resolve=True))
-    now = _identity(OmegaConf.to_container(cfg, resolve=True))
+    now = _identity(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     if now.get("model", {}).get("checkpoint_dir") is None and "model" in before:
         now["model"]["checkpoint_dir"] = before["model"].get("checkpoint_dir")  # resolved when the run started
     changed = sorted(_diff(before, now))
@@ -86,6 +86,4 @@ def _diff(a, b, prefix: str = "") -> list[str]:
 
 
 def write_config(out: Path, cfg: DictConfig) -> None:
-    tmp = out / ".config.yaml.tmp"
-    tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    os.replace(tmp, out / "config.yaml")
+    write_text(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))

@@ -6,146 +6,24 @@ relaunches itself on several processes hands every worker the same resolved conf
 """
 
 import difflib
+import re
 import sys
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
 
 from hydra import compose, initialize_config_dir
-from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from moai_recipes.config.schema import SCHEMAS, RecipeConfig
 from moai_recipes.config.user_settings import switched_flavor
 from moai_recipes.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("model", "dataset", "optimizer", "flavor", "logger")
 
-
-@dataclass
-class ModelConfig:
-    name: str = "tiny"
-    hf_repo: Optional[str] = None
-    checkpoint_dir: Optional[str] = None
-    architecture: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class DatasetConfig:
-    kind: str = "demo"
-    path: Optional[str] = None
-    column_map: dict[str, str] = field(default_factory=dict)
-    train_on_input: bool = False
-    sample_prompts: list[str] = field(default_factory=list)
-
-
-@dataclass
-class OptimizerConfig:
-    name: str = "adamw"
-    lr: float = 2e-5
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    warmup_steps: int = 10
-    max_grad_norm: Optional[float] = 1.0
-
-
-@dataclass
-class FlavorConfig:
-    name: str = "cpu"
-    device: str = "cpu"
-    memory_gb: Optional[float] = None
-    processes: Optional[int] = None
-    device_memory_gb: Optional[float] = None
-
-
-@dataclass
-class LoggerConfig:
-    kind: str = "wandb"
-    project: str = "moai-recipes"
-    entity: Optional[str] = None
-    run_name: Optional[str] = None
-    mode: str = "auto"
-
-
-@dataclass
-class PlanConfig:  # null: the planner decides
-    micro_batch_size: Optional[int] = None
-    recompute: Optional[str] = None
-    reshard_after_forward: Optional[bool] = None
-    cpu_offload: Optional[bool] = None
-    chunked_loss: Optional[bool] = None
-
-
-@dataclass
-class RecipeConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    flavor: FlavorConfig = field(default_factory=FlavorConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
-    batch_size: int = 16
-    max_seq_len: int = 256
-    epochs: int = 1
-    max_steps: Optional[int] = None
-    seed: int = 0
-    output_dir: Optional[str] = None
-    dtype: str = "auto"
-    sample_max_new_tokens: int = 24
-    resume: str = "auto"  # auto | never | a checkpoint folder
-    checkpoint_every: Optional[int] = None  # steps
-    checkpoint_keep: int = 2
-    skip_nonfinite_steps: int = 0
-    max_restarts: int = 3  # restarts of the processes after a worker dies, resuming from the last checkpoint
-
-
-@dataclass
-class LoraConfig:
-    attn_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    apply_to_mlp: bool = False
-    apply_to_output: bool = False
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    quantize_base: bool = False  # QLoRA: the frozen base in NF4
-
-
-@dataclass
-class LoraRecipeConfig(RecipeConfig):
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    save_merged: bool = True  # also write model/, the base with the adapters merged in
-
-
-@dataclass
-class PlanRecipeConfig(LoraRecipeConfig):
-    method: str = "full"  # what recipes.plan plans: full | lora
-
-
-@dataclass
-class GenerateConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    prompt: Optional[str] = None
-    adapter_dir: Optional[str] = None  # a PEFT LoRA adapter merged into the base (model.checkpoint_dir or its config's)
-    chat: bool = True  # the prompt is a user turn (the chat template); false: plain text to continue
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0: greedy
-    top_k: Optional[int] = None
-    top_p: float = 1.0
-    seed: int = 0
-    dtype: str = "auto"
-    device_map: str = "auto"  # auto | balanced | balanced_low_0 | sequential, as Accelerate's
-    max_memory_gb: Optional[float] = None  # per GPU; null: 90% of what is free
-
-
-ConfigStore.instance().store(name="full_finetune_schema", node=RecipeConfig)
-ConfigStore.instance().store(name="plan_schema", node=PlanRecipeConfig)
-ConfigStore.instance().store(name="lora_finetune_schema", node=LoraRecipeConfig)
-ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
 
 USAGE = """usage: python -m recipes.{recipe} [--cfg job] [--config-path DIR] [--config-name NAME] [key=value ...]
 
@@ -216,6 +94,9 @@ def _explain(e: Exception, overrides: list[str], config_dir: Path, recipe: str) 
         if "not in struct" in text or "Key '" in text and "not in" in text:
             parent = key.rsplit(".", 1)[0] if key and "." in key else None
             return f"unknown key '{key}'{_did_you_mean(key, parent, recipe)}; see the keys with --cfg job"
+        choices = re.search(r"Invalid value '(.*)', expected one of \[(.*)\]", text)
+        if choices and key:  # a choice of the schema (an enum)
+            return f"{key}={choices.group(1)}: valid values are {choices.group(2)}"
         return f"bad value for '{key}': {text}" if key else text
     return msg.splitlines()[0] if msg else type(e).__name__
 
@@ -229,10 +110,7 @@ def _did_you_mean(key: str | None, parent: str | None, recipe: str) -> str:
 
 
 def _schema_keys(parent: str | None, recipe: str) -> list[str]:
-    try:  # the recipe's own schema, as registered in Hydra's ConfigStore
-        node = ConfigStore.instance().load(f"{recipe}_schema.yaml").node
-    except Exception:
-        node = OmegaConf.structured(RecipeConfig)
+    node = OmegaConf.structured(SCHEMAS.get(recipe, RecipeConfig))
     for part in (parent.split(".") if parent else []):
         node = node.get(part) if isinstance(node, DictConfig) else None
     return list(node.keys()) if isinstance(node, DictConfig) else []
@@ -285,8 +163,7 @@ def _check(ok: bool, message: str) -> None:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Range and choice checks the schema's types cannot express."""
-    _check(cfg.dtype in ("auto", "fp32", "bf16"), f"dtype={cfg.dtype}: valid values are auto, fp32, bf16")
+    """Range checks the schema's types cannot express (its enums check the choices)."""
     if "batch_size" not in cfg:  # generate: its sampling options are checked where they are used
         return
     _check(cfg.batch_size >= 1, f"batch_size={cfg.batch_size} must be at least 1 (it is the global batch, in sequences)")
@@ -300,15 +177,9 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.skip_nonfinite_steps >= 0, f"skip_nonfinite_steps={cfg.skip_nonfinite_steps} must be >= 0")
     _check(cfg.max_restarts >= 0, f"max_restarts={cfg.max_restarts} must be >= 0")
     o = cfg.optimizer
-    _check(o.name == "adamw", f"optimizer.name={o.name}: only adamw is supported")
     _check(o.lr >= 0, f"optimizer.lr={o.lr} must be >= 0")
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optimizer.betas={list(o.betas)} must be two numbers in [0, 1)")
     _check(o.warmup_steps >= 0, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
     _check(o.max_grad_norm is None or o.max_grad_norm > 0, "optimizer.max_grad_norm must be positive (or null: no clipping)")
-    _check(cfg.logger.kind in ("wandb", "stdout"), f"logger.kind={cfg.logger.kind}: valid values are wandb, stdout")
-    _check(cfg.logger.mode in ("auto", "online", "offline", "disabled"),
-           f"logger.mode={cfg.logger.mode}: valid values are auto, online, offline, disabled")
     p = cfg.plan
     _check(p.micro_batch_size is None or p.micro_batch_size >= 1, f"plan.micro_batch_size={p.micro_batch_size} must be at least 1")
-    _check(p.recompute in (None, "none", "selective", "full"),
-           f"plan.recompute={p.recompute}: valid values are none, selective, full")

@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from moai_recipes.config.compose import CONFIG_DIR
+from moai_recipes.config.schema import FlavorConfig
 from moai_recipes.config.user_settings import saved_flavor
 from moai_recipes.errors import UserError
 from moai_recipes.flavors import Flavor, resolve_flavor
@@ -33,7 +34,9 @@ class FlavorOption:
 
 def catalog(config_dir: Path = CONFIG_DIR) -> list[FlavorOption]:
     """Every shipped flavor: the MoAI ones by size (Small.64GB first, as moreh-switch-model lists them), then the CPU ones."""
-    configs = {p.stem: OmegaConf.to_container(OmegaConf.load(p)) for p in (config_dir / "flavor").glob("*.yaml")}
+    # Each file sets what makes its flavor; the schema gives the rest (device_memory_gb: the device's).
+    configs = {p.stem: OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(FlavorConfig), OmegaConf.load(p)))
+               for p in (config_dir / "flavor").glob("*.yaml")}
     options = [FlavorOption(option, resolve_flavor(**c), c) for option, c in configs.items()]
     return sorted(options, key=lambda o: (o.flavor.device.kind == "cpu", o.flavor.total_memory_gb, o.option))
 

@@ -4,6 +4,7 @@ they fit and refused with the predicted memory when they do not."""
 
 from dataclasses import dataclass
 
+from moai_recipes.config.schema import Recompute
 from moai_recipes.errors import UserError
 from moai_recipes.flavors import Flavor
 from moai_recipes.planner.memory import MemoryBreakdown, predict_memory
@@ -49,7 +50,7 @@ class PlanChoice:
 
 def _options(n: int, per_device: int, flavor: Flavor, forced: dict) -> list[dict]:
     sizes = sorted({min(2**k, per_device) for k in range(0, per_device.bit_length() + 1)} | {per_device})
-    recomputes = ["none", "selective", "full"]
+    recomputes = [r.value for r in Recompute]
     # One device shards nothing, so resharding is moot there: take what the user forced.
     reshards = [True, False] if n > 1 else [forced.get("reshard_after_forward", True)]
     offloads = [False, True] if flavor.device.kind == "gpu" else [False]

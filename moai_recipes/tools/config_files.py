@@ -6,14 +6,19 @@ carry itself (model/, dataset/, ...) come from the shipped configs. Test: `pytho
 
 import difflib
 import shutil
+from dataclasses import fields, is_dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Iterator
 
+import yaml
 from omegaconf import OmegaConf
 
 from moai_recipes.config.compose import CONFIG_DIR, GROUPS, group_options, load_config
+from moai_recipes.config.schema import SCHEMAS
 from moai_recipes.config.shipped_flavors import catalog
 from moai_recipes.errors import UserError
+from moai_recipes.files import write_text
 
 
 def recipes() -> list[str]:
@@ -45,7 +50,8 @@ def find_config(name: str) -> Path:
 
 
 def copy_config(name: str, dest: str) -> tuple[Path, Path]:
-    """Copy a shipped config to `dest` (a file, or a folder to keep its name in); never overwrites."""
+    """Copy a shipped config to `dest` (a file, or a folder to keep its name in); never overwrites. A recipe's
+    config is written whole: its groups' options, then every other key with its default and help (the schema's)."""
     src = find_config(name)
     group = None if src.parent == CONFIG_DIR else src.parent.name
     target = Path(dest).expanduser()
@@ -58,29 +64,51 @@ def copy_config(name: str, dest: str) -> tuple[Path, Path]:
     if target.exists():
         raise UserError(f"{target} exists; give another name, or remove it first")
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, target)
+    if group:
+        shutil.copyfile(src, target)
+    else:
+        write_text(target, "\n".join(recipe_copy(src.stem)) + "\n")
     return src, target
 
 
-def _from_root(path: Path) -> str:
-    """`path` as the recipes, run from the repository root, reach it."""
-    path, root = path.resolve(), CONFIG_DIR.parent
-    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+def recipe_copy(recipe: str) -> list[str]:
+    """The lines of an editable copy of a recipe's config: the shipped defaults list (which option of each
+    group), then each key of the schema that is no group's, with its default and its help as a comment."""
+    defaults = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / f"{recipe}.yaml").defaults)
+    lines = [f"# A copy of moai-recipes' {recipe} config: every key with its default, to edit. A group's keys",
+             f"# (model.*, optimizer.lr, ...) come with its option; python -m recipes.{recipe} --cfg job shows all.",
+             "defaults:"]
+    lines += [f"  - {next(iter(d))}: {next(iter(d.values()))}" if isinstance(d, dict) else f"  - {d}" for d in defaults]
+    return lines + [""] + _schema_lines(SCHEMAS[recipe](), indent="", skip=GROUPS)
+
+
+def _schema_lines(node, *, indent: str, skip=()) -> list[str]:
+    lines = []
+    for f in fields(node):
+        value = getattr(node, f.name)
+        if f.name in skip:
+            continue
+        if is_dataclass(value):
+            lines += [f"{indent}{f.name}:", *_schema_lines(value, indent=indent + "  ")]
+            continue
+        shown = yaml.safe_dump(value.value if isinstance(value, Enum) else value, default_flow_style=True)
+        lines.append(f"{indent}{f.name}: {shown.splitlines()[0]}  # {f.metadata['help']}")
+    return lines
 
 
 def how_to_use(src: Path, target: Path) -> list[str]:
     """The commands that run a copy, printed by `moai cp`."""
     if src.parent == CONFIG_DIR:
-        return ["Edit it, check it, and run it from the repository root:", f"  moai validate {target}",
-                f"  python -m recipes.{src.stem} --config-path {_from_root(target.parent)} --config-name {target.stem}"]
-    group, folder = src.parent.name, _from_root(target.parent.parent)
+        return ["Edit it, check it, and run it (from any folder):", f"  moai validate {target}",
+                f"  moai run {src.stem} --config-path {target.parent.resolve()} --config-name {target.stem}"]
+    group, folder = src.parent.name, target.parent.parent.resolve()
     if target.parent.name != group:
         return [f"Hydra finds a {group} option only in a folder named {group}/: move it to DIR/{group}/{target.name}, "
-                f"copy a recipe's config beside (moai cp full_finetune DIR/), then run from the repository root:",
-                f"  python -m recipes.full_finetune --config-path DIR {group}={target.stem}"]
+                f"copy a recipe's config beside (moai cp full_finetune DIR/), then run:",
+                f"  moai run full_finetune --config-path DIR {group}={target.stem}"]
     return [f"Edit it; the recipe configs of {folder} pick it with {group}={target.stem}:",
             f"  moai cp full_finetune {folder}/      (once: the recipe's config must be in that folder too)",
-            f"  python -m recipes.full_finetune --config-path {folder} {group}={target.stem}"]
+            f"  moai run full_finetune --config-path {folder} {group}={target.stem}"]
 
 
 def recipe_of(path: Path) -> str:

@@ -20,11 +20,10 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from moai_recipes.config.schema import Recompute
 from moai_recipes.launch.world import World
 from moai_recipes.models.build import init_buffers, is_nf4
 from moai_recipes.planner.plan import Plan
-
-RECOMPUTE_POLICIES = ("none", "selective", "full")
 
 # Selective recompute keeps what is expensive to redo (matmuls, attention) and recomputes the
 # cheap, memory-hungry pointwise ops (norms, SiLU, residual adds) in the backward pass.
@@ -53,10 +52,10 @@ def apply_recompute(layers: nn.ModuleList, policy: str) -> None:
     against what it saved, so hooks inside it would be replayed too and break it. Patching
     `forward` in place keeps parameter names (and the checkpoint conversion) the same.
     """
-    assert policy in RECOMPUTE_POLICIES, policy
-    if policy == "none":
+    policy = Recompute(policy)
+    if policy == Recompute.none:
         return
-    context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) if policy == "selective" else noop_context_fn
+    context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) if policy == Recompute.selective else noop_context_fn
     for layer in layers:
         layer.forward = _checkpointed(layer.forward, context_fn)
 

@@ -77,7 +77,7 @@ class RunLog:
         _truncate_jsonl(out / "checkpoints.jsonl", resume_step)
         log = cls(out, total_steps=inputs.total_steps, config=OmegaConf.to_container(resolved, resolve=True,
                                                                                     enum_to_str=True),
-                  plan=plan, tracker=dict(cfg.logger))
+                  plan=plan, tracker=OmegaConf.to_container(cfg.logger, enum_to_str=True))
         log.rows = kept
         log._bar.update(resume_step)
         return log

@@ -1,0 +1,207 @@
+"""The schema of every recipe's config: its keys, their types, their choices (enums) and their defaults.
+
+This is the one layer of defaults. A recipe's YAML (configs/<recipe>.yaml) picks the options of its
+groups and sets only what differs for that recipe (LoRA's larger learning rate is here too); a group's
+YAML (configs/model/mistral.yaml) sets only what makes that option itself. `--cfg job` prints the
+composed result; `moai cp full_finetune my.yaml` writes it, every key with its help, to edit.
+Hydra checks every value against these types when it composes: a choice outside its enum, a string for
+a number, an unknown key is a UserError (compose.py) before anything runs.
+"""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+class Choice(str, Enum):
+    """A choice among names: compares equal to its name and prints as it (`recompute: full`)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:  # f"{x:>9}" as for the string
+        return format(self.value, spec)
+
+
+class Dtype(Choice):
+    auto = "auto"  # bf16 compute with fp32 master weights on GPUs, fp32 on the CPU
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Recompute(Choice):
+    none = "none"
+    selective = "selective"  # recompute the cheap pointwise operators, keep matmuls and attention
+    full = "full"  # recompute each layer's forward in the backward
+
+
+class DatasetKind(Choice):
+    demo = "demo"
+    instruct = "instruct"
+    chat = "chat"
+    text = "text"
+
+
+class LoggerKind(Choice):
+    wandb = "wandb"
+    stdout = "stdout"
+
+
+class LoggerMode(Choice):
+    auto = "auto"  # online when logged in to W&B, offline otherwise
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+class OptimizerName(Choice):
+    adamw = "adamw"
+
+
+class Method(Choice):
+    full = "full"
+    lora = "lora"
+
+
+class DeviceMapStrategy(Choice):
+    auto = "auto"
+    balanced = "balanced"
+    balanced_low_0 = "balanced_low_0"
+    sequential = "sequential"
+
+
+def setting(default, help: str):
+    """A field with its default and the one-line help `moai cp` writes beside it."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    name: str = setting("tiny", "the model's name (configs/model/); its architecture plans runs without files")
+    hf_repo: Optional[str] = setting(None, "the Hugging Face Hub repository the weights come from without checkpoint_dir")
+    checkpoint_dir: Optional[str] = setting(None, "a Hugging Face folder (config.json, *.safetensors, tokenizer files); "
+                                            "its config.json is the truth for the architecture")
+    architecture: dict[str, Any] = setting({}, "config.json's fields, for planning without files")
+
+
+@dataclass
+class DatasetConfig:
+    kind: DatasetKind = setting(DatasetKind.demo, "demo | instruct | chat | text")
+    path: Optional[str] = setting(None, "a local .json, .jsonl, .parquet or .csv file (demo: the embedded data)")
+    column_map: dict[str, str] = setting({}, "our column name -> the file's (column_map.output=response)")
+    train_on_input: bool = setting(False, "also train on the prompt's tokens, not only the answer's")
+    sample_prompts: list[str] = setting([], "answered by the model before and after training, to show what changed")
+
+
+@dataclass
+class OptimizerConfig:
+    name: OptimizerName = setting(OptimizerName.adamw, "AdamW with linear warm-up and cosine decay to zero")
+    lr: float = setting(2e-5, "peak learning rate")
+    betas: list[float] = setting([0.9, 0.95], "AdamW's moment decays")
+    eps: float = setting(1e-8, "AdamW's epsilon")
+    weight_decay: float = setting(0.0, "decoupled weight decay")
+    warmup_steps: int = setting(10, "steps of linear warm-up")
+    max_grad_norm: Optional[float] = setting(1.0, "gradients clipped to this total norm (null: no clipping)")
+
+
+@dataclass
+class FlavorConfig:
+    name: str = setting("cpu", "the name shown: 4xLarge.2048GB, cpu-2")
+    device: str = setting("cpu", "mi250 | mi300x | a100 | h100 | h200 | cpu: the hardware the memory is expressed on")
+    memory_gb: Optional[float] = setting(None, "total memory of the flavor (the MoAI names), in GB")
+    processes: Optional[int] = setting(None, "devices (processes); the CPU flavors' count")
+    device_memory_gb: Optional[float] = setting(None, "the per-device budget the planner must respect (null: the device's)")
+
+
+@dataclass
+class LoggerConfig:
+    kind: LoggerKind = setting(LoggerKind.wandb, "wandb | stdout")
+    project: str = setting("moai-recipes", "W&B project")
+    entity: Optional[str] = setting(None, "W&B entity (team or user)")
+    run_name: Optional[str] = setting(None, "W&B run name")
+    mode: LoggerMode = setting(LoggerMode.auto, "auto: online when logged in, offline otherwise (wandb sync later)")
+
+
+@dataclass
+class PlanConfig:
+    micro_batch_size: Optional[int] = setting(None, "sequences per device per forward/backward (null: the planner decides)")
+    recompute: Optional[Recompute] = setting(None, "none | selective | full (null: the planner decides)")
+    reshard_after_forward: Optional[bool] = setting(None, "FSDP2 frees gathered layers after the forward (null: planner)")
+    cpu_offload: Optional[bool] = setting(None, "parameters, gradients and optimizer state on the host (null: planner)")
+    chunked_loss: Optional[bool] = setting(None, "the output projection and the loss over chunks of tokens, never all the "
+                                           "logits at once (null: the planner decides)")
+
+
+@dataclass
+class RecipeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    flavor: FlavorConfig = field(default_factory=FlavorConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    batch_size: int = setting(16, "GLOBAL batch, in sequences, whatever the flavor")
+    max_seq_len: int = setting(256, "longer samples are cut")
+    epochs: int = setting(1, "passes over the data")
+    max_steps: Optional[int] = setting(None, "stop early after this many optimizer steps")
+    seed: int = setting(0, "the data order, the initialisation of adapters, dropout")
+    output_dir: Optional[str] = setting(None, "null: outputs/<recipe>/<date>_<time>; never overwrites an earlier run")
+    dtype: Dtype = setting(Dtype.auto, "auto: bf16 compute with fp32 master weights on GPUs, fp32 on the CPU")
+    sample_max_new_tokens: int = setting(24, "tokens of the sample answers before and after training (0: none)")
+    resume: str = setting("auto", "auto: continue output_dir's newest checkpoint; never; or a checkpoint folder")
+    checkpoint_every: Optional[int] = setting(None, "save the whole training state every N steps")
+    checkpoint_keep: int = setting(2, "newest checkpoints kept")
+    skip_nonfinite_steps: int = setting(0, "steps with a NaN/inf loss or gradient skipped before the run stops")
+    max_restarts: int = setting(3, "when a worker dies, restart the processes and resume from the last checkpoint")
+    plan: PlanConfig = field(default_factory=PlanConfig)  # null = the planner decides
+
+
+@dataclass
+class LoraConfig:
+    attn_modules: list[str] = setting(["q_proj", "v_proj"], "any of q_proj, k_proj, v_proj, output_proj")
+    apply_to_mlp: bool = setting(False, "adapters on the MLP's three projections too")
+    apply_to_output: bool = setting(False, "an adapter on the output projection (not with tied embeddings)")
+    rank: int = setting(8, "the adapters' rank")
+    alpha: float = setting(16.0, "the adapters' scale is alpha / rank")
+    dropout: float = setting(0.0, "dropout on the adapters' input")
+    quantize_base: bool = setting(False, "QLoRA: the frozen base weights in NF4")
+
+
+@dataclass
+class LoraRecipeConfig(RecipeConfig):
+    # Adapters learn from a zero start: a larger step than full fine-tuning's.
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=3e-4))
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    save_merged: bool = setting(True, "also write model/, the base with the adapters merged, beside adapter/")
+
+
+@dataclass
+class PlanRecipeConfig(LoraRecipeConfig):
+    method: Method = setting(Method.full, "what recipes.plan plans: full | lora (lora.quantize_base=true: QLoRA)")
+
+
+@dataclass
+class GenerateConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prompt: Optional[str] = setting(None, "required; on the command line taken as typed (commas, quotes and all)")
+    adapter_dir: Optional[str] = setting(None, "a PEFT LoRA adapter, merged into model.checkpoint_dir or the base its "
+                                         "config names")
+    chat: bool = setting(True, "the prompt is a user turn (the checkpoint's chat template); false: plain text to continue")
+    max_new_tokens: int = setting(128, "tokens generated at most")
+    temperature: float = setting(0.0, "0: greedy")
+    top_k: Optional[int] = setting(None, "keep the k likeliest tokens")
+    top_p: float = setting(1.0, "keep the smallest set of tokens whose probability reaches top_p")
+    seed: int = setting(0, "the same seed, settings and model give the same completion")
+    dtype: Dtype = setting(Dtype.auto, "auto: bf16 on GPUs, fp32 on the CPU")
+    device_map: DeviceMapStrategy = setting(DeviceMapStrategy.auto, "several GPUs, as Accelerate: auto (= balanced) | "
+                                                              "balanced | balanced_low_0 | sequential")
+    max_memory_gb: Optional[float] = setting(None, "per GPU; null: 90% of what is free. What fits on no GPU runs on the CPU")
+
+
+SCHEMAS = {"full_finetune": RecipeConfig, "lora_finetune": LoraRecipeConfig, "plan": PlanRecipeConfig,
+           "generate": GenerateConfig}
+for recipe, schema in SCHEMAS.items():
+    ConfigStore.instance().store(name=f"{recipe}_schema", node=schema)
