@@ -98,7 +98,7 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     tokenizer = Tokenizer.from_checkpoint(ckpt.folder) if ckpt else None
     lora = None
     if "lora" in cfg and cfg.get("method", "lora") == "lora":
-        lora = lora_options(**cfg.lora, spec=spec, world_size=flavor.num_devices)
+        lora = lora_options(cfg.lora, spec=spec, world_size=flavor.num_devices)
     dataset = batches = total_steps = None
     if tokenizer is not None:
         d = cfg.dataset

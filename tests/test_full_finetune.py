@@ -142,6 +142,21 @@ def test_user_mistakes_exit_2_with_one_clear_message(tmp_path, args, words):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_checkpoint_of_another_family_is_refused_alike_by_training_validate_and_plan(tmp_path, hf_checkpoints):
+    """One reader of a run (run_inputs.py): what one of them refuses, all refuse, with the same message."""
+    args = ["model=mistral", f"model.checkpoint_dir={hf_checkpoints['qwen2']}"]
+    said = {"full_finetune": run_recipe("logger=stdout", f"output_dir={tmp_path / 'run'}", *args),
+            "cpu-2": run_recipe("logger=stdout", f"output_dir={tmp_path / 'run'}", "flavor=cpu-2", *args),
+            "validate": subprocess.run([sys.executable, "-m", "moai_recipes.tools.cli", "validate", "full_finetune", *args],
+                                       cwd=ROOT, capture_output=True, text=True, timeout=300),
+            "plan": run_recipe(*args, module="recipes.plan")}
+    for who, r in said.items():
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (who, r.stdout + r.stderr)
+    errors = {who: next(line for line in r.stderr.splitlines() if line.startswith("error:")) for who, r in said.items()}
+    assert len(set(errors.values())) == 1 and "holds a qwen2 model" in errors["plan"], errors
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_malformed_row_names_the_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"instruction": "a", "input": "", "output": "b"}\n{"instruction": "a", "output": \n')

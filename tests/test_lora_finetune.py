@@ -116,8 +116,8 @@ def test_an_adapter_on_a_tied_output_is_refused():
     spec = spec_from_hf_config(dict(model_type="qwen2", vocab_size=384, hidden_size=64, intermediate_size=160,
                                     num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=True))
     with pytest.raises(UserError, match=r"apply_to_output=true is not possible .*\(tie_word_embeddings\)"):
-        lora_options(attn_modules=["q_proj"], apply_to_mlp=False, apply_to_output=True, rank=4, alpha=8, dropout=0.0,
-                     quantize_base=False, spec=spec)
+        lora_options(dict(attn_modules=["q_proj"], apply_to_mlp=False, apply_to_output=True, rank=4, alpha=8, dropout=0.0,
+                          quantize_base=False), spec=spec)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -143,7 +143,7 @@ def _qlora_options(spec, *, world_size=1, **kw):
 
     args = dict(attn_modules=["q_proj", "v_proj"], apply_to_mlp=False, apply_to_output=False, rank=4, alpha=16,
                 dropout=0.0, quantize_base=True)
-    return lora_options(**{**args, **kw}, spec=spec, world_size=world_size)
+    return lora_options({**args, **kw}, spec=spec, world_size=world_size)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -136,8 +136,8 @@ def test_the_planner_counts_exactly_the_adapters_torchtune_builds(model, targets
 def _lora(spec, *, attn_modules, apply_to_mlp):
     from moai_recipes.models.lora import lora_options
 
-    return lora_options(attn_modules=attn_modules, apply_to_mlp=apply_to_mlp, apply_to_output=False, rank=8,
-                        alpha=16, dropout=0.0, quantize_base=False, spec=spec)
+    return lora_options(dict(attn_modules=attn_modules, apply_to_mlp=apply_to_mlp, apply_to_output=False, rank=8,
+                             alpha=16, dropout=0.0, quantize_base=False), spec=spec)
 
 
 @pytest.mark.slow

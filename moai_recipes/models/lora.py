@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,10 +61,13 @@ class LoraOptions:
                     lora_dropout=self.dropout)
 
 
-def lora_options(*, attn_modules, apply_to_mlp: bool, apply_to_output: bool, rank: int, alpha: float,
-                 dropout: float, quantize_base: bool, spec: ModelSpec, world_size: int = 1) -> LoraOptions:
-    """Validate the user's LoRA settings against the model (and, for QLoRA, the number of processes)."""
-    modules = tuple(attn_modules)
+def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> LoraOptions:
+    """The user's LoRA settings (the `lora` config group: attn_modules, apply_to_mlp, apply_to_output, rank,
+    alpha, dropout, quantize_base), validated against the model (and, for QLoRA, the number of processes)."""
+    s = settings
+    apply_to_mlp, apply_to_output, quantize_base = s["apply_to_mlp"], s["apply_to_output"], s["quantize_base"]
+    rank, alpha, dropout = s["rank"], s["alpha"], s["dropout"]
+    modules = tuple(s["attn_modules"])
     bad = [m for m in modules if m not in ATTN_MODULES]
     if bad:
         raise UserError(f"lora.attn_modules: {', '.join(bad)} is not an attention module; valid: {', '.join(ATTN_MODULES)}")
