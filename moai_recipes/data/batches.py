@@ -1,9 +1,8 @@
-"""Global batches: the same samples in every step whatever the flavor, split across ranks and micro-batches.
+"""Global batches: the same samples in every step whatever the flavor.
 
 A step's global batch is a pure function of (seed, epoch, position), never of the number of
-ranks: the sample order is one seeded permutation per epoch. Each rank takes a contiguous share of
-the global batch, padded with empty slots (None) so that every rank runs the same number of
-micro-batches, which FSDP's collectives require.
+ranks: the sample order is one seeded permutation per epoch. How it splits into ranks and
+micro-batches is the Plan's (planner/plan.py).
 """
 
 import math
@@ -41,14 +40,3 @@ class GlobalBatches:
         epoch, pos = divmod(step, self.steps_per_epoch)
         start = pos * self.batch_size
         return self._permutation(epoch)[start:start + self.batch_size]
-
-    def rank_slots(self, step: int, *, rank: int, world_size: int) -> list[int | None]:
-        """This rank's share of the global batch, padded with None to the same length on every rank."""
-        indices = self.global_indices(step)
-        per_rank = math.ceil(len(indices) / world_size)
-        share = indices[rank * per_rank:(rank + 1) * per_rank]
-        return share + [None] * (per_rank - len(share))
-
-
-def split_micro_batches(slots: list, micro_batch_size: int) -> list[list]:
-    return [slots[i:i + micro_batch_size] for i in range(0, len(slots), micro_batch_size)]

@@ -73,7 +73,7 @@ def stop_with_launcher() -> None:
 
     Otherwise the workers of a killed launcher train on unseen, and the same command run again would
     put a second group in the same folder. SIGTERM is what a scheduler's preemption sends: the run
-    saves a checkpoint at the next step boundary and stops (training.train_loop). Linux only.
+    saves a checkpoint at the next step boundary and stops (train/loop.py). Linux only.
     """
     launcher = env.launcher_pid()
     if launcher is None or not sys.platform.startswith("linux"):

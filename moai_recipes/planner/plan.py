@@ -47,9 +47,14 @@ class Plan:
     param_dtype: str  # compute dtype of parameters in forward/backward
     master_dtype: str  # dtype of the sharded parameters, gradients and optimizer state
 
+    @staticmethod
+    def device_share(batch_size: int, num_devices: int) -> int:
+        """Sequences per device of a global batch of `batch_size` (the last ranks' shares padded to it)."""
+        return math.ceil(batch_size / num_devices)
+
     @property
     def batch_per_device(self) -> int:
-        return math.ceil(self.batch_size / self.num_devices)
+        return self.device_share(self.batch_size, self.num_devices)
 
     @property
     def sharded(self) -> bool:

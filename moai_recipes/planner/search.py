@@ -2,6 +2,7 @@
 the per-device budget, pick the fastest. Forced fields (plan.micro_batch_size=2) are honoured when
 they fit and refused with the predicted memory when they do not."""
 
+import math
 from dataclasses import dataclass
 
 from moai_recipes.config.schema import Recompute
@@ -86,9 +87,7 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
 def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Candidate], int]:
     """Every plan the forced fields allow, with its predictions; a UserError if they allow none."""
     n = flavor.num_devices
-    shape = Plan(batch_size=work.batch_size, num_devices=n, micro_batch_size=1, accumulation_steps=1, recompute="none",
-                 reshard_after_forward=True, cpu_offload=False, chunked_loss=False, param_dtype="", master_dtype="")
-    per_device = shape.batch_per_device
+    per_device = Plan.device_share(work.batch_size, n)
     if forced.get("micro_batch_size", 0) > per_device:
         raise UserError(f"plan.micro_batch_size={forced['micro_batch_size']} is larger than the batch per device "
                         f"({per_device} = batch_size {work.batch_size} over {n} devices); use at most {per_device}")
@@ -100,7 +99,7 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Cand
         raise UserError(_impossible(forced, flavor))
     candidates = []
     for o in options:
-        plan = Plan(batch_size=work.batch_size, num_devices=n, accumulation_steps=-(-per_device // o["micro_batch_size"]),
+        plan = Plan(batch_size=work.batch_size, num_devices=n, accumulation_steps=math.ceil(per_device / o["micro_batch_size"]),
                     param_dtype=compute, master_dtype="float32", **o)
         memory = predict_memory(plan, work, flavor.device.kind)
         time = predict_time(plan, work, flavor.device)
