@@ -16,6 +16,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from moai_recipes.checkpoint.run_folder import check_output_dir
+from moai_recipes.config.schema import DEFAULT_MODEL
 from moai_recipes.checkpoint.steps import read_meta
 from moai_recipes.data.batches import GlobalBatches
 from moai_recipes.data.datasets import SFTDataset, load_dataset
@@ -92,9 +93,14 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     m = cfg.model
     folder = resolve_checkpoint_dir(name=m.name, checkpoint_dir=m.checkpoint_dir, hf_repo=m.hf_repo, download=not dry)
     ckpt = HFCheckpoint.open(folder) if folder else None
-    # The model name picks a family; a checkpoint folder's config.json is the truth within it.
+    # A checkpoint folder's config.json is the truth. A model name (model=mistral) also promises a family,
+    # which the folder must be of; the default, the tiny demo model, promises none: a folder given without
+    # naming a model is taken for what its config.json says.
     named = spec_from_hf_config(m.architecture)
-    spec = same_family(ckpt.spec, named, ckpt.folder) if ckpt else named
+    if ckpt is None:
+        spec = named
+    else:
+        spec = ckpt.spec if m.name == DEFAULT_MODEL else same_family(ckpt.spec, named, ckpt.folder)
     tokenizer = Tokenizer.from_checkpoint(ckpt.folder) if ckpt else None
     lora = None
     if "lora" in cfg and cfg.get("method", "lora") == "lora":

@@ -11,9 +11,9 @@ from moai_recipes.config.compose import load_config
 from moai_recipes.errors import UserError
 from moai_recipes.flavors import resolve_flavor
 from moai_recipes.models.spec import spec_for
-from moai_recipes.planner import GiB, choose_plan
 from moai_recipes.planner.activations import trace_layer
 from moai_recipes.planner.plan import Workload
+from moai_recipes.planner.search import GiB, choose_plan
 from tests.conftest import ROOT
 from tests.test_full_finetune import metrics, run_recipe
 

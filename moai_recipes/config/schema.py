@@ -79,9 +79,12 @@ def setting(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
+DEFAULT_MODEL = "tiny"  # the embedded demo model; with model.checkpoint_dir, the folder's family is taken
+
+
 @dataclass
 class ModelConfig:
-    name: str = setting("tiny", "the model's name (configs/model/); its architecture plans runs without files")
+    name: str = setting(DEFAULT_MODEL, "the model's name (configs/model/); its architecture plans runs without files")
     hf_repo: Optional[str] = setting(None, "the Hugging Face Hub repository the weights come from without checkpoint_dir")
     checkpoint_dir: Optional[str] = setting(None, "a Hugging Face folder (config.json, *.safetensors, tokenizer files); "
                                             "its config.json is the truth for the architecture")

@@ -1,10 +1,7 @@
 """The planner: decide, before the first step and without touching a device, how a run executes.
 
-activations.py counts one layer's activation memory from the real model (FakeTensorMode +
-MemTracker); memory.py predicts a plan's peak per device; timing.py its step time; search.py
-enumerates the plans and picks the fastest that fits.
+plan.py holds what is planned (Workload) and the Plan; activations.py traces one layer and the head of
+the real model on fake tensors; memory.py predicts a plan's peak per device; timing.py its step time;
+search.py enumerates the plans and picks the fastest that fits (choose_plan). Nothing is imported here:
+importing planner.plan must not pull in the tracing (it needs train/parallel.py, which needs the Plan).
 """
-
-from moai_recipes.planner.search import GiB, PlanChoice, choose_plan
-
-__all__ = ["GiB", "PlanChoice", "choose_plan"]

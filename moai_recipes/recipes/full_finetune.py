@@ -23,7 +23,7 @@ from moai_recipes.launch.entry import run_recipe
 from moai_recipes.launch.world import World, decided_by_main
 from moai_recipes.models.build import build_model
 from moai_recipes.models.hf_format import load_weights, save_weights
-from moai_recipes.planner import choose_plan
+from moai_recipes.planner.search import choose_plan
 from moai_recipes.run_inputs import read_inputs
 from moai_recipes.train.answers import Answers
 from moai_recipes.train.loop import LoopSettings, train_loop

@@ -30,7 +30,7 @@ from moai_recipes.models.lora import (
     save_adapter,
 )
 from moai_recipes.models.sources import base_model_name
-from moai_recipes.planner import choose_plan
+from moai_recipes.planner.search import choose_plan
 from moai_recipes.run_inputs import read_inputs
 from moai_recipes.train.answers import Answers
 from moai_recipes.train.loop import LoopSettings, train_loop
