@@ -16,8 +16,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from moai_recipes.checkpoint.run_folder import check_output_dir
-from moai_recipes.config.schema import DEFAULT_MODEL
 from moai_recipes.checkpoint.steps import read_meta
+from moai_recipes.config.schema import DEFAULT_MODEL
 from moai_recipes.data.batches import GlobalBatches
 from moai_recipes.data.datasets import SFTDataset, load_dataset
 from moai_recipes.data.tokenizer import Tokenizer
@@ -112,7 +112,8 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
                                column_map=dict(d.column_map), train_on_input=d.train_on_input)
         batches = GlobalBatches(num_samples=len(dataset), batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed)
         total_steps = min(batches.total_steps, cfg.max_steps or math.inf)
-    workload = Workload(spec=spec, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, lora=lora, dtype=cfg.dtype)
+    workload = Workload(spec=spec, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, lora=lora, dtype=cfg.dtype,
+                        lengths=dataset.lengths if dataset is not None else None)
     return RunInputs(model_name=m.name, spec=spec, ckpt=ckpt, tokenizer=tokenizer, lora=lora, dataset=dataset,
                      batches=batches, total_steps=total_steps, out=out, resume_from=resume_from, workload=workload)
 

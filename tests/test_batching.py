@@ -4,22 +4,40 @@ from moai_recipes.data.batches import GlobalBatches
 from moai_recipes.planner.plan import Plan
 
 
-def plan(*, batch_size: int, num_devices: int, micro_batch_size: int = 1) -> Plan:
+def plan(*, batch_size: int, num_devices: int, micro_batch_size: int = 1, packing: bool = False) -> Plan:
     per_device = -(-batch_size // num_devices)
-    return Plan(batch_size=batch_size, num_devices=num_devices, micro_batch_size=micro_batch_size,
-                accumulation_steps=-(-per_device // micro_batch_size), recompute="none", reshard_after_forward=True,
-                cpu_offload=False, chunked_loss=False, param_dtype="float32", master_dtype="float32")
+    return Plan(batch_size=batch_size, num_devices=num_devices, max_seq_len=10, micro_batch_size=micro_batch_size,
+                accumulation_steps=-(-per_device // micro_batch_size), packing=packing, recompute="none",
+                reshard_after_forward=True, cpu_offload=False, chunked_loss=False, param_dtype="float32",
+                master_dtype="float32")
 
 
 def test_the_global_batch_is_the_same_set_whatever_the_world_size():
     b = GlobalBatches(num_samples=37, batch_size=10, epochs=2, seed=3)
     assert b.steps_per_epoch == 4 and b.total_steps == 8
+    length = lambda i: 1 + (i * 7919) % 10  # variable lengths
     for step in range(b.total_steps):
         expected = b.global_indices(step)
+        lengths = [length(i) for i in expected]
         for world in (1, 2, 3, 4, 16):
-            shares = [plan(batch_size=10, num_devices=world).rank_share(expected, r) for r in range(world)]
-            assert len({len(s) for s in shares}) == 1  # same number of slots on every rank
-            assert [i for s in shares for i in s if i is not None] == expected
+            shares = [plan(batch_size=10, num_devices=world).rank_share(expected, lengths, r) for r in range(world)]
+            assert sorted(i for s in shares for i in s) == sorted(expected)  # each sample on exactly one rank
+            assert all(s == [i for i in expected if i in s] for s in shares)  # in the global batch's order
+            if world == 1:
+                assert shares[0] == expected
+
+
+def test_ranks_get_balanced_tokens_not_balanced_counts():
+    indices, lengths = list(range(6)), [100, 10, 10, 10, 10, 60]
+    shares = [plan(batch_size=6, num_devices=2).rank_share(indices, lengths, r) for r in range(2)]
+    assert shares == [[0], [1, 2, 3, 4, 5]]  # 100 tokens against 100, where halves by count were 130 against 80
+    assert [sum(lengths[i] for i in s) for s in shares] == [100, 100]
+
+
+def test_packed_micro_batches_fill_the_token_budget_in_order():
+    p = plan(batch_size=8, num_devices=1, micro_batch_size=2, packing=True)  # budget: 2 x max_seq_len 10 tokens
+    assert p.token_budget == 20 and p.row_length == 20
+    assert p.micro_batches([10, 5, 5, 9, 3, 10, 1]) == [[0, 1, 2], [3, 4], [5, 6]]
 
 
 def test_each_epoch_is_a_new_permutation_of_all_samples():
@@ -33,5 +51,5 @@ def test_each_epoch_is_a_new_permutation_of_all_samples():
 def test_micro_batches_cover_the_share_in_order():
     p = plan(batch_size=10, num_devices=2, micro_batch_size=2)
     assert p.accumulation_steps == 3
-    assert p.micro_batches([1, 2, 3, 4, 5]) == [[1, 2], [3, 4], [5]]
-    assert p.micro_batches([1, 2, 3]) == [[1, 2], [3]]  # the short last batch of an epoch: fewer micro-batches
+    assert p.micro_batches([7, 7, 7, 7, 7]) == [[0, 1], [2, 3], [4]]  # positions in the share
+    assert p.micro_batches([7, 7, 7]) == [[0, 1], [2]]  # the short last batch of an epoch: fewer micro-batches

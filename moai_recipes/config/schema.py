@@ -131,7 +131,10 @@ class LoggerConfig:
 
 @dataclass
 class PlanConfig:
-    micro_batch_size: Optional[int] = setting(None, "sequences per device per forward/backward (null: the planner decides)")
+    micro_batch_size: Optional[int] = setting(None, "sequences per device per forward/backward; packed, a token budget "
+                                                    "of that many max_seq_len (null: the planner decides)")
+    packing: Optional[bool] = setting(None, "a rank's samples end to end in rows, each attending to itself only, "
+                                            "instead of padded to the longest (null: the planner decides)")
     recompute: Optional[Recompute] = setting(None, "none | selective | full (null: the planner decides)")
     reshard_after_forward: Optional[bool] = setting(None, "FSDP2 frees gathered layers after the forward (null: planner)")
     cpu_offload: Optional[bool] = setting(None, "parameters, gradients and optimizer state on the host (null: planner)")

@@ -40,6 +40,13 @@ class SFTDataset(torch.utils.data.Dataset):
     def __getitem__(self, i) -> dict:
         return {"tokens": self._tokens[i].tolist(), "labels": self._labels[i].tolist()}
 
+    def length(self, i) -> int:
+        return len(self._tokens[i])
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(len(t) for t in self._tokens)
+
     def num_target_tokens(self, i) -> int:
         return int((self._labels[i] != IGNORE_INDEX).sum())
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moai_recipes.models.attention import use_document_attention
 from moai_recipes.models.spec import ModelSpec, check_supported
 
 if TYPE_CHECKING:  # importing torchtune takes seconds; the planner needs specs only
@@ -55,6 +56,7 @@ def build_model(spec: ModelSpec, *, max_seq_len: int, lora: dict | None = None,
                                               tie_word_embeddings=True)
     else:
         model = builder(llama3_1, "llama3_1")(**common, scale_factor=spec.rope_scaling["factor"])
+    use_document_attention(model)  # packed rows (models/attention.py); padded rows as torchtune computes them
     if quantize_base:
         # torchtune's QLoRA builders add a hook that dequantizes every NF4 weight whenever state_dict() is
         # called (for torchtune's own checkpointer). Ours never needs it: step checkpoints keep the adapters

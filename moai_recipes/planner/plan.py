@@ -2,6 +2,7 @@
 the first step; training follows it: the Plan alone splits a global batch into ranks and micro-batches."""
 
 import math
+import random
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
@@ -18,12 +19,30 @@ class Workload:
     seq_len: int
     lora: object = None  # models.lora.LoraOptions
     dtype: str = "auto"
+    lengths: tuple[int, ...] | None = None  # the data's samples' token counts (None: all seq_len long)
 
     @cached_property
     def sizes(self):
         from moai_recipes.planner.memory import model_sizes
 
         return model_sizes(self.spec, self.lora)
+
+    @cached_property
+    def mean_length(self) -> float:
+        lengths = self.lengths or (self.seq_len,)
+        return sum(lengths) / len(lengths)
+
+    def mean_longest(self, m: int) -> float:
+        """The mean length of the longest of `m` samples drawn from the data: what a padded micro-batch of m
+        samples pads them to. Estimated on up to 4096 samples in a fixed order: the same answer every time."""
+        groups = [self._drawn[i:i + m] for i in range(0, len(self._drawn), m)]
+        return sum(max(g) for g in groups) / len(groups)
+
+    @cached_property
+    def _drawn(self) -> list[int]:
+        lengths = list(self.lengths or (self.seq_len,))
+        random.Random(0).shuffle(lengths)
+        return lengths[:4096]
 
     @cached_property
     def lora_key(self) -> tuple | None:
@@ -38,8 +57,10 @@ class Workload:
 class Plan:
     batch_size: int  # global, in sequences
     num_devices: int
-    micro_batch_size: int  # sequences per device per forward/backward
-    accumulation_steps: int  # micro-batches per device per optimizer step
+    max_seq_len: int  # tokens of the longest sample
+    micro_batch_size: int  # sequences per device per forward/backward; packed: a token budget of that many max_seq_len
+    accumulation_steps: int  # micro-batches per device per optimizer step (packed: at most, with full-length samples)
+    packing: bool  # a rank's samples end to end in rows of up to token_budget tokens, not padded to the longest
     recompute: str  # none | selective | full
     reshard_after_forward: bool
     cpu_offload: bool
@@ -57,6 +78,16 @@ class Plan:
         return self.device_share(self.batch_size, self.num_devices)
 
     @property
+    def token_budget(self) -> int:
+        """Tokens of a micro-batch at most: what memory is planned for."""
+        return self.micro_batch_size * self.max_seq_len
+
+    @property
+    def row_length(self) -> int:
+        """Tokens of a row at most: a padded row's longest sample, a packed row's budget (the model's max_seq_len)."""
+        return self.token_budget if self.packing else self.max_seq_len
+
+    @property
     def sharded(self) -> bool:
         """Whether FSDP2 wraps the model: where it shards over several devices, offloads to the CPU or casts to
         a lower compute dtype. One process computing in its master dtype keeps a plain module: there FSDP2's
@@ -64,29 +95,43 @@ class Plan:
         parameters (measured), for nothing."""
         return self.num_devices > 1 or self.cpu_offload or self.param_dtype != self.master_dtype
 
-    def rank_share(self, indices: list[int], rank: int) -> list[int | None]:
-        """Rank `rank`'s contiguous share of a step's global batch (dataset indices), padded with None to the
-        same length on every rank: FSDP's collectives need the same number of micro-batches everywhere. The
-        shares of all ranks, without the padding, are the global batch in order."""
-        per_rank = math.ceil(len(indices) / self.num_devices)
-        share = indices[rank * per_rank:(rank + 1) * per_rank]
-        return share + [None] * (per_rank - len(share))
+    def rank_share(self, indices: list[int], lengths: list[int], rank: int) -> list[int]:
+        """Rank `rank`'s share of a step's global batch (dataset indices, with their lengths), in the global
+        batch's order. The ranks' tokens are balanced, not their sample counts: the slowest rank sets the step's
+        time. Longest first, each sample goes to the rank with the fewest tokens so far (ties: the lowest
+        rank), so every rank computes the same split. The shares together are exactly the global batch."""
+        loads, owner = [0] * self.num_devices, [0] * len(indices)
+        for pos in sorted(range(len(indices)), key=lambda p: (-lengths[p], p)):
+            owner[pos] = min(range(self.num_devices), key=lambda r: (loads[r], r))
+            loads[owner[pos]] += lengths[pos]
+        return [i for i, r in zip(indices, owner) if r == rank]
 
-    def micro_batches(self, share: list) -> list[list]:
-        """A rank's share as `accumulation_steps` micro-batches of up to `micro_batch_size` (fewer when the
-        last global batch of an epoch is short)."""
-        assert len(share) <= self.batch_per_device, (len(share), self.batch_per_device)
-        m = self.micro_batch_size
-        return [share[i * m:(i + 1) * m] for i in range(self.accumulation_steps) if share[i * m:(i + 1) * m]]
+    def micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        """A rank's share (its samples' lengths, in order) as micro-batches of positions in the share: up to
+        micro_batch_size samples each, padded to their longest; packed, as many samples in order as fit the
+        token budget in one row."""
+        if not self.packing:
+            m = self.micro_batch_size
+            return [list(range(i, min(i + m, len(lengths)))) for i in range(0, len(lengths), m)]
+        rows, used = [], self.token_budget
+        for pos, n in enumerate(lengths):
+            if used + n > self.token_budget:
+                rows.append([])
+                used = 0
+            rows[-1].append(pos)
+            used += n
+        return rows
 
     def as_dict(self) -> dict:
         return {**asdict(self), "batch_per_device": self.batch_per_device, "sharded": self.sharded}
 
     def describe(self) -> str:
+        split = (f"packed rows of up to {self.token_budget} tokens (up to {self.accumulation_steps} a step)"
+                 if self.packing else f"micro_batch_size {self.micro_batch_size}, num_micro_batches {self.accumulation_steps}")
         return (f"batch {self.batch_size} over {self.num_devices} device(s): batch_per_device {self.batch_per_device}, "
-                f"micro_batch_size {self.micro_batch_size}, num_micro_batches {self.accumulation_steps}, "
-                f"recomputation {self.recompute}, {self._distribution()}, cpu_offload {str(self.cpu_offload).lower()}, "
-                f"chunked loss {str(self.chunked_loss).lower()}, {self.param_dtype} compute, {self.master_dtype} master weights")
+                f"{split}, recomputation {self.recompute}, {self._distribution()}, cpu_offload "
+                f"{str(self.cpu_offload).lower()}, chunked loss {str(self.chunked_loss).lower()}, {self.param_dtype} "
+                f"compute, {self.master_dtype} master weights")
 
     def _distribution(self) -> str:
         if not self.sharded:

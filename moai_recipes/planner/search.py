@@ -55,8 +55,9 @@ def _options(n: int, per_device: int, flavor: Flavor, forced: dict) -> list[dict
     # One device shards nothing, so resharding is moot there: take what the user forced.
     reshards = [True, False] if n > 1 else [forced.get("reshard_after_forward", True)]
     offloads = [False, True] if flavor.device.kind == "gpu" else [False]
-    opts = [dict(micro_batch_size=m, recompute=r, reshard_after_forward=s, cpu_offload=o, chunked_loss=c)
-            for m in sizes for r in recomputes for s in reshards for o in offloads for c in (False, True)]
+    opts = [dict(micro_batch_size=m, packing=p, recompute=r, reshard_after_forward=s, cpu_offload=o, chunked_loss=c)
+            for m in sizes for p in (False, True) for r in recomputes for s in reshards for o in offloads
+            for c in (False, True)]
     return [o for o in opts if all(forced.get(k) is None or o[k] == forced[k] for k in o)]
 
 
@@ -99,7 +100,8 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Cand
         raise UserError(_impossible(forced, flavor))
     candidates = []
     for o in options:
-        plan = Plan(batch_size=work.batch_size, num_devices=n, accumulation_steps=math.ceil(per_device / o["micro_batch_size"]),
+        plan = Plan(batch_size=work.batch_size, num_devices=n, max_seq_len=work.seq_len,
+                    accumulation_steps=math.ceil(per_device / o["micro_batch_size"]),
                     param_dtype=compute, master_dtype="float32", **o)
         memory = predict_memory(plan, work, flavor.device.kind)
         time = predict_time(plan, work, flavor.device)

@@ -12,6 +12,7 @@ A GPU's peak figures come from its data sheet (flavors.DEVICES), the CPU's are m
 machine (cpu_speed.py); bench/planner_accuracy.py compares predictions with measured steps.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,8 @@ SELECTIVE_OP_S = {"gpu": 2.5e-6, "cpu": 2.4e-6}
 OVERLAP = {"gpu": 0.8, "cpu": 0.0}
 LATENCY_S = {"gpu": 30e-6, "cpu": 2.2e-3}
 PCIE_GBPS = 25
+# Operators a document adds to a packed row's attention, forward and backward (CPU: per-document SDPA).
+DOCUMENT_OPS = 8
 
 
 @dataclass(frozen=True)
@@ -68,29 +71,46 @@ def device_speed(device: Device, *, compute_dtype: str, num_devices: int) -> tup
     return tflops * 1e12, device.hbm_gbps * 1e9
 
 
+def step_shape(plan: Plan, work: Workload) -> tuple[float, int, float]:
+    """(tokens a device computes in a step, padding included; its micro-batches; samples per micro-batch), from
+    the lengths of the data's samples (all max_seq_len long when the data is unknown)."""
+    samples = plan.batch_per_device
+    if plan.packing:  # rows nearly full, nothing padded
+        tokens = samples * work.mean_length
+        micro = max(1, math.ceil(tokens / plan.token_budget))
+        return tokens, micro, samples / micro
+    m = min(plan.micro_batch_size, samples)
+    return samples * work.mean_longest(m), plan.accumulation_steps, m
+
+
 def predict_time(plan: Plan, work: Workload, device: Device) -> TimeEstimate:
-    """Seconds of one optimizer step of `plan` on `device`."""
+    """Seconds of one optimizer step of `plan` on `device`, with the data's real lengths."""
     spec, sizes, seq_len, lora = work.spec, work.sizes, work.seq_len, work.lora_key
     n, L = plan.num_devices, spec.num_layers
-    per_device, micro_batch_size, accumulation_steps = plan.batch_per_device, plan.micro_batch_size, plan.accumulation_steps
+    tokens, micro, per_micro_samples = step_shape(plan, work)
     compute_dtype = plan.param_dtype
     dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
+    # Traced per sequence of seq_len tokens: scaled by the tokens the step computes (a short sample's attention
+    # is counted as its share of a long one's, a small overestimate that packed and padded plans share).
     layer = trace_layer(spec, seq_len=seq_len, recompute=plan.recompute, dtype=dtype, lora=lora)
-    head = trace_head(spec, micro_batch_size=micro_batch_size, seq_len=seq_len, chunked=plan.chunked_loss, dtype=dtype,
-                      lora=lora)
-    heads = per_device / micro_batch_size  # micro-batches' worth of sequences (the last one may be short)
-    flops = per_device * L * layer.flops + heads * head.flops
-    traffic = per_device * L * layer.traffic + heads * head.traffic
+    head = trace_head(spec, micro_batch_size=plan.micro_batch_size, seq_len=seq_len, chunked=plan.chunked_loss,
+                      dtype=dtype, lora=lora)
+    sequences, heads = tokens / seq_len, tokens / plan.token_budget
+    flops = sequences * L * layer.flops + heads * head.flops
+    traffic = sequences * L * layer.traffic + heads * head.traffic
     peak, bandwidth = device_speed(device, compute_dtype=compute_dtype, num_devices=n)
     top, half = EFFICIENCY[device.kind]
-    mb_tokens = micro_batch_size * seq_len
+    mb_tokens = tokens / micro
     memory_speed = bandwidth * BANDWIDTH_EFFICIENCY[device.kind]
     work = flops / (peak * top * mb_tokens / (mb_tokens + half)) + traffic / memory_speed
     if not plan.cpu_offload:  # offloaded, the optimizer runs on the host (below)
         work += sizes.trainable / n * OPTIMIZER_TRAFFIC[device.kind] / memory_speed
-    dispatch = accumulation_steps * (L * layer.ops + head.ops) * PER_OP_S[device.kind]
+    ops = micro * (L * layer.ops + head.ops)
+    if plan.packing:  # attention document by document (models/attention.py): slices, a kernel, a concatenation
+        ops += micro * per_micro_samples * L * DOCUMENT_OPS
+    dispatch = ops * PER_OP_S[device.kind]
     if plan.recompute == "selective":
-        dispatch += accumulation_steps * L * layer.ops * SELECTIVE_OP_S[device.kind]
+        dispatch += micro * L * layer.ops * SELECTIVE_OP_S[device.kind]
     # A GPU works while the host dispatches ahead of it: the slower of the two. A CPU does one, then the other.
     compute = max(work, dispatch) if device.kind == "gpu" else work + dispatch
     comm = 0.0
@@ -102,11 +122,11 @@ def predict_time(plan: Plan, work: Workload, device: Device) -> TimeEstimate:
         per_micro = (gathers * (sizes.total - sizes.root) * c + sizes.root * c + sizes.trainable * 4) * (n - 1) / n
         link = device.intra_node_gbps if n <= device.per_node else device.inter_node_gbps
         collectives = L * (gathers + 1) + 2
-        comm = accumulation_steps * (per_micro / (link * 1e9) + collectives * LATENCY_S[device.kind])
+        comm = micro * (per_micro / (link * 1e9) + collectives * LATENCY_S[device.kind])
     overlap = OVERLAP[device.kind]
     exposed = max(comm - overlap * compute, comm * (1 - overlap))
     offload = 0.0
     if plan.cpu_offload:
-        moved = accumulation_steps * sizes.total / n * DTYPE_BYTES[compute_dtype] * 2 + sizes.trainable * 4 / n
+        moved = micro * sizes.total / n * DTYPE_BYTES[compute_dtype] * 2 + sizes.trainable * 4 / n
         offload = moved / (PCIE_GBPS * 1e9) + sizes.trainable * 16 / n / 20e9  # host-side AdamW
     return TimeEstimate(compute_s=compute, comm_s=comm, exposed_comm_s=exposed, offload_s=offload)

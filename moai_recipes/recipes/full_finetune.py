@@ -52,7 +52,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     # 3. Build on meta; recompute, shard and give memory in one place, one order; then the weights.
     mark_memory_baseline()  # the measured peak counts what training allocates from here, as the plan predicts
     with torch.device("meta"):
-        model = build_model(inputs.spec, max_seq_len=cfg.max_seq_len)
+        model = build_model(inputs.spec, max_seq_len=plan.row_length)
     parallelize(model, plan, world)
     load_weights(model, inputs.ckpt)
 

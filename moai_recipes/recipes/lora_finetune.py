@@ -60,7 +60,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     # 3. Build with adapters on meta, freeze the base; recompute, shard and give memory; base weights, adapters.
     mark_memory_baseline()  # the measured peak counts what training allocates from here, as the plan predicts
     with torch.device("meta"):
-        model = build_model(inputs.spec, max_seq_len=cfg.max_seq_len, lora=lora.builder_kwargs(),
+        model = build_model(inputs.spec, max_seq_len=plan.row_length, lora=lora.builder_kwargs(),
                             quantize_base=lora.quantize_base)
     freeze_base(model)  # before sharding: FSDP2 keeps requires_grad per parameter
     parallelize(model, plan, world)

@@ -24,6 +24,7 @@ from moai_recipes.checkpoint.steps import (
 from moai_recipes.data.datasets import collate
 from moai_recipes.errors import UserError
 from moai_recipes.launch.world import World
+from moai_recipes.models.attention import Documents
 from moai_recipes.planner.plan import Plan
 from moai_recipes.planner.search import PlanChoice
 from moai_recipes.run_inputs import RunInputs
@@ -32,8 +33,7 @@ from moai_recipes.train.optim import clip_gradients
 from moai_recipes.train.peak_memory import peak_memory_bytes
 from moai_recipes.train.run_log import RunLog
 
-# An empty slot still runs forward and backward (FSDP's collectives must match on every rank),
-# on one padding token whose label is ignored: it adds nothing to the loss or the gradients.
+# An empty micro-batch still runs forward and backward (FSDP's collectives must match on every rank).
 _EMPTY = {"tokens": None, "labels": [IGNORE_INDEX]}
 
 
@@ -67,20 +67,45 @@ def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM)
     return t.tolist()
 
 
-def train_step(state: TrainState, share: list[dict | None], *, plan: Plan, world: World, max_grad_norm: float | None,
-               pad_id: int) -> StepResult:
-    """One optimizer step; `share` is this rank's samples of the global batch (None: an empty slot)."""
-    samples = [s if s is not None else {**_EMPTY, "tokens": [pad_id]} for s in share]
+def rank_micro_batches(plan: Plan, dataset, indices: list[int], world: World) -> list[list[dict] | None]:
+    """This rank's micro-batches of a step's global batch (dataset indices), as the plan splits it; None for an
+    empty one. Every rank computes every rank's split (it is deterministic) and runs as many micro-batches as
+    the busiest: FSDP's collectives need the same number of forward and backward passes everywhere."""
+    lengths = [dataset.length(i) for i in indices]
+    at = dict(zip(indices, lengths))
+    shares = [plan.rank_share(indices, lengths, r) for r in range(world.world_size)]
+    splits = [plan.micro_batches([at[i] for i in share]) for share in shares]
+    mine, split = shares[world.rank], splits[world.rank]
+    micro = [[dataset[mine[p]] for p in group] for group in split]
+    return micro + [None] * (max(map(len, splits)) - len(split))
+
+
+def _inputs(micro: list[dict] | None, plan: Plan, pad_id: int) -> dict:
+    """A micro-batch as the model takes it: padded rows, or one packed row with its documents and positions. An
+    empty one (None) is one padding token whose label is ignored: it adds nothing to the loss or the gradients."""
+    micro = micro or [_EMPTY | {"tokens": [pad_id]}]
+    if not plan.packing:
+        return collate(micro, pad_id=pad_id)
+    docs = Documents(tuple(len(s["tokens"]) for s in micro))
+    return {"tokens": torch.tensor([[t for s in micro for t in s["tokens"]]]),
+            "labels": torch.tensor([[t for s in micro for t in s["labels"]]]), "documents": docs}
+
+
+def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, plan: Plan, world: World,
+               max_grad_norm: float | None, pad_id: int) -> StepResult:
+    """One optimizer step on this rank's micro-batches (rank_micro_batches)."""
+    samples = [s for micro in micro_batches if micro for s in micro]
     local_targets = sum(sum(1 for t in s["labels"] if t != IGNORE_INDEX) for s in samples)
-    local_tokens = sum(len(s["tokens"]) for s in share if s is not None)
+    local_tokens = sum(len(s["tokens"]) for s in samples)
     global_targets, global_tokens = _all_reduce([local_targets, local_tokens], world.device)
     # FSDP averages gradients over ranks; scaling by world size makes that a sum over the global batch.
     scale = world.world_size / max(global_targets, 1)
     loss_sum = torch.zeros((), device=world.device, dtype=torch.float64)
-    for micro in plan.micro_batches(samples):
-        batch = collate(micro, pad_id=pad_id)
-        tokens, labels = batch["tokens"].to(world.device), batch["labels"].to(world.device)
-        loss = token_loss_sum(state.model, tokens, labels, chunked=plan.chunked_loss)
+    for micro in micro_batches:
+        batch = _inputs(micro, plan, pad_id)
+        docs = batch.get("documents")
+        loss = token_loss_sum(state.model, batch["tokens"].to(world.device), batch["labels"].to(world.device),
+                              chunked=plan.chunked_loss, documents=docs)
         (loss * scale).backward()
         loss_sum += loss.detach().double()
     (total_loss,) = _all_reduce([loss_sum.item()], world.device)
@@ -143,9 +168,8 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     with _StopRequest() as stop:
         for step in range(first, inputs.total_steps):
             with StepTimer(world.device) as timer:
-                share = [inputs.dataset[i] if i is not None else None
-                         for i in plan.rank_share(batches.global_indices(step), world.rank)]
-                result = train_step(state, share, plan=plan, world=world, max_grad_norm=settings.max_grad_norm,
+                micro = rank_micro_batches(plan, inputs.dataset, batches.global_indices(step), world)
+                result = train_step(state, micro, plan=plan, world=world, max_grad_norm=settings.max_grad_norm,
                                     pad_id=inputs.tokenizer.pad_id)
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()

@@ -36,12 +36,15 @@ def chunked_cross_entropy_sum(head, hidden: torch.Tensor, labels: torch.Tensor) 
     return total
 
 
-def token_loss_sum(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, chunked: bool = False) -> torch.Tensor:
-    """The summed loss of a torchtune decoder on a micro-batch; `chunked` never materialises all logits."""
+def token_loss_sum(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, chunked: bool = False,
+                   documents=None) -> torch.Tensor:
+    """The summed loss of a torchtune decoder on a micro-batch; `chunked` never materialises all logits.
+    `documents` (models.attention.Documents): `tokens` is one packed row of them, each attending to itself."""
+    kwargs = {} if documents is None else {"mask": documents, "input_pos": documents.positions(tokens.device)}
     if not chunked:
-        return cross_entropy_sum(model(tokens), labels)
+        return cross_entropy_sum(model(tokens, **kwargs), labels)
     from moai_recipes.models.build import head_skipped
 
     with head_skipped(model):
-        hidden = model(tokens)
+        hidden = model(tokens, **kwargs)
     return chunked_cross_entropy_sum(lambda h: model.output(model.norm(h)), hidden, labels)

@@ -1,0 +1,72 @@
+"""Attention over packed rows: several documents in one row, each attending only to itself, causally.
+
+A packed micro-batch is one row of documents laid end to end. Its `Documents` (their lengths) reaches
+every attention module as torchtune's `mask` argument, and the positions restart at each document
+(`Documents.positions`, torchtune's `input_pos`), so a document computes exactly what it would alone.
+`use_document_attention` replaces each attention module's call (torchtune's `_attention_call`) with
+`_attention`, which computes only each document's own causal triangle:
+- on a GPU in bf16/fp16: torch.nn.attention.varlen.varlen_attn (flash attention over the cumulative
+  lengths: one kernel for the whole row);
+- otherwise (the CPU, fp32): causal SDPA document by document. A dense block mask would compute the
+  whole square of the row; docs/packing.md has the measurements behind the choice.
+Without Documents (padded rows, generation, the planner's traces) it is torchtune's own call.
+Test: `python -m pytest tests/test_packing.py -q`.
+"""
+
+from dataclasses import dataclass
+from functools import cached_property, partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Documents:
+    """The documents of one packed row, in order (their lengths add up to the row's)."""
+
+    lengths: tuple[int, ...]
+
+    @cached_property
+    def offsets(self) -> list[int]:
+        out = [0]
+        for n in self.lengths:
+            out.append(out[-1] + n)
+        return out
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """[1, row length]: each document's positions from 0, as if it were alone."""
+        return torch.cat([torch.arange(n, device=device) for n in self.lengths]).unsqueeze(0)
+
+
+def use_document_attention(model: nn.Module) -> None:
+    """Let every attention module of a torchtune model take `Documents` as its mask."""
+    from torchtune.modules.attention import MultiHeadAttention
+
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            module._attention_call = partial(_attention, torchtune_call=module._attention_call)
+
+
+def _attention(q, k, v, *, mask, dropout_p: float, is_causal: bool, torchtune_call):
+    """q, k, v: [batch, heads, tokens, head_dim] (k and v already expanded to q's heads by torchtune)."""
+    if not isinstance(mask, Documents):
+        return torchtune_call(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    assert q.shape[0] == 1 and q.shape[2] == mask.offsets[-1], (q.shape, mask.offsets[-1])
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0:
+        return _varlen(q, k, v, mask)
+    # split, not slicing: its backward is one concatenation, where each slice's would fill a whole row of zeros.
+    n = list(mask.lengths)
+    return torch.cat([F.scaled_dot_product_attention(qd, kd, vd, dropout_p=dropout_p, is_causal=True)
+                      for qd, kd, vd in zip(q.split(n, dim=2), k.split(n, dim=2), v.split(n, dim=2))], dim=2)
+
+
+def _varlen(q, k, v, docs: Documents):
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = torch.tensor(docs.offsets, dtype=torch.int32, device=q.device)
+    longest = max(docs.lengths)
+    # varlen_attn takes (tokens, heads, head_dim); window (-1, 0) is causal.
+    out = varlen_attn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, longest, longest,
+                      window_size=(-1, 0))
+    return out.transpose(0, 1).unsqueeze(0)
