@@ -140,7 +140,7 @@ def run(rank: int, args) -> None:
         for seq in seqs:
             for mbs, accum, rc, chunked in plans:
                 plan = Plan(batch_size=BATCH * n, num_devices=n, max_seq_len=seq, micro_batch_size=mbs,
-                            accumulation_steps=accum, packing=False, recompute=rc, reshard_after_forward=True,
+                            accumulation_steps=accum, packing=False, recompute=rc, replicate=False, reshard_after_forward=True,
                             cpu_offload=False, chunked_loss=chunked, param_dtype="float32", master_dtype="float32")
                 pred = predict_memory(plan, work[seq], "cpu")
                 t_pred = predict_time(plan, work[seq], flavor.device).total_s
@@ -168,7 +168,8 @@ def run(rank: int, args) -> None:
                 cpu = resolve_flavor(name="cpu", device="cpu", memory_gb=None, processes=n, device_memory_gb=gb)
                 try:
                     choice = choose_plan(Workload(spec=MODELS[name], batch_size=BATCH * n, seq_len=seq, dtype="fp32"),
-                                         cpu, forced={"chunked_loss": False, "reshard_after_forward": True, "packing": False})
+                                         cpu, forced={"chunked_loss": False, "reshard_after_forward": True, "packing": False,
+                                                  "replicate": False})
                 except UserError:
                     print(f"  {name} seq {seq} budget {budget / 2**20:.0f} MiB: nothing predicted to fit")
                     continue

@@ -7,7 +7,7 @@ from moai_recipes.planner.plan import Plan
 def plan(*, batch_size: int, num_devices: int, micro_batch_size: int = 1, packing: bool = False) -> Plan:
     per_device = -(-batch_size // num_devices)
     return Plan(batch_size=batch_size, num_devices=num_devices, max_seq_len=10, micro_batch_size=micro_batch_size,
-                accumulation_steps=-(-per_device // micro_batch_size), packing=packing, recompute="none",
+                accumulation_steps=-(-per_device // micro_batch_size), packing=packing, recompute="none", replicate=False,
                 reshard_after_forward=True, cpu_offload=False, chunked_loss=False, param_dtype="float32",
                 master_dtype="float32")
 

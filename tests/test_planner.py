@@ -78,6 +78,26 @@ def test_every_chosen_plan_fits_and_is_the_fastest_that_does():
     assert choice.chosen.plan.param_dtype == "bfloat16" and choice.chosen.plan.num_devices == 32
 
 
+def test_replicas_where_memory_allows_and_fsdp2_where_it_does_not():
+    # Two CPU processes of a small model: a whole copy each and one all-reduce a step beats FSDP2's per-layer
+    # collectives. Each replica holds all the state, FSDP2 half of it.
+    _, spec, cpu2 = setup("model=tiny", "flavor=cpu-2")
+    work = Workload(spec=spec, batch_size=8, seq_len=128)
+    choice = choose_plan(work, cpu2)
+    roomy = choice.chosen
+    assert roomy.plan.replicate and not roomy.plan.sharded and "replicated" in roomy.plan.describe()
+    fsdp = choose_plan(work, cpu2, forced={"replicate": False, "micro_batch_size": roomy.plan.micro_batch_size,
+                                           "packing": roomy.plan.packing, "recompute": roomy.plan.recompute,
+                                           "chunked_loss": roomy.plan.chunked_loss}).chosen
+    assert roomy.memory.params == 2 * fsdp.memory.params and roomy.memory.optimizer == 2 * fsdp.memory.optimizer
+    assert roomy.time.total_s < fsdp.time.total_s
+    smallest = lambda replicate: min(c.memory.total for c in choice.candidates if c.plan.replicate == replicate)
+    assert smallest(False) < smallest(True)
+    tight = (smallest(False) + smallest(True)) / 2 / 0.9 / 2**30  # no replica fits, some FSDP2 plan does
+    _, _, small = setup("model=tiny", "flavor=cpu-2", f"flavor.device_memory_gb={tight}")
+    assert not choose_plan(work, small).chosen.plan.replicate
+
+
 def test_fsdp2_wraps_the_model_only_where_it_does_something():
     # One fp32 process: nothing to shard or cast, so a plain module; nothing gathered beyond the output's gradient.
     _, spec, cpu = setup("flavor=cpu")
@@ -86,7 +106,8 @@ def test_fsdp2_wraps_the_model_only_where_it_does_something():
     _, _, cpu2 = setup("flavor=cpu-2")
     two = choose_plan(Workload(spec=spec, batch_size=16, seq_len=128), cpu2,
                       forced={"micro_batch_size": one.chosen.plan.micro_batch_size, "recompute": one.chosen.plan.recompute,
-                              "chunked_loss": one.chosen.plan.chunked_loss, "reshard_after_forward": True})
+                              "chunked_loss": one.chosen.plan.chunked_loss, "reshard_after_forward": True,
+                              "replicate": False})
     assert two.chosen.plan.sharded and two.chosen.memory.gathered > one.chosen.memory.gathered
     # One GPU computes in bf16 from fp32 master weights: FSDP2's mixed precision does the cast, so it stays.
     _, spec8, gpu = setup("model=llama3_8b", "flavor=small", "flavor.device=h100", "flavor.memory_gb=80")

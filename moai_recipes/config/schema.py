@@ -136,6 +136,8 @@ class PlanConfig:
     packing: Optional[bool] = setting(None, "a rank's samples end to end in rows, each attending to itself only, "
                                             "instead of padded to the longest (null: the planner decides)")
     recompute: Optional[Recompute] = setting(None, "none | selective | full (null: the planner decides)")
+    replicate: Optional[bool] = setting(None, "several processes each hold the whole model and sum their gradients "
+                                              "once a step, instead of FSDP2's sharding (null: the planner decides)")
     reshard_after_forward: Optional[bool] = setting(None, "FSDP2 frees gathered layers after the forward (null: planner)")
     cpu_offload: Optional[bool] = setting(None, "parameters, gradients and optimizer state on the host (null: planner)")
     chunked_loss: Optional[bool] = setting(None, "the output projection and the loss over chunks of tokens, never all the "

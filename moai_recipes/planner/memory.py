@@ -100,7 +100,7 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str) -> MemoryBreakd
     spec, sizes, seq_len, lora = work.spec, work.sizes, work.seq_len, work.lora_key
     micro_batch_size, recompute, cpu_offload = plan.micro_batch_size, plan.recompute, plan.cpu_offload
     c = DTYPE_BYTES[plan.param_dtype]
-    n, L = plan.num_devices, spec.num_layers
+    n, L = plan.shards, spec.num_layers  # n: what the state is cut into (1 in a replica: whole on every process)
     full = sizes.trainable == sizes.total
     nf4 = sizes.nf4_per_layer * L
     master = (sizes.total - nf4) * 4 + nf4 * NF4_BYTES
@@ -149,9 +149,12 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str) -> MemoryBreakd
                                      activations=micro_batch_size * act.retained + layer_backward, logits=0),
         "optimizer step": dict(gathered=0, grads=sharded_grads, logits=0,
                                activations=0 if cpu_offload else sizes.trainable * OPTIMIZER_TEMPORARY[device_kind] / n),
+        # A replica sums its gradients over the processes through one flat copy of them (train/parallel.py).
+        "gradients all-reduced": dict(gathered=0, grads=sharded_grads * 2 if plan.replicate else 0, logits=0,
+                                      activations=0),
     }
     phase, peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))
-    if phase != "optimizer step":
+    if phase not in ("optimizer step", "gradients all-reduced"):
         peak["gathered"] += sizes.nf4_largest * NF4_DEQUANT_BYTES
     subtotal = params + optimizer + sum(peak.values())
     return MemoryBreakdown(params=int(params), grads=int(peak["grads"]), optimizer=int(optimizer),

@@ -62,6 +62,7 @@ class Plan:
     accumulation_steps: int  # micro-batches per device per optimizer step (packed: at most, with full-length samples)
     packing: bool  # a rank's samples end to end in rows of up to token_budget tokens, not padded to the longest
     recompute: str  # none | selective | full
+    replicate: bool  # several processes each hold the whole model, gradients summed once a step (no FSDP2)
     reshard_after_forward: bool
     cpu_offload: bool
     chunked_loss: bool  # the output projection and the loss in chunks of tokens (train/loss.py)
@@ -92,8 +93,13 @@ class Plan:
         """Whether FSDP2 wraps the model: where it shards over several devices, offloads to the CPU or casts to
         a lower compute dtype. One process computing in its master dtype keeps a plain module: there FSDP2's
         all-gathers and reduce-scatters are copies of every layer in and out, a fifth of a CPU step at 24M
-        parameters (measured), for nothing."""
-        return self.num_devices > 1 or self.cpu_offload or self.param_dtype != self.master_dtype
+        parameters (measured), for nothing. Replicated processes keep plain modules too."""
+        return not self.replicate and (self.num_devices > 1 or self.cpu_offload or self.param_dtype != self.master_dtype)
+
+    @property
+    def shards(self) -> int:
+        """How many pieces the parameters, gradients and optimizer state are cut into (1: whole on each device)."""
+        return self.num_devices if self.sharded else 1
 
     def rank_share(self, indices: list[int], lengths: list[int], rank: int) -> list[int]:
         """Rank `rank`'s share of a step's global batch (dataset indices, with their lengths), in the global
@@ -134,6 +140,9 @@ class Plan:
                 f"compute, {self.master_dtype} master weights")
 
     def _distribution(self) -> str:
+        if self.replicate:
+            return (f"distribute_param false (replicated: a plain module on each of the {self.num_devices} processes, "
+                    "one all-reduce of the gradients a step)")
         if not self.sharded:
             return "distribute_param false (one device: a plain module, no FSDP2)"
         return f"distribute_param true (FSDP2, reshard_after_forward {str(self.reshard_after_forward).lower()})"

@@ -49,15 +49,19 @@ class PlanChoice:
                 "candidates": [c.as_dict() for c in self.candidates]}
 
 
-def _options(n: int, per_device: int, flavor: Flavor, forced: dict) -> list[dict]:
+def _options(n: int, per_device: int, flavor: Flavor, forced: dict, compute: str) -> list[dict]:
     sizes = sorted({min(2**k, per_device) for k in range(0, per_device.bit_length() + 1)} | {per_device})
     recomputes = [r.value for r in Recompute]
     # One device shards nothing, so resharding is moot there: take what the user forced.
     reshards = [True, False] if n > 1 else [forced.get("reshard_after_forward", True)]
     offloads = [False, True] if flavor.device.kind == "gpu" else [False]
-    opts = [dict(micro_batch_size=m, packing=p, recompute=r, reshard_after_forward=s, cpu_offload=o, chunked_loss=c)
-            for m in sizes for p in (False, True) for r in recomputes for s in reshards for o in offloads
-            for c in (False, True)]
+    # Replicas are plain modules: several processes computing in their fp32 master dtype (FSDP2 casts to bf16).
+    replicas = [False, True] if n > 1 and compute == "float32" else [False]
+    opts = [dict(micro_batch_size=m, packing=p, recompute=r, replicate=d, reshard_after_forward=s, cpu_offload=o,
+                 chunked_loss=c)
+            for m in sizes for p in (False, True) for r in recomputes for d in replicas
+            for s in (reshards[:1] if d else reshards)  # nothing is resharded in a replica
+            for o in ([False] if d else offloads) for c in (False, True)]
     return [o for o in opts if all(forced.get(k) is None or o[k] == forced[k] for k in o)]
 
 
@@ -95,7 +99,7 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Cand
     gpu = flavor.device.kind == "gpu"
     compute = "bfloat16" if (work.dtype == "bf16" or (work.dtype == "auto" and gpu)) else "float32"
     budget = int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
-    options = _options(n, per_device, flavor, forced)
+    options = _options(n, per_device, flavor, forced, compute)
     if not options:
         raise UserError(_impossible(forced, flavor))
     candidates = []

@@ -104,7 +104,7 @@ def predict_time(plan: Plan, work: Workload, device: Device) -> TimeEstimate:
     memory_speed = bandwidth * BANDWIDTH_EFFICIENCY[device.kind]
     work = flops / (peak * top * mb_tokens / (mb_tokens + half)) + traffic / memory_speed
     if not plan.cpu_offload:  # offloaded, the optimizer runs on the host (below)
-        work += sizes.trainable / n * OPTIMIZER_TRAFFIC[device.kind] / memory_speed
+        work += sizes.trainable / plan.shards * OPTIMIZER_TRAFFIC[device.kind] / memory_speed
     ops = micro * (L * layer.ops + head.ops)
     if plan.packing:  # attention document by document (models/attention.py): slices, a kernel, a concatenation
         ops += micro * per_micro_samples * L * DOCUMENT_OPS
@@ -114,13 +114,15 @@ def predict_time(plan: Plan, work: Workload, device: Device) -> TimeEstimate:
     # A GPU works while the host dispatches ahead of it: the slower of the two. A CPU does one, then the other.
     compute = max(work, dispatch) if device.kind == "gpu" else work + dispatch
     comm = 0.0
-    if n > 1:
+    link = device.intra_node_gbps if n <= device.per_node else device.inter_node_gbps
+    if plan.replicate:  # one all-reduce of the fp32 gradients a step (ring: twice the data over the link)
+        comm = 2 * sizes.trainable * 4 * (n - 1) / n / (link * 1e9) + 2 * LATENCY_S[device.kind]
+    elif n > 1:
         c = DTYPE_BYTES[compute_dtype]
         # Layers are gathered for the forward and, when resharded after it, again for the backward; the
         # root once (FSDP2 keeps it until its backward); gradients are reduce-scattered in fp32.
         gathers = 2 if plan.reshard_after_forward else 1
         per_micro = (gathers * (sizes.total - sizes.root) * c + sizes.root * c + sizes.trainable * 4) * (n - 1) / n
-        link = device.intra_node_gbps if n <= device.per_node else device.inter_node_gbps
         collectives = L * (gathers + 1) + 2
         comm = micro * (per_micro / (link * 1e9) + collectives * LATENCY_S[device.kind])
     overlap = OVERLAP[device.kind]

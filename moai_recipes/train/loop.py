@@ -30,6 +30,7 @@ from moai_recipes.planner.search import PlanChoice
 from moai_recipes.run_inputs import RunInputs
 from moai_recipes.train.loss import IGNORE_INDEX, token_loss_sum
 from moai_recipes.train.optim import clip_gradients
+from moai_recipes.train.parallel import all_reduce_gradients
 from moai_recipes.train.peak_memory import peak_memory_bytes
 from moai_recipes.train.run_log import RunLog
 
@@ -98,8 +99,9 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
     local_targets = sum(sum(1 for t in s["labels"] if t != IGNORE_INDEX) for s in samples)
     local_tokens = sum(len(s["tokens"]) for s in samples)
     global_targets, global_tokens = _all_reduce([local_targets, local_tokens], world.device)
-    # FSDP averages gradients over ranks; scaling by world size makes that a sum over the global batch.
-    scale = world.world_size / max(global_targets, 1)
+    # FSDP averages gradients over ranks: scaling by world size makes that a sum over the global batch. Replicas
+    # (and one process) sum them (all_reduce_gradients).
+    scale = (world.world_size if plan.sharded else 1) / max(global_targets, 1)
     loss_sum = torch.zeros((), device=world.device, dtype=torch.float64)
     for micro in micro_batches:
         batch = _inputs(micro, plan, pad_id)
@@ -108,6 +110,8 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
                               chunked=plan.chunked_loss, documents=docs)
         (loss * scale).backward()
         loss_sum += loss.detach().double()
+    if plan.replicate:
+        all_reduce_gradients(state.model)
     (total_loss,) = _all_reduce([loss_sum.item()], world.device)
     grad_norm = clip_gradients(state.model, max_grad_norm)
     finite = math.isfinite(total_loss) and math.isfinite(grad_norm)  # the same verdict on every rank

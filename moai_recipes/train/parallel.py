@@ -9,7 +9,9 @@ FSDP2 is applied only where it does something (Plan.sharded): one fp32 process k
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -121,3 +123,15 @@ def materialize(model: nn.Module, *, device: torch.device, cpu_offload: bool) ->
                 if not isinstance(p, DTensor):
                     moved = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
                     setattr(module, name, moved)
+
+
+def all_reduce_gradients(model: nn.Module) -> None:
+    """Sum a replicated model's gradients over the processes, in one collective over one flat copy of them.
+    Every trainable parameter takes part (a zero gradient where it has none), so that every rank sends the
+    same buffer."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    for p, reduced in zip(params, _unflatten_dense_tensors(flat, grads)):
+        p.grad = reduced

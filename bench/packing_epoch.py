@@ -1,0 +1,181 @@
+"""One epoch of variable-length text against torchtune 0.6.1's own recipe, unpacked and packed, on the CPU.
+
+    python bench/packing_epoch.py                   # 800 samples, max_seq_len 1024, batch 8, 2 rounds (~10 min)
+    python bench/packing_epoch.py --samples 200 --rounds 1     # a quick look
+    python bench/packing_epoch.py --only ours                  # ours cpu against ours cpu-2
+
+docs/benchmarks.md records a run and what it means. The jobs, alternated (round 2 runs them in reverse):
+
+  ours-cpu          python -m recipes.full_finetune flavor=cpu     (the planner decides: packing, budget)
+  ours-cpu-2        python -m recipes.full_finetune flavor=cpu-2   (2 processes, one core each)
+  torchtune         tune run full_finetune_single_device, batch 8, packed: false
+  torchtune-packed  the same with packed: true, batch 2 rows of max_seq_len tokens (torchtune's packing changes
+                    what a batch is: its steps are not ours, its tokens are)
+
+What is the same: the checkpoint (a Llama of --model-size by transformers, bench/vs_torchtune.py), the
+tokenizer (its tokenizer.json; torchtune through bench/torchtune_components.py), the text rows, in the
+order our seeded sampler visits them, fp32, AdamW, the cosine schedule, clipping. Before anything runs the
+script tokenises the file with both tools and refuses to go on unless they make the same tokens (the same
+count in total, sample by sample). What is measured: each process's wall time, start to exit (imports,
+loading, tokenising, the epoch, saving the model), the median over rounds with the spread; tokens/s is the
+epoch's tokens over that time. Exit 1 if a job fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+from vs_torchtune import (  # noqa: E402
+    ROOT,
+    child_env,
+    make_checkpoint,
+    run_logged,
+    torchtune_config,
+    write_jsonl,
+)
+
+sys.path.insert(0, str(ROOT))
+
+
+def make_varied_rows(count: int, *, seed: int) -> list[dict]:
+    """Texts of 10 to 900 words (median about 100, a long tail), words drawn from the demo data."""
+    from moai_recipes.models.tiny import demo_texts
+
+    words = " ".join(demo_texts()).split()
+    rng = random.Random(seed)
+    return [{"text": " ".join(rng.choice(words) for _ in range(min(900, max(10, int(rng.lognormvariate(4.6, 0.8))))))}
+            for _ in range(count)]
+
+
+def our_lengths(checkpoint: Path, data: Path, seq_len: int) -> list[int]:
+    from moai_recipes.data.datasets import load_dataset
+    from moai_recipes.data.tokenizer import Tokenizer
+
+    ds = load_dataset(kind="text", path=str(data), tokenizer=Tokenizer.from_checkpoint(checkpoint), max_seq_len=seq_len)
+    return list(ds.lengths)
+
+
+def torchtune_lengths(checkpoint: Path, data: Path, seq_len: int) -> list[int]:
+    from torchtune.datasets import text_completion_dataset
+    from torchtune_components import hf_text_tokenizer
+
+    tok = hf_text_tokenizer(str(checkpoint), max_seq_len=seq_len + 1)  # it keeps max_seq_len - 1 tokens, as the job
+    ds = text_completion_dataset(tok, source="json", data_files=str(data), column="text", split="train", add_eos=True)
+    return [len(ds[i]["tokens"]) for i in range(len(ds))]
+
+
+def torchtune_yaml(args, *, checkpoint: Path, data: Path, out: Path, packed: bool) -> str:
+    text = torchtune_config(args, checkpoint=checkpoint, data=data, out=out)
+    text = text.replace("max_steps_per_epoch: 0", "max_steps_per_epoch: null")
+    # A packed row holds max_seq_len + 1 tokens (the tokenizer's, whose samples keep max_seq_len): the RoPE cache
+    # must cover it (positions restart per document; only torchtune's length check reads it).
+    text = text.replace(f"  max_seq_len: {args.seq_len}\n  norm_eps", f"  max_seq_len: {args.seq_len + 1}\n  norm_eps")
+    if packed:  # rows of max_seq_len tokens, each document attending to itself; 2 rows a step as torchtune's docs do
+        text = text.replace("  packed: false", "  packed: true").replace(f"batch_size: {args.batch_size}\n",
+                                                                          f"batch_size: {args.packed_rows}\n")
+    return text
+
+
+def command(name: str, args, *, work: Path, checkpoint: Path, data: Path, tt_data: Path, out: Path):
+    if name.startswith("torchtune"):
+        out.mkdir()
+        cfg = out.with_suffix(".yaml")
+        cfg.write_text(torchtune_yaml(args, checkpoint=checkpoint, data=tt_data, out=out, packed=name.endswith("packed")))
+        cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", "full_finetune_single_device", "--config", str(cfg)]
+        return cmd, child_env(work, pythonpath=str(BENCH), threads=args.threads), work
+    flavor = "cpu-2" if name == "ours-cpu-2" else "cpu"
+    cmd = [sys.executable, "-m", "recipes.full_finetune", f"flavor={flavor}", "model=tiny",
+           f"model.checkpoint_dir={checkpoint}", "dataset=text", f"dataset.path={data}", f"batch_size={args.batch_size}",
+           f"max_seq_len={args.seq_len}", "epochs=1", "dtype=fp32", "logger=stdout", f"output_dir={out}",
+           f"seed={args.seed}", f"optimizer.lr={args.lr}", "optimizer.betas=[0.9,0.95]", "optimizer.eps=1e-8",
+           "optimizer.weight_decay=0.0", "optimizer.warmup_steps=2", "optimizer.max_grad_norm=1.0",
+           "sample_max_new_tokens=0", *args.ours]
+    return cmd, child_env(work, pythonpath=None, threads=args.threads), ROOT
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=800)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step, ours and unpacked torchtune")
+    p.add_argument("--packed-rows", type=int, default=2, help="rows of seq-len tokens per step, packed torchtune")
+    p.add_argument("--model-size", default="small", help="bench/vs_torchtune.py MODEL_SIZES (default small, ~3M)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--only", choices=("all", "ours", "torchtune"), default="all")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--ours", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides for our jobs")
+    p.add_argument("--workdir", type=Path, default=None)
+    args = p.parse_args()
+    args.steps, args.warmup_lr_steps = 0, 2  # what torchtune_config reads: the whole epoch, our warm-up
+
+    from moai_recipes.data.batches import GlobalBatches
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="moai-packing-"))
+    work.mkdir(parents=True, exist_ok=True)
+    start, load = time.perf_counter(), os.getloadavg()
+    try:
+        checkpoint = make_checkpoint(work / "checkpoint", args.model_size, max_positions=max(512, args.seq_len))
+        rows = make_varied_rows(args.samples, seed=args.seed)
+        data = write_jsonl(work / "varied.jsonl", rows)
+        batches = GlobalBatches(num_samples=len(rows), batch_size=args.batch_size, epochs=1, seed=args.seed)
+        order = [i for s in range(batches.total_steps) for i in batches.global_indices(s)]
+        tt_data = write_jsonl(work / "varied_in_our_order.jsonl", [rows[i] for i in order])
+        ours, theirs = our_lengths(checkpoint, data, args.seq_len), torchtune_lengths(checkpoint, tt_data, args.seq_len)
+        if sorted(ours) != sorted(theirs) or [ours[i] for i in order] != theirs:
+            print(f"refused: the tools tokenise the file differently ({sum(ours)} against {sum(theirs)} tokens)")
+            return 1
+        tokens = sum(ours)
+        print(f"{len(rows)} samples, {tokens:,} tokens alike in both tools (median {statistics.median(ours):.0f}, "
+              f"longest {max(ours)}); max_seq_len {args.seq_len}; model {args.model_size}; {os.cpu_count()} cores",
+              flush=True)
+        names = {"all": ["ours-cpu", "torchtune", "torchtune-packed", "ours-cpu-2"], "ours": ["ours-cpu", "ours-cpu-2"],
+                 "torchtune": ["ours-cpu", "torchtune", "torchtune-packed"]}[args.only]
+        walls: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                out = work / f"{name}-r{r + 1}"
+                cmd, env, cwd = command(name, args, work=work, checkpoint=checkpoint, data=data, tt_data=tt_data, out=out)
+                rc, wall = run_logged(cmd, cwd=cwd, env=env, log=out.with_suffix(".log"), timeout=args.timeout)
+                if rc != 0:
+                    print(f"{name} failed (exit {rc}); its log: {out.with_suffix('.log')}")
+                    print("\n".join(out.with_suffix(".log").read_text().splitlines()[-30:]))
+                    return 1
+                walls[name].append(wall)
+                print(f"  round {r + 1} {name:<17} {wall:6.1f} s", flush=True)
+        med = {n: statistics.median(w) for n, w in walls.items()}
+        print("\n| job | wall per epoch (median, min-max) | tokens/s |\n| --- | ---: | ---: |")
+        for n, w in walls.items():
+            print(f"| {n} | {med[n]:.1f} s ({min(w):.1f}-{max(w):.1f}) | {tokens / med[n]:,.0f} |")
+        if "torchtune-packed" in med:
+            fastest = min(med["torchtune"], med["torchtune-packed"])
+            print(f"\nours cpu / the faster torchtune: {fastest / med['ours-cpu']:.2f}x per epoch")
+        print(f"ours cpu-2 / ours cpu: {med['ours-cpu'] / med['ours-cpu-2']:.2f}x per epoch")
+        plan = next((line for line in (work / "ours-cpu-r1.log").read_text().splitlines()
+                     if line.startswith("Configuration for parallelism")), "")
+        print(f"ours cpu's plan: {plan.partition(': ')[2]}")
+        print(f"\nCommand: python bench/packing_epoch.py {' '.join(sys.argv[1:])}".rstrip())
+        print(f"Bench wall {time.perf_counter() - start:.0f} s; {platform.platform()}; load {load[0]:.2f} before, "
+              f"{os.getloadavg()[0]:.2f} after")
+        return 0
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
