@@ -1,5 +1,5 @@
 # make demo: install, then fine-tune the tiny model on the demo data on the CPU (about a minute in all).
-# make test: install, then run the test suite (about ten minutes on two cores).
+# make test: install, then run the test suite (about twelve minutes on two cores).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
