@@ -72,10 +72,8 @@ def rank_micro_batches(plan: Plan, dataset, indices: list[int], world: World) ->
     """This rank's micro-batches of a step's global batch (dataset indices), as the plan splits it; None for an
     empty one. Every rank computes every rank's split (it is deterministic) and runs as many micro-batches as
     the busiest: FSDP's collectives need the same number of forward and backward passes everywhere."""
-    lengths = [dataset.length(i) for i in indices]
-    at = dict(zip(indices, lengths))
-    shares = [plan.rank_share(indices, lengths, r) for r in range(world.world_size)]
-    splits = [plan.micro_batches([at[i] for i in share]) for share in shares]
+    shares = [plan.rank_share(indices, [dataset.length(i) for i in indices], r) for r in range(world.world_size)]
+    splits = [plan.micro_batches([dataset.length(i) for i in share]) for share in shares]
     mine, split = shares[world.rank], splits[world.rank]
     micro = [[dataset[mine[p]] for p in group] for group in split]
     return micro + [None] * (max(map(len, splits)) - len(split))
