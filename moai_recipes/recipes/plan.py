@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     choice = choose_plan(inputs.workload, flavor, forced=cfg.plan)
     print(f"Flavor {flavor.describe()}")
     print("\n".join(inputs.describe(cfg)))
-    print(f"{cfg.method} fine-tuning of {inputs.spec.num_params() / 1e9:.3g}B parameters, global batch "
+    n = inputs.spec.num_params()
+    print(f"{cfg.method} fine-tuning of {f'{n / 1e9:.3g}B' if n >= 1e9 else f'{n / 1e6:.3g}M'} parameters, global batch "
           f"{cfg.batch_size} x {cfg.max_seq_len} tokens")
     print(f"{'mbs':>4} {'accum':>5} {'packed':>6} {'recompute':>9} {'replica':>7} {'reshard':>7} {'offload':>7} "
           f"{'chunked':>7} {'peak GiB':>9} {'s/step':>9}  fits")
