@@ -3,6 +3,7 @@
     python bench/packing_epoch.py                   # 800 samples, max_seq_len 1024, batch 8, 2 rounds (~10 min)
     python bench/packing_epoch.py --samples 200 --rounds 1     # a quick look
     python bench/packing_epoch.py --only ours                  # ours cpu against ours cpu-2
+    python bench/packing_epoch.py --model-size smollm2 --max-steps 6 --only torchtune --rounds 1   # SmolLM2's layers
 
 docs/benchmarks.md records a run and what it means. The jobs, alternated (round 2 runs them in reverse):
 
@@ -18,7 +19,10 @@ order our seeded sampler visits them, fp32, AdamW, the cosine schedule, clipping
 script tokenises the file with both tools and refuses to go on unless they make the same tokens (the same
 count in total, sample by sample). What is measured: each process's wall time, start to exit (imports,
 loading, tokenising, the epoch, saving the model), the median over rounds with the spread; tokens/s is the
-epoch's tokens over that time. Exit 1 if a job fails.
+epoch's tokens over that time. Beside it, the steady training speed each tool logs per step (tokens/s,
+the median of the steps after the first two: start-up, loading and saving left out). --max-steps cuts the
+epoch short (ours max_steps, torchtune max_steps_per_epoch: a packed torchtune step holds other tokens than
+ours, so compare tokens/s there, not walls). Exit 1 if a job fails.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def torchtune_lengths(checkpoint: Path, data: Path, seq_len: int) -> list[int]:
 
 def torchtune_yaml(args, *, checkpoint: Path, data: Path, out: Path, packed: bool) -> str:
     text = torchtune_config(args, checkpoint=checkpoint, data=data, out=out)
-    text = text.replace("max_steps_per_epoch: 0", "max_steps_per_epoch: null")
+    text = text.replace("max_steps_per_epoch: 0", f"max_steps_per_epoch: {args.max_steps or 'null'}")
     # A packed row holds max_seq_len + 1 tokens (the tokenizer's, whose samples keep max_seq_len): the RoPE cache
     # must cover it (positions restart per document; only torchtune's length check reads it).
     text = text.replace(f"  max_seq_len: {args.seq_len}\n  norm_eps", f"  max_seq_len: {args.seq_len + 1}\n  norm_eps")
@@ -101,8 +105,23 @@ def command(name: str, args, *, work: Path, checkpoint: Path, data: Path, tt_dat
            f"max_seq_len={args.seq_len}", "epochs=1", "dtype=fp32", "logger=stdout", f"output_dir={out}",
            f"seed={args.seed}", f"optimizer.lr={args.lr}", "optimizer.betas=[0.9,0.95]", "optimizer.eps=1e-8",
            "optimizer.weight_decay=0.0", "optimizer.warmup_steps=2", "optimizer.max_grad_norm=1.0",
-           "sample_max_new_tokens=0", *args.ours]
+           "sample_max_new_tokens=0", *([f"max_steps={args.max_steps}"] if args.max_steps else []), *args.ours]
     return cmd, child_env(work, pythonpath=None, threads=args.threads), ROOT
+
+
+def steady_speeds(name: str, out: Path, skip: int = 2) -> list[float]:
+    """Tokens/s of each step after the first `skip`, as the tool logged it."""
+    if name.startswith("torchtune"):
+        from vs_torchtune import _TT_LINE
+
+        log = sorted((out / "logs").glob("log_*.txt"))[-1]
+        rows = [dict(kv.split(":", 1) for kv in m.group(2).split()) for m in map(_TT_LINE.match, log.read_text().splitlines())
+                if m]
+        return [float(r["tokens_per_second_per_gpu"]) for r in rows if "tokens_per_second_per_gpu" in r][skip:]
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["tokens"] / r["step_time_s"] for r in rows][skip:]
 
 
 def main() -> int:
@@ -117,6 +136,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=None, help="stop each job after this many steps (default: the epoch)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--ours", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides for our jobs")
     p.add_argument("--workdir", type=Path, default=None)
@@ -146,6 +166,7 @@ def main() -> int:
         names = {"all": ["ours-cpu", "torchtune", "torchtune-packed", "ours-cpu-2"], "ours": ["ours-cpu", "ours-cpu-2"],
                  "torchtune": ["ours-cpu", "torchtune", "torchtune-packed"]}[args.only]
         walls: dict[str, list[float]] = {n: [] for n in names}
+        speeds: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 out = work / f"{name}-r{r + 1}"
@@ -156,15 +177,23 @@ def main() -> int:
                     print("\n".join(out.with_suffix(".log").read_text().splitlines()[-30:]))
                     return 1
                 walls[name].append(wall)
+                speeds[name] += steady_speeds(name, out)
                 print(f"  round {r + 1} {name:<17} {wall:6.1f} s", flush=True)
         med = {n: statistics.median(w) for n, w in walls.items()}
-        print("\n| job | wall per epoch (median, min-max) | tokens/s |\n| --- | ---: | ---: |")
+        print("\n| job | wall (median, min-max) | epoch tokens / wall | steady tokens/s (median, min-max) |\n"
+              "| --- | ---: | ---: | ---: |")
         for n, w in walls.items():
-            print(f"| {n} | {med[n]:.1f} s ({min(w):.1f}-{max(w):.1f}) | {tokens / med[n]:,.0f} |")
+            v = speeds[n]
+            print(f"| {n} | {med[n]:.1f} s ({min(w):.1f}-{max(w):.1f}) | {tokens / med[n]:,.0f} | "
+                  f"{statistics.median(v):,.0f} ({min(v):,.0f}-{max(v):,.0f}) |")
+        fast = {n: statistics.median(v) for n, v in speeds.items()}
+        if "torchtune-packed" in fast:
+            print(f"steady tokens/s, ours cpu / torchtune packed: {fast['ours-cpu'] / fast['torchtune-packed']:.2f}x")
         if "torchtune-packed" in med:
             fastest = min(med["torchtune"], med["torchtune-packed"])
-            print(f"\nours cpu / the faster torchtune: {fastest / med['ours-cpu']:.2f}x per epoch")
-        print(f"ours cpu-2 / ours cpu: {med['ours-cpu'] / med['ours-cpu-2']:.2f}x per epoch")
+            print(f"\nours cpu / the faster torchtune: {fastest / med['ours-cpu']:.2f}x per {'run' if args.max_steps else 'epoch'}")
+        if "ours-cpu-2" in med:
+            print(f"ours cpu-2 / ours cpu: {med['ours-cpu'] / med['ours-cpu-2']:.2f}x per epoch")
         plan = next((line for line in (work / "ours-cpu-r1.log").read_text().splitlines()
                      if line.startswith("Configuration for parallelism")), "")
         print(f"ours cpu's plan: {plan.partition(': ')[2]}")

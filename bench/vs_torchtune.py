@@ -66,6 +66,7 @@ MODEL_SIZES = {
     "small": (256, 4, 4, 2, 704),     # ~3M parameters
     "medium": (512, 8, 8, 4, 1408),   # ~24M
     "large": (768, 8, 12, 4, 2048),   # ~51M
+    "smollm2": (576, 30, 9, 3, 1536),  # SmolLM2-135M's layers (~107M with this 512-token vocabulary)
 }
 ROPE_THETA = 500000.0
 NORM_EPS = 1e-5
