@@ -31,7 +31,7 @@ def ls_lines() -> list[str]:
     names = recipes()
     w = max(len("RECIPE"), *map(len, names)) + 2
     lines = [f"{'RECIPE':<{w}}{'CONFIG':<{w}}RUN"]
-    lines += [f"{r:<{w}}{r:<{w}}python -m recipes.{r}" for r in names]
+    lines += [f"{r:<{w}}{r:<{w}}moai run {r:<{w}}(from the checkout: python -m recipes.{r})" for r in names]
     lines += ["", "GROUP      OPTIONS (GROUP=OPTION on a command line; `moai cp GROUP/OPTION DEST` copies one)"]
     options = {**group_options(), "flavor": [o.option for o in catalog()]}  # by size, as `moai flavors` lists them
     lines += [f"{g:<11}{' '.join(o)}" for g, o in options.items()]
@@ -76,7 +76,7 @@ def recipe_copy(recipe: str) -> list[str]:
     group), then each key of the schema that is no group's, with its default and its help as a comment."""
     defaults = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / f"{recipe}.yaml").defaults)
     lines = [f"# A copy of moai-recipes' {recipe} config: every key with its default, to edit. A group's keys",
-             f"# (model.*, optimizer.lr, ...) come with its option; python -m recipes.{recipe} --cfg job shows all.",
+             f"# (model.*, optimizer.lr, ...) come with its option; moai run {recipe} --cfg job shows all.",
              "defaults:"]
     lines += [f"  - {next(iter(d))}: {next(iter(d.values()))}" if isinstance(d, dict) else f"  - {d}" for d in defaults]
     return lines + [""] + _schema_lines(SCHEMAS[recipe](), indent="", skip=GROUPS)
@@ -142,7 +142,7 @@ def validate(config: str, overrides: list[str]) -> Iterator[str]:
     yield f"Config {source} composes for recipes.{recipe}; values valid"
     yield from _check_inputs(recipe, cfg)
     yield "OK: nothing wrong found." + ("" if recipe == "generate" else
-                                        " Whether it fits in memory, and how it would run: python -m recipes.plan "
+                                        " Whether it fits in memory, and how it would run: moai run plan "
                                         "with the same overrides (method=lora for LoRA)")
 
 
