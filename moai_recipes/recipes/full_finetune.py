@@ -67,12 +67,14 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     train_loop(state, inputs, choice, LoopSettings.from_config(cfg), world, log)
     say("\n".join(answers.report_after(model)))
 
-    # 6. The model in Hugging Face format, laid out as the input was.
-    save_weights(model, inputs.ckpt, inputs.out / "model", rank=world.rank)
-    if log:  # before the last barrier: a worker that crashes while exiting cannot cut it short
+    # 6. The model in Hugging Face format, laid out as the input was. It is the run's last output (the log is
+    #    closed, loss.png drawn, first): a folder with model/ holds a finished run, whatever happens to a worker
+    #    afterwards (the launcher relies on it: launch/entry.py).
+    if log:
         log.close()
-        say(f"Model saved in {inputs.out / 'model'}; metrics in {inputs.out / 'metrics.jsonl'}, "
-            f"loss curve in {inputs.out / 'loss.png'}")
+    save_weights(model, inputs.ckpt, inputs.out / "model", rank=world.rank)
+    say(f"Model saved in {inputs.out / 'model'}; metrics in {inputs.out / 'metrics.jsonl'}, "
+        f"loss curve in {inputs.out / 'loss.png'}")
     dist.barrier()
 
 

@@ -82,16 +82,18 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
 
     # 6. The adapter in PEFT format, and the base with the adapters merged in Hugging Face format
     #    (QLoRA: the base it was trained with, dequantized from NF4).
+    #    The log is closed (loss.png drawn) first: the last output written marks a finished run, whatever
+    #    happens to a worker afterwards (launch/entry.py relies on it).
+    if log:
+        log.close()
     adapters = gather_adapters(model)
     if world.is_main:
         save_adapter(adapters, opts=lora, ckpt=inputs.ckpt, out_dir=inputs.out / "adapter",
                      base_model=base_model_name(inputs.ckpt.folder, cfg.model.hf_repo))
     if cfg.save_merged:
         save_weights(model, inputs.ckpt, inputs.out / "model", rank=world.rank, transform=merge_into(adapters, lora.scale))
-    if log:  # before the last barrier: a worker that crashes while exiting cannot cut it short
-        log.close()
-        say(f"Adapter saved in {inputs.out / 'adapter'}" + (f", merged model in {inputs.out / 'model'}"
-                                                             if cfg.save_merged else ""))
+    say(f"Adapter saved in {inputs.out / 'adapter'}" + (f", merged model in {inputs.out / 'model'}"
+                                                         if cfg.save_merged else ""))
     dist.barrier()
 
 
