@@ -4,6 +4,7 @@
     python bench/packing_epoch.py --samples 200 --rounds 1     # a quick look
     python bench/packing_epoch.py --only ours                  # ours cpu against ours cpu-2
     python bench/packing_epoch.py --model-size smollm2 --max-steps 6 --only torchtune --rounds 1   # SmolLM2's layers
+    python bench/packing_epoch.py --only compile               # ours eager against ours with compiled layers
 
 docs/benchmarks.md records a run and what it means. The jobs, alternated (round 2 runs them in reverse):
 
@@ -12,6 +13,8 @@ docs/benchmarks.md records a run and what it means. The jobs, alternated (round 
   torchtune         tune run full_finetune_single_device, batch 8, packed: false
   torchtune-packed  the same with packed: true, batch 2 rows of max_seq_len tokens (torchtune's packing changes
                     what a batch is: its steps are not ours, its tokens are)
+  ours-compiled     ours flavor=cpu with plan.compile=true (--only compile), each run with a cold inductor cache:
+                    its first step's time is the compile time a first run pays
 
 What is the same: the checkpoint (a Llama of --model-size by transformers, bench/vs_torchtune.py), the
 tokenizer (its tokenizer.json; torchtune through bench/torchtune_components.py), the text rows, in the
@@ -100,13 +103,23 @@ def command(name: str, args, *, work: Path, checkpoint: Path, data: Path, tt_dat
         cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", "full_finetune_single_device", "--config", str(cfg)]
         return cmd, child_env(work, pythonpath=str(BENCH), threads=args.threads), work
     flavor = "cpu-2" if name == "ours-cpu-2" else "cpu"
+    env = child_env(work, pythonpath=None, threads=args.threads)
+    if name == "ours-compiled":
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(out) + "-inductor"  # cold: nothing compiled before
     cmd = [sys.executable, "-m", "recipes.full_finetune", f"flavor={flavor}", "model=tiny",
            f"model.checkpoint_dir={checkpoint}", "dataset=text", f"dataset.path={data}", f"batch_size={args.batch_size}",
            f"max_seq_len={args.seq_len}", "epochs=1", "dtype=fp32", "logger=stdout", f"output_dir={out}",
            f"seed={args.seed}", f"optimizer.lr={args.lr}", "optimizer.betas=[0.9,0.95]", "optimizer.eps=1e-8",
            "optimizer.weight_decay=0.0", "optimizer.warmup_steps=2", "optimizer.max_grad_norm=1.0",
-           "sample_max_new_tokens=0", *([f"max_steps={args.max_steps}"] if args.max_steps else []), *args.ours]
-    return cmd, child_env(work, pythonpath=None, threads=args.threads), ROOT
+           "sample_max_new_tokens=0", *([f"max_steps={args.max_steps}"] if args.max_steps else []), *args.ours,
+           *(["plan.compile=true"] if name == "ours-compiled" else [])]
+    return cmd, env, ROOT
+
+
+def first_step_s(out: Path) -> float:
+    import json
+
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step_time_s"]
 
 
 def steady_speeds(name: str, out: Path, skip: int = 2) -> list[float]:
@@ -132,7 +145,7 @@ def main() -> int:
     p.add_argument("--packed-rows", type=int, default=2, help="rows of seq-len tokens per step, packed torchtune")
     p.add_argument("--model-size", default="small", help="bench/vs_torchtune.py MODEL_SIZES (default small, ~3M)")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--only", choices=("all", "ours", "torchtune"), default="all")
+    p.add_argument("--only", choices=("all", "ours", "torchtune", "compile"), default="all")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--seed", type=int, default=0)
@@ -164,9 +177,11 @@ def main() -> int:
               f"longest {max(ours)}); max_seq_len {args.seq_len}; model {args.model_size}; {os.cpu_count()} cores",
               flush=True)
         names = {"all": ["ours-cpu", "torchtune", "torchtune-packed", "ours-cpu-2"], "ours": ["ours-cpu", "ours-cpu-2"],
-                 "torchtune": ["ours-cpu", "torchtune", "torchtune-packed"]}[args.only]
+                 "torchtune": ["ours-cpu", "torchtune", "torchtune-packed"],
+                 "compile": ["ours-cpu", "ours-compiled"]}[args.only]
         walls: dict[str, list[float]] = {n: [] for n in names}
         speeds: dict[str, list[float]] = {n: [] for n in names}
+        firsts: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 out = work / f"{name}-r{r + 1}"
@@ -178,7 +193,11 @@ def main() -> int:
                     return 1
                 walls[name].append(wall)
                 speeds[name] += steady_speeds(name, out)
-                print(f"  round {r + 1} {name:<17} {wall:6.1f} s", flush=True)
+                first = first_step_s(out) if name.startswith("ours") else None
+                if first is not None:
+                    firsts[name].append(first)
+                print(f"  round {r + 1} {name:<17} {wall:6.1f} s" + (f" (first step {first:.1f} s)" if first else ""),
+                      flush=True)
         med = {n: statistics.median(w) for n, w in walls.items()}
         print("\n| job | wall (median, min-max) | epoch tokens / wall | steady tokens/s (median, min-max) |\n"
               "| --- | ---: | ---: | ---: |")
@@ -192,6 +211,11 @@ def main() -> int:
         if "torchtune-packed" in med:
             fastest = min(med["torchtune"], med["torchtune-packed"])
             print(f"\nours cpu / the faster torchtune: {fastest / med['ours-cpu']:.2f}x per {'run' if args.max_steps else 'epoch'}")
+        if "ours-compiled" in med:
+            print(f"compiled / eager, ours cpu: {med['ours-cpu'] / med['ours-compiled']:.2f}x per "
+                  f"{'run' if args.max_steps else 'epoch'}, {fast['ours-compiled'] / fast['ours-cpu']:.2f}x steady "
+                  f"tokens/s; first step (compiling) {statistics.median(firsts['ours-compiled']):.1f} s against "
+                  f"{statistics.median(firsts['ours-cpu']):.2f} s eager")
         if "ours-cpu-2" in med:
             print(f"ours cpu-2 / ours cpu: {med['ours-cpu'] / med['ours-cpu-2']:.2f}x per epoch")
         plan = next((line for line in (work / "ours-cpu-r1.log").read_text().splitlines()

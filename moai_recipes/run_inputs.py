@@ -113,7 +113,8 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
         batches = GlobalBatches(num_samples=len(dataset), batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed)
         total_steps = min(batches.total_steps, cfg.max_steps or math.inf)
     workload = Workload(spec=spec, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, lora=lora, dtype=cfg.dtype,
-                        lengths=dataset.lengths if dataset is not None else None)
+                        lengths=dataset.lengths if dataset is not None else None,
+                        steps=total_steps if total_steps is not None else cfg.max_steps)
     return RunInputs(model_name=m.name, spec=spec, ckpt=ckpt, tokenizer=tokenizer, lora=lora, dataset=dataset,
                      batches=batches, total_steps=total_steps, out=out, resume_from=resume_from, workload=workload)
 

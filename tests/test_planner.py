@@ -10,6 +10,7 @@ import pytest
 from moai_recipes.config.compose import load_config
 from moai_recipes.errors import UserError
 from moai_recipes.flavors import resolve_flavor
+from moai_recipes.models.lora import lora_options
 from moai_recipes.models.spec import spec_for
 from moai_recipes.planner.activations import trace_layer
 from moai_recipes.planner.plan import Workload
@@ -18,8 +19,8 @@ from tests.conftest import ROOT
 from tests.test_full_finetune import metrics, run_recipe
 
 
-def setup(*overrides):
-    cfg = load_config("full_finetune", list(overrides))
+def setup(*overrides, recipe="full_finetune"):
+    cfg = load_config(recipe, list(overrides))
     return cfg, spec_for(architecture=cfg.model.architecture, checkpoint_dir=None), resolve_flavor(**cfg.flavor)
 
 
@@ -204,3 +205,31 @@ def test_the_head_of_a_large_micro_batch_is_extrapolated_exactly(chunked):
         rel = 0.01 if chunked else 0  # a partial last chunk moves a little more memory per token
         assert got.flops == want.flops
         assert got.peak == pytest.approx(want.peak, rel=rel) and got.traffic == pytest.approx(want.traffic, rel=rel)
+
+
+def test_layers_are_compiled_where_the_run_pays_for_the_compile_time():
+    _, spec, gpu = setup("model=llama3_8b", "flavor=xlarge")
+    long_run = choose_plan(Workload(spec=spec, batch_size=64, seq_len=2048, steps=1000), gpu).chosen
+    assert long_run.plan.compile and "compiled layers" in long_run.plan.describe()
+    eager = choose_plan(Workload(spec=spec, batch_size=64, seq_len=2048, steps=1000), gpu,
+                        forced={**{k: getattr(long_run.plan, k) for k in ("micro_batch_size", "packing", "recompute",
+                                                                          "reshard_after_forward", "cpu_offload",
+                                                                          "chunked_loss")}, "compile": False}).chosen
+    saved = eager.time.total_s - long_run.time.total_s
+    assert 0 < saved and saved * 1000 > long_run.time.once_s > 0
+    # A run too short to win back the compile time stays eager; so does every CPU run (compiling gains nothing
+    # there, timing.COMPILED), unless forced.
+    short = choose_plan(Workload(spec=spec, batch_size=64, seq_len=2048, steps=2), gpu).chosen
+    assert not short.plan.compile and short.time.once_s == 0
+    _, tiny, cpu = setup("flavor=cpu")
+    assert not choose_plan(Workload(spec=tiny, batch_size=8, seq_len=128, steps=10**6), cpu).chosen.plan.compile
+    assert choose_plan(Workload(spec=tiny, batch_size=8, seq_len=128), cpu, forced={"compile": True}).chosen.plan.compile
+
+
+def test_qlora_is_never_compiled():
+    cfg, spec, gpu = setup("model=llama3_8b", "flavor=xlarge", "lora.quantize_base=true", recipe="lora_finetune")
+    qlora = lora_options(cfg.lora, spec=spec, world_size=gpu.num_devices)
+    work = Workload(spec=spec, batch_size=64, seq_len=2048, lora=qlora, steps=1000)
+    assert not choose_plan(work, gpu).chosen.plan.compile
+    with pytest.raises(UserError, match="plan.compile=true: QLoRA's NF4 base weights cannot be compiled"):
+        choose_plan(work, gpu, forced={"compile": True})

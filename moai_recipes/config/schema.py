@@ -142,6 +142,8 @@ class PlanConfig:
     cpu_offload: Optional[bool] = setting(None, "parameters, gradients and optimizer state on the host (null: planner)")
     chunked_loss: Optional[bool] = setting(None, "the output projection and the loss over chunks of tokens, never all the "
                                            "logits at once (null: the planner decides)")
+    compile: Optional[bool] = setting(None, "each layer compiled by torch.compile, where it pays for its compile time "
+                                            "within the run (null: the planner decides)")
 
 
 @dataclass

@@ -52,16 +52,21 @@ def _attention(q, k, v, *, mask, dropout_p: float, is_causal: bool, torchtune_ca
     """q, k, v: [batch, heads, tokens, head_dim] (k and v already expanded to q's heads by torchtune)."""
     if not isinstance(mask, Documents):
         return torchtune_call(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    varlen = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0
+    if torch.compiler.is_compiling():  # left out of compiled layers (plan.compile), see below
+        return (_eager_varlen if varlen else _eager_per_document)(q, k, v, mask, dropout_p)
+    return (_varlen if varlen else _per_document)(q, k, v, mask, dropout_p)
+
+
+def _per_document(q, k, v, mask: Documents, dropout_p: float):
     assert q.shape[0] == 1 and q.shape[2] == mask.offsets[-1], (q.shape, mask.offsets[-1])
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0:
-        return _varlen(q, k, v, mask)
     # split, not slicing: its backward is one concatenation, where each slice's would fill a whole row of zeros.
     n = list(mask.lengths)
     return torch.cat([F.scaled_dot_product_attention(qd, kd, vd, dropout_p=dropout_p, is_causal=True)
                       for qd, kd, vd in zip(q.split(n, dim=2), k.split(n, dim=2), v.split(n, dim=2))], dim=2)
 
 
-def _varlen(q, k, v, docs: Documents):
+def _varlen(q, k, v, docs: Documents, dropout_p: float):
     from torch.nn.attention.varlen import varlen_attn
 
     cu = torch.tensor(docs.offsets, dtype=torch.int32, device=q.device)
@@ -70,3 +75,10 @@ def _varlen(q, k, v, docs: Documents):
     out = varlen_attn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, longest, longest,
                       window_size=(-1, 0))
     return out.transpose(0, 1).unsqueeze(0)
+
+
+# In a compiled layer (plan.compile) attention over documents runs eager: the documents' lengths are Python
+# values that differ every step, so a traced graph would be specialised to one row and recompiled for the
+# next. Only there: the wrapper costs each call tens of microseconds, which eager layers need not pay.
+_eager_per_document = torch.compiler.disable(_per_document)
+_eager_varlen = torch.compiler.disable(_varlen)

@@ -20,6 +20,7 @@ class Workload:
     lora: object = None  # models.lora.LoraOptions
     dtype: str = "auto"
     lengths: tuple[int, ...] | None = None  # the data's samples' token counts (None: all seq_len long)
+    steps: int | None = None  # optimizer steps of the run (None: unknown, a long run)
 
     @cached_property
     def sizes(self):
@@ -68,6 +69,7 @@ class Plan:
     chunked_loss: bool  # the output projection and the loss in chunks of tokens (train/loss.py)
     param_dtype: str  # compute dtype of parameters in forward/backward
     master_dtype: str  # dtype of the sharded parameters, gradients and optimizer state
+    compile: bool = False  # each layer's forward and backward compiled by torch.compile (train/parallel.py)
 
     @staticmethod
     def device_share(batch_size: int, num_devices: int) -> int:
@@ -137,7 +139,7 @@ class Plan:
         return (f"batch {self.batch_size} over {self.num_devices} device(s): batch_per_device {self.batch_per_device}, "
                 f"{split}, recomputation {self.recompute}, {self._distribution()}, cpu_offload "
                 f"{str(self.cpu_offload).lower()}, chunked loss {str(self.chunked_loss).lower()}, {self.param_dtype} "
-                f"compute, {self.master_dtype} master weights")
+                f"compute, {self.master_dtype} master weights, {'compiled' if self.compile else 'eager'} layers")
 
     def _distribution(self) -> str:
         if self.replicate:

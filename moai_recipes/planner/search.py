@@ -41,15 +41,16 @@ class PlanChoice:
         return [f"The number of candidates is {len(self.candidates)}.",
                 f"The number of possible candidates is {fit} (predicted peak within {self.budget_bytes / GiB:.3g} GiB "
                 f"per device).",
-                f"Chosen: the fastest that fits: predicted {c.time.total_s:.3g} s/step, peak "
-                f"{c.memory.total / GiB:.3g} GiB per device"]
+                f"Chosen: the fastest that fits: predicted {c.time.total_s:.3g} s/step"
+                + (f" after {c.time.once_s:.3g} s compiling" if c.time.once_s else "")
+                + f", peak {c.memory.total / GiB:.3g} GiB per device"]
 
     def as_dict(self) -> dict:
         return {"flavor": self.flavor, "budget_bytes": self.budget_bytes, "chosen": self.chosen.as_dict(),
                 "candidates": [c.as_dict() for c in self.candidates]}
 
 
-def _options(n: int, per_device: int, flavor: Flavor, forced: dict, compute: str) -> list[dict]:
+def _options(n: int, per_device: int, flavor: Flavor, forced: dict, work: Workload, compute: str) -> list[dict]:
     sizes = sorted({min(2**k, per_device) for k in range(0, per_device.bit_length() + 1)} | {per_device})
     recomputes = [r.value for r in Recompute]
     # One device shards nothing, so resharding is moot there: take what the user forced.
@@ -57,16 +58,23 @@ def _options(n: int, per_device: int, flavor: Flavor, forced: dict, compute: str
     offloads = [False, True] if flavor.device.kind == "gpu" else [False]
     # Replicas are plain modules: several processes computing in their fp32 master dtype (FSDP2 casts to bf16).
     replicas = [False, True] if n > 1 and compute == "float32" else [False]
+    # Compiling is predicted to gain nothing on the CPU (timing.COMPILED), so it is offered there only when
+    # forced; never with NF4 base weights (QLoRA), whose tensor subclass inductor does not compile.
+    qlora = work.lora is not None and work.lora.quantize_base
+    compiles = [False] if qlora else [False, True] if flavor.device.kind == "gpu" or forced.get("compile") else [False]
     opts = [dict(micro_batch_size=m, packing=p, recompute=r, replicate=d, reshard_after_forward=s, cpu_offload=o,
-                 chunked_loss=c)
+                 chunked_loss=c, compile=k)
             for m in sizes for p in (False, True) for r in recomputes for d in replicas
             for s in (reshards[:1] if d else reshards)  # nothing is resharded in a replica
-            for o in ([False] if d else offloads) for c in (False, True)]
+            for o in ([False] if d else offloads) for c in (False, True) for k in compiles]
     return [o for o in opts if all(forced.get(k) is None or o[k] == forced[k] for k in o)]
 
 
-def _impossible(forced: dict, flavor: Flavor) -> str:
-    """Why no plan has the forced fields on this flavor (only the flavor limits them)."""
+def _impossible(forced: dict, flavor: Flavor, work: Workload) -> str:
+    """Why no plan has the forced fields on this flavor (only the flavor and QLoRA limit them)."""
+    if forced.get("compile") and work.lora is not None and work.lora.quantize_base:
+        return ("plan.compile=true: QLoRA's NF4 base weights cannot be compiled; drop plan.compile or train LoRA "
+                "(lora.quantize_base=false)")
     if forced.get("cpu_offload"):
         return (f"plan.cpu_offload=true: {flavor.name} has no device memory to offload from (it runs on the CPU); "
                 "drop plan.cpu_offload or pick a GPU flavor")
@@ -85,7 +93,8 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
         raise UserError(f"nothing fits {flavor.name} {what}: the smallest plan needs {smallest.memory.total / GiB:,.1f} GiB "
                         f"per device (budget {budget / GiB:.3g} GiB = {flavor.device_memory_gb:.4g} GiB less "
                         f"{SAFETY_MARGIN:.0%}). {_what_would_fit(work, flavor, forced)}")
-    chosen = min(fitting, key=lambda c: (round(c.time.total_s, 6), c.memory.total))
+    # The fastest run: compiling pays once for faster steps, so it is chosen only where the run is long enough.
+    chosen = min(fitting, key=lambda c: (round(c.time.run_s(work.steps), 6), c.memory.total))
     return PlanChoice(flavor=flavor.name, chosen=chosen, candidates=candidates, budget_bytes=budget)
 
 
@@ -99,9 +108,9 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Cand
     gpu = flavor.device.kind == "gpu"
     compute = "bfloat16" if (work.dtype == "bf16" or (work.dtype == "auto" and gpu)) else "float32"
     budget = int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
-    options = _options(n, per_device, flavor, forced, compute)
+    options = _options(n, per_device, flavor, forced, work, compute)
     if not options:
-        raise UserError(_impossible(forced, flavor))
+        raise UserError(_impossible(forced, flavor, work))
     candidates = []
     for o in options:
         plan = Plan(batch_size=work.batch_size, num_devices=n, max_seq_len=work.seq_len,

@@ -43,6 +43,15 @@ SELECTIVE_OP_S = {"gpu": 2.5e-6, "cpu": 2.4e-6}
 OVERLAP = {"gpu": 0.8, "cpu": 0.0}
 LATENCY_S = {"gpu": 30e-6, "cpu": 2.2e-3}
 PCIE_GBPS = 25
+# A compiled layer (plan.compile) fuses its elementwise operators: the share of the eager layer's elementwise
+# traffic and of its dispatched operators that remain. GPUs: inductor's fused Triton kernels read each input
+# once and launch a few kernels per layer (torchtitan's per-block compile), an estimate not yet measured here.
+# The CPU: measured with bench/compile_layers.py on this machine, inductor's C++ kernels are no faster than
+# eager, so compiling there is predicted to gain nothing (and is never chosen).
+COMPILED = {"gpu": (0.5, 0.2), "cpu": (1.0, 1.0)}
+# Seconds to compile a layer's forward and backward once (one graph serves every layer), a cold cache:
+# the CPU's measured (bench/compile_layers.py), the GPU's an estimate of inductor's Triton autotuning.
+COMPILE_S = {"gpu": 60.0, "cpu": 30.0}
 # Operators a document adds to a packed row's attention, forward and backward (CPU: per-document SDPA).
 DOCUMENT_OPS = 8
 
@@ -53,6 +62,11 @@ class TimeEstimate:
     comm_s: float
     exposed_comm_s: float
     offload_s: float
+    once_s: float = 0.0  # paid once a run, not every step: compiling the layers
+
+    def run_s(self, steps: int | None) -> float:
+        """Seconds of a run of `steps` steps (None: unknown, a long run: the step time alone decides)."""
+        return self.total_s if steps is None else self.total_s * steps + self.once_s
 
     @property
     def total_s(self) -> float:
@@ -96,8 +110,9 @@ def predict_time(plan: Plan, work: Workload, device: Device) -> TimeEstimate:
     head = trace_head(spec, micro_batch_size=plan.micro_batch_size, seq_len=seq_len, chunked=plan.chunked_loss,
                       dtype=dtype, lora=lora)
     sequences, heads = tokens / seq_len, tokens / plan.token_budget
+    fused_traffic, fused_ops = COMPILED[device.kind] if plan.compile else (1.0, 1.0)
     flops = sequences * L * layer.flops + heads * head.flops
-    traffic = sequences * L * layer.traffic + heads * head.traffic
+    traffic = sequences * L * layer.traffic * fused_traffic + heads * head.traffic
     peak, bandwidth = device_speed(device, compute_dtype=compute_dtype, num_devices=n)
     top, half = EFFICIENCY[device.kind]
     mb_tokens = tokens / micro
@@ -105,7 +120,7 @@ def predict_time(plan: Plan, work: Workload, device: Device) -> TimeEstimate:
     work = flops / (peak * top * mb_tokens / (mb_tokens + half)) + traffic / memory_speed
     if not plan.cpu_offload:  # offloaded, the optimizer runs on the host (below)
         work += sizes.trainable / plan.shards * OPTIMIZER_TRAFFIC[device.kind] / memory_speed
-    ops = micro * (L * layer.ops + head.ops)
+    ops = micro * (L * layer.ops * fused_ops + head.ops)
     if plan.packing:  # attention document by document (models/attention.py): slices, a kernel, a concatenation
         ops += micro * per_micro_samples * L * DOCUMENT_OPS
     dispatch = ops * PER_OP_S[device.kind]
@@ -131,4 +146,5 @@ def predict_time(plan: Plan, work: Workload, device: Device) -> TimeEstimate:
     if plan.cpu_offload:
         moved = micro * sizes.total / n * DTYPE_BYTES[compute_dtype] * 2 + sizes.trainable * 4 / n
         offload = moved / (PCIE_GBPS * 1e9) + sizes.trainable * 16 / n / 20e9  # host-side AdamW
-    return TimeEstimate(compute_s=compute, comm_s=comm, exposed_comm_s=exposed, offload_s=offload)
+    return TimeEstimate(compute_s=compute, comm_s=comm, exposed_comm_s=exposed, offload_s=offload,
+                        once_s=COMPILE_S[device.kind] if plan.compile else 0.0)

@@ -10,7 +10,9 @@ def greedy_continuation(model: nn.Module, prompt: list[int], *, max_new_tokens: 
                         device: torch.device) -> list[int]:
     """Greedy decoding without a cache (short demo answers); every rank runs it so FSDP's gathers match."""
     tokens = list(prompt)
-    with torch.no_grad():
+    # Eager even where the layers are compiled for training (plan.compile): a graph for every prompt length
+    # without gradients would cost more compiling than the few tokens it generates.
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         for _ in range(max_new_tokens):
             nxt = int(model(torch.tensor([tokens], device=device))[0, -1].argmax())
             if nxt in stop_ids:

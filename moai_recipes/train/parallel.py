@@ -1,8 +1,9 @@
-"""Parallelise a model in one place and one order (`parallelize`): activation checkpointing, then FSDP2,
-then memory on the device.
+"""Parallelise a model in one place and one order (`parallelize`): activation checkpointing, then
+compilation, then FSDP2, then memory on the device.
 
-torchtitan's order: recomputation wraps each transformer layer first, then `fully_shard` shards
-every layer and finally the root, so each layer's parameters are all-gathered just in time.
+torchtitan's order: recomputation wraps each transformer layer first, then each layer is compiled
+(around its recomputation), then `fully_shard` shards every layer and finally the root, so each
+layer's parameters are all-gathered just in time.
 FSDP2 is applied only where it does something (Plan.sharded): one fp32 process keeps a plain module.
 """
 
@@ -19,7 +20,6 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
 from moai_recipes.config.schema import Recompute
@@ -57,24 +57,42 @@ def apply_recompute(layers: nn.ModuleList, policy: str) -> None:
     policy = Recompute(policy)
     if policy == Recompute.none:
         return
-    context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) if policy == Recompute.selective else noop_context_fn
+    # Full recomputation passes no context_fn at all: torch.compile (plan.compile) traces checkpoint only
+    # with its own default.
+    options = (dict(context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+               if policy == Recompute.selective else {})
     for layer in layers:
-        layer.forward = _checkpointed(layer.forward, context_fn)
+        layer.forward = _checkpointed(layer.forward, options)
 
 
-def _checkpointed(forward, context_fn):
+def _checkpointed(forward, options: dict):
     def recomputed_forward(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
     return recomputed_forward
 
 
+def apply_compile(layers: nn.ModuleList) -> None:
+    """torch.compile each layer's `forward` (plan.compile), as torchtitan compiles each block.
+
+    The forward, not the module: FSDP2's hooks stay outside the graph (as with recomputation above) and the
+    parameter names stay the same (torch.compile(module) would prefix them with `_orig_mod.`). Every layer
+    runs the same code, so one graph serves them all; `dynamic` because a micro-batch's tokens change from
+    step to step (packed rows, padded rows of the longest sample). Packed attention stays eager
+    (models/attention.py).
+    """
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
 def parallelize(model: nn.Module, plan: Plan, world: World) -> None:
-    """Recompute, shard and give memory to a model built on the meta device, as `plan` says: each layer's
-    recomputation first, then FSDP2 on each layer and the root (where Plan.sharded), then memory on the
+    """Recompute, compile, shard and give memory to a model built on the meta device, as `plan` says: each
+    layer's recomputation first, its compilation (plan.compile), then FSDP2 on each layer and the root (where Plan.sharded), then memory on the
     world's device (the CPU for what FSDP offloads) and the RoPE buffers. The weights come next
     (models.hf_format.load_weights). A LoRA model's base is frozen before: FSDP2 keeps requires_grad per
     parameter."""
     apply_recompute(model.layers, plan.recompute)
+    if plan.compile:
+        apply_compile(model.layers)
     if plan.sharded:
         shard_model(model, mesh=world.mesh, param_dtype=getattr(torch, plan.param_dtype),
                     reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
@@ -93,7 +111,6 @@ def shard_model(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype,
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     ignored = {p for p in model.parameters() if is_nf4(p)} if mesh.size() == 1 else set()
