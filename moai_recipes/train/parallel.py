@@ -86,10 +86,10 @@ def apply_compile(layers: nn.ModuleList) -> None:
 
 def parallelize(model: nn.Module, plan: Plan, world: World) -> None:
     """Recompute, compile, shard and give memory to a model built on the meta device, as `plan` says: each
-    layer's recomputation first, its compilation (plan.compile), then FSDP2 on each layer and the root (where Plan.sharded), then memory on the
-    world's device (the CPU for what FSDP offloads) and the RoPE buffers. The weights come next
-    (models.hf_format.load_weights). A LoRA model's base is frozen before: FSDP2 keeps requires_grad per
-    parameter."""
+    layer's recomputation first, its compilation (plan.compile), then FSDP2 on each layer and the root
+    (where Plan.sharded), then memory on the world's device (the CPU for what FSDP offloads) and the RoPE
+    buffers. The weights come next (models.hf_format.load_weights). A LoRA model's base is frozen before:
+    FSDP2 keeps requires_grad per parameter."""
     apply_recompute(model.layers, plan.recompute)
     if plan.compile:
         apply_compile(model.layers)
