@@ -29,7 +29,12 @@ from moai_recipes.models.hf_format import HFCheckpoint
 from moai_recipes.models.lora import LoraOptions, lora_options
 from moai_recipes.models.peft_adapter import PeftAdapter
 from moai_recipes.models.sources import resolve_checkpoint_dir
-from moai_recipes.models.spec import ModelSpec, same_family, spec_from_hf_config
+from moai_recipes.models.spec import (
+    ModelSpec,
+    check_context,
+    same_family,
+    spec_from_hf_config,
+)
 from moai_recipes.planner.plan import Workload
 
 
@@ -101,6 +106,8 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
         spec = named
     else:
         spec = ckpt.spec if m.name == DEFAULT_MODEL else same_family(ckpt.spec, named, ckpt.folder)
+    check_context(spec, cfg.max_seq_len, what=f"max_seq_len={cfg.max_seq_len}",
+                  fix=f"use max_seq_len={spec.sliding_window or 0} or less")
     tokenizer = Tokenizer.from_checkpoint(ckpt.folder) if ckpt else None
     lora = None
     if "lora" in cfg and cfg.get("method", "lora") == "lora":

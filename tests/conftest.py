@@ -44,6 +44,9 @@ def make_hf_checkpoint(folder: Path, family: str = "llama", *, tie: bool = False
     elif family == "qwen2":
         cfg = transformers.Qwen2Config(rope_theta=1000000.0, **common)
         cls = transformers.Qwen2ForCausalLM
+    elif family == "qwen3":  # per-head q/k norm, and a head_dim that is not hidden / heads
+        cfg = transformers.Qwen3Config(rope_theta=1000000.0, head_dim=hidden // 2, **common)
+        cls = transformers.Qwen3ForCausalLM
     else:
         raise ValueError(family)
     torch.manual_seed(seed)

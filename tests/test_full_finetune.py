@@ -86,6 +86,7 @@ def test_same_losses_on_any_flavor_and_micro_batch(tmp_path, hf_checkpoints, ins
     ("llama", "cpu", {}),
     ("mistral", "cpu", {"dtype": "bfloat16"}),
     ("qwen2", "cpu-2", {"tie": True, "max_shard_size": "60KB"}),
+    ("qwen3", "cpu-2", {"tie": True}),
 ])
 def test_lr_zero_returns_the_input_weights_bit_for_bit(tmp_path, family, flavor, options, instruct_file):
     ckpt = make_hf_checkpoint(tmp_path / "in", family, **options)

@@ -29,7 +29,8 @@ def lora(*args, **kw):
 
 # Every family, with and without the output projection adapted (a tied output cannot be: see below).
 @pytest.mark.parametrize("family, flavor, tie, output", [("llama", "cpu-2", False, True), ("qwen2", "cpu", True, False),
-                                                         ("qwen2", "cpu", False, True), ("mistral", "cpu", False, True)])
+                                                         ("qwen2", "cpu", False, True), ("mistral", "cpu", False, True),
+                                                         ("qwen3", "cpu", True, False)])
 def test_peft_loads_the_adapter_and_it_matches_the_merged_model(tmp_path, data_file, family, flavor, tie, output):
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
@@ -147,7 +148,7 @@ def _qlora_options(spec, *, world_size=1, **kw):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_qlora_keeps_the_base_in_nf4_where_torchtune_puts_it(tmp_path, family):
+def test_qlora_keeps_every_layer_linear_in_nf4(tmp_path, family):
     from torchao.dtypes.nf4tensor import NF4Tensor
 
     from moai_recipes.models.build import build_model, init_buffers, nf4_weights
@@ -161,7 +162,7 @@ def test_qlora_keeps_the_base_in_nf4_where_torchtune_puts_it(tmp_path, family):
         model = build_model(ckpt.spec, max_seq_len=64, lora=opts.builder_kwargs(), quantize_base=True)
     nf4 = {n for n, p in model.named_parameters() if isinstance(p, NF4Tensor)}
     assert nf4 == {f"layers.{i}.{m}.weight" for i in range(2) for m in nf4_weights(ckpt.spec, opts)}
-    assert ("layers.0.mlp.w1.weight" in nf4) == (family != "qwen2")  # qwen2: only the adapted linears
+    assert "layers.0.mlp.w1.weight" in nf4 and "layers.0.attn.k_proj.weight" in nf4  # adapted or not
 
     model.to_empty(device="cpu")
     init_buffers(model, device="cpu")
@@ -172,7 +173,7 @@ def test_qlora_keeps_the_base_in_nf4_where_torchtune_puts_it(tmp_path, family):
     original = load_file(ckpt.folder / "model.safetensors")["model.layers.0.self_attn.v_proj.weight"]
     error = (full_tensor(w) - original).norm() / original.norm()
     assert 0 < error < 0.1, error
-    assert isinstance(model.state_dict()["layers.0.attn.v_proj.weight"], NF4Tensor)  # torchtune's hook is gone
+    assert isinstance(model.state_dict()["layers.0.attn.v_proj.weight"], NF4Tensor)  # no dequantizing hook
 
 
 def test_qlora_dims_that_nf4_cannot_hold_are_a_user_error():

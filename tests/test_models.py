@@ -10,7 +10,13 @@ import yaml
 
 from moai_recipes.errors import UserError
 from moai_recipes.models.build import build_model, init_buffers
-from moai_recipes.models.spec import read_spec, spec_for, spec_from_hf_config
+from moai_recipes.models.rope import inverse_frequencies
+from moai_recipes.models.spec import (
+    check_context,
+    read_spec,
+    spec_for,
+    spec_from_hf_config,
+)
 from moai_recipes.models.tiny import tiny_checkpoint_dir
 
 MODEL_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "moai_recipes" / "configs" / "model").glob("*.yaml"))
@@ -26,19 +32,22 @@ def architecture(path: Path) -> dict:
 
 def hf_config(family: str, **kwargs) -> dict:
     """config.json as transformers (5.x) writes it."""
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
+           "qwen3": transformers.Qwen3Config}
     return cls[family](**{**SMALL, **kwargs}).to_dict()
 
 
-# Tied llama needs scaled RoPE (next test); tied mistral does not exist.
-@pytest.mark.parametrize("family, tie", [("llama", False), ("mistral", False), ("qwen2", False), ("qwen2", True)])
+@pytest.mark.parametrize("family, tie", [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False),
+                                         ("qwen2", True), ("qwen3", True)])
 def test_spec_from_hf_config(family, tie):
-    spec = spec_from_hf_config(hf_config(family, rope_theta=123456.0, tie_word_embeddings=tie))
+    head_dim = {"head_dim": 16} if family == "qwen3" else {}  # Qwen3's default is 128
+    spec = spec_from_hf_config(hf_config(family, rope_theta=123456.0, tie_word_embeddings=tie, **head_dim))
     assert (spec.family, spec.vocab_size, spec.num_layers, spec.num_heads, spec.num_kv_heads) == (family, 256, 2, 4, 2)
     assert (spec.embed_dim, spec.intermediate_dim, spec.head_dim, spec.max_position_embeddings) == (64, 160, 16, 16384)
     assert (spec.rope_base, spec.norm_eps, spec.rope_scaling) == (123456.0, 1e-5, None)
     assert spec.tie_word_embeddings is tie
-    assert spec.attention_bias is (family == "qwen2")
+    assert spec.attention_bias is (family == "qwen2") and not spec.output_bias
+    assert spec.qk_norm is (family == "qwen3")
     assert spec.torch_dtype == "float32"
 
 
@@ -71,7 +80,8 @@ def test_model_config_builds_on_meta_and_matches_transformers(path):
 
 
 @pytest.mark.parametrize("name, billions", [("llama3_8b", 8.03), ("llama3_70b", 70.6), ("qwen2_5_0_5b", 0.494),
-                                            ("mistral", 7.24), ("llama3_2_1b", 1.24), ("qwen2_5_72b", 72.7)])
+                                            ("mistral", 7.24), ("llama3_2_1b", 1.24), ("qwen2_5_72b", 72.7),
+                                            ("qwen3_0_6b", 0.596), ("qwen3_8b", 8.19), ("qwen3_32b", 32.8)])
 def test_known_sizes(name, billions):
     spec = spec_for(architecture=architecture(MODEL_CONFIGS[0].parent / f"{name}.yaml"), checkpoint_dir=None)
     assert spec.num_params() == pytest.approx(billions * 1e9, rel=0.01)
@@ -88,9 +98,13 @@ def test_scaled_rope_frequencies_equal_transformers():
     # The real RoPE of Llama 3.2 1B, on a model with one thin layer.
     arch = {**architecture(MODEL_CONFIGS[0].parent / "llama3_2_1b.yaml"), "num_hidden_layers": 1, "vocab_size": 8,
             "intermediate_size": 8}
-    model = build_model(spec_for(architecture=arch, checkpoint_dir=None), max_seq_len=16)
+    spec = spec_for(architecture=arch, checkpoint_dir=None)
     reference = LlamaRotaryEmbedding(config=transformers.AutoConfig.for_model(**arch)).inv_freq
-    assert torch.equal(model.layers[0].attn.pos_embeddings.theta, reference)
+    assert torch.equal(inverse_frequencies(spec.head_dim, spec.rope_base, spec.rope_scaling), reference)
+    linear = {**arch, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    spec = spec_for(architecture=linear, checkpoint_dir=None)
+    reference = LlamaRotaryEmbedding(config=transformers.AutoConfig.for_model(**linear)).inv_freq
+    assert torch.equal(inverse_frequencies(spec.head_dim, spec.rope_base, spec.rope_scaling), reference)
 
 
 def test_init_buffers_after_to_empty_restores_rope_caches():
@@ -100,23 +114,37 @@ def test_init_buffers_after_to_empty_restores_rope_caches():
         model = build_model(spec, max_seq_len=32)
     model.to_empty(device="cpu")
     init_buffers(model, device="cpu")
-    assert torch.equal(model.layers[0].attn.pos_embeddings.cache, eager.layers[0].attn.pos_embeddings.cache)
+    rope, reference = model.layers[0].attn.pos_embeddings, eager.layers[0].attn.pos_embeddings
+    assert torch.equal(rope.cos, reference.cos) and torch.equal(rope.sin, reference.sin)
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"model_type": "gpt2"}, "supported: llama, mistral, qwen2"),
-    (hf_config("llama", tie_word_embeddings=True), "ties its word embeddings"),
-    (hf_config("llama", head_dim=32), "head_dim=32"),
-    (hf_config("llama", attention_bias=True), "attention_bias"),
-    (hf_config("llama", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type 'llama3'"),
-    (hf_config("llama", rope_parameters={"rope_theta": 1e4, **LLAMA3_ROPE, "high_freq_factor": 2.0}), "fixes"),
-    (hf_config("qwen2", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "no RoPE scaling"),
-    (hf_config("qwen2", use_sliding_window=True, sliding_window=64), "sliding-window"),
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"),
+    (hf_config("llama", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type 'yarn'"),
+    (hf_config("qwen2", rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}), "'dynamic'"),
+    ({**hf_config("llama"), "rope_parameters": {"rope_theta": 1e4, "rope_type": "llama3", "factor": 8.0}},
+     "lacks low_freq"),
+    (hf_config("llama", hidden_act="gelu"), "hidden_act='gelu'"),
+    (hf_config("llama", partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    (hf_config("llama", num_key_value_heads=3), "not a multiple of num_key_value_heads=3"),
     ({"model_type": "llama", "hidden_size": 64}, "missing"),
 ])
 def test_unsupported_configs_are_user_errors(config, message):
     with pytest.raises(UserError, match=message):
         spec_from_hf_config(config)
+
+
+def test_a_sliding_window_is_refused_only_past_it():
+    mistral = spec_from_hf_config(hf_config("mistral", sliding_window=64))
+    check_context(mistral, 64, what="max_seq_len=64", fix="")
+    with pytest.raises(UserError, match=r"max_seq_len=65 \(65 tokens\) is longer than .* sliding window \(64 tokens"):
+        check_context(mistral, 65, what="max_seq_len=65", fix="")
+    # Qwen slides only with use_sliding_window, and only from layer max_window_layers on.
+    assert spec_from_hf_config(hf_config("qwen2", sliding_window=64)).sliding_window is None
+    assert spec_from_hf_config(hf_config("qwen2", use_sliding_window=True, sliding_window=64,
+                                         max_window_layers=2)).sliding_window is None
+    assert spec_from_hf_config(hf_config("qwen3", use_sliding_window=True, sliding_window=64,
+                                         max_window_layers=1)).sliding_window == 64
 
 
 def test_read_spec_user_errors(tmp_path):

@@ -1,4 +1,11 @@
-"""torchtune decoders built from a ModelSpec, and the pieces of them the recipes reach into.
+"""Decoders composed from torchtune's modules as a config.json describes them (a ModelSpec), and the pieces
+of them the recipes reach into.
+
+Not torchtune's fixed-size model builders: every layer is put together here from its modules
+(MultiHeadAttention, FeedForward, RMSNorm, TransformerDecoder, LoRALinear, FrozenNF4Linear), so any
+checkpoint of the Llama, Mistral, Qwen2 and Qwen3 lineage builds: tied or untied embeddings, any RoPE
+rope.py computes, q/k/v biases, per-head q/k RMSNorm, any head_dim and grouped-query ratio. Weights keep
+the Hugging Face layout (rope.py rotates halves), so the names in hf_format.py are the only mapping.
 
 Build on the meta device, then give memory:
 
@@ -6,7 +13,7 @@ Build on the meta device, then give memory:
         model = build_model(spec, max_seq_len=4096)
     ... shard ...; model.to_empty(device=device); init_buffers(model, device=device)
 
-Test: `python -m pytest tests/test_models.py -q`.
+Test: `python -m pytest tests/test_models.py -q` (against transformers: tests/test_real_configs.py).
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from moai_recipes.models.attention import use_document_attention
+from moai_recipes.models.rope import RotaryEmbedding
 from moai_recipes.models.spec import ModelSpec, check_supported
 
 if TYPE_CHECKING:  # importing torchtune takes seconds; the planner needs specs only
@@ -25,44 +34,91 @@ if TYPE_CHECKING:  # importing torchtune takes seconds; the planner needs specs 
 
 def build_model(spec: ModelSpec, *, max_seq_len: int, lora: dict | None = None,
                 quantize_base: bool = False) -> TransformerDecoder:
-    """Build the torchtune decoder for `spec` (allocates only on the current device; use meta).
+    """The torchtune decoder of `spec` (allocates only on the current device; use meta).
 
-    `max_seq_len` is the length of the RoPE cache. `lora` (LoraOptions.builder_kwargs()) builds the
-    same architecture with torchtune's LoRA builders: adapters on the chosen modules. `quantize_base`
-    (QLoRA, with `lora` only) keeps the frozen linear weights of the layers as NF4Tensors
-    (see nf4_weights for which).
+    `max_seq_len` is the length of the RoPE tables. `lora` (LoraOptions.builder_kwargs()) puts adapters on
+    the chosen linears (torchtune's LoRALinear). `quantize_base` (QLoRA, with `lora` only) keeps every
+    linear weight of the layers in NF4, adapted or not (see nf4_weights); never the embeddings, norms or
+    output.
     """
-    from torchtune.models import llama3, llama3_1, llama3_2, mistral, qwen2
+    from torchtune.modules import RMSNorm, TiedLinear, TransformerDecoder
 
     check_supported(spec)
-    common = dict(vocab_size=spec.vocab_size, num_layers=spec.num_layers, num_heads=spec.num_heads,
-                  num_kv_heads=spec.num_kv_heads, embed_dim=spec.embed_dim, intermediate_dim=spec.intermediate_dim,
-                  max_seq_len=max_seq_len, norm_eps=spec.norm_eps, rope_base=spec.rope_base)
-
-    def builder(module, name: str):
-        return getattr(module, f"lora_{name}") if lora is not None else getattr(module, name)
-
-    assert lora is not None or not quantize_base, "NF4 base weights come with LoRA builders only"
-    if lora is not None:
-        common.update(lora, quantize_base=quantize_base)
-    if spec.family == "qwen2":
-        model = builder(qwen2, "qwen2")(**common, tie_word_embeddings=spec.tie_word_embeddings)
-    elif spec.family == "mistral":
-        model = builder(mistral, "mistral")(**common)
-    elif spec.rope_scaling is None:
-        model = builder(llama3, "llama3")(**common)
-    elif spec.tie_word_embeddings:
-        model = builder(llama3_2, "llama3_2")(**common, scale_factor=spec.rope_scaling["factor"],
-                                              tie_word_embeddings=True)
-    else:
-        model = builder(llama3_1, "llama3_1")(**common, scale_factor=spec.rope_scaling["factor"])
+    assert lora is not None or not quantize_base, "NF4 base weights come with LoRA only"
+    linears = _Linears(lora, quantize_base)
+    d = spec.embed_dim
+    embeddings = nn.Embedding(spec.vocab_size, d)
+    layers = nn.ModuleList(_layer(spec, linears, max_seq_len) for _ in range(spec.num_layers))
+    output = (TiedLinear(embeddings) if spec.tie_word_embeddings else
+              linears("output", d, spec.vocab_size, quantize=False))
+    model = TransformerDecoder(tok_embeddings=embeddings, layers=layers, max_seq_len=max_seq_len,
+                               num_heads=spec.num_heads, head_dim=spec.head_dim, norm=RMSNorm(d, eps=spec.norm_eps),
+                               output=output)
     use_document_attention(model)  # packed rows (models/attention.py); padded rows as torchtune computes them
-    if quantize_base:
-        # torchtune's QLoRA builders add a hook that dequantizes every NF4 weight whenever state_dict() is
-        # called (for torchtune's own checkpointer). Ours never needs it: step checkpoints keep the adapters
-        # only and the merged export dequantizes one weight at a time; the hook would only cost memory.
-        model._state_dict_hooks.clear()
     return model
+
+
+def _layer(spec: ModelSpec, linears: _Linears, max_seq_len: int) -> nn.Module:
+    from torchtune.modules import (
+        FeedForward,
+        MultiHeadAttention,
+        RMSNorm,
+        TransformerSelfAttentionLayer,
+    )
+
+    d, h, q, kv = spec.embed_dim, spec.head_dim, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    q_proj = linears("q_proj", d, q, bias=spec.attention_bias)
+    k_proj = linears("k_proj", d, kv, bias=spec.attention_bias)
+    if spec.qk_norm:
+        _norm_heads(q_proj, RMSNorm(h, eps=spec.norm_eps), h)
+        _norm_heads(k_proj, RMSNorm(h, eps=spec.norm_eps), h)
+    attn = MultiHeadAttention(
+        embed_dim=d, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=h, q_proj=q_proj,
+        k_proj=k_proj, v_proj=linears("v_proj", d, kv, bias=spec.attention_bias),
+        output_proj=linears("output_proj", q, d, bias=spec.output_bias),
+        pos_embeddings=RotaryEmbedding(h, max_seq_len=max_seq_len, base=spec.rope_base, scaling=spec.rope_scaling),
+        max_seq_len=max_seq_len)
+    i = spec.intermediate_dim
+    mlp = FeedForward(gate_proj=linears("w1", d, i), down_proj=linears("w2", i, d), up_proj=linears("w3", d, i))
+    return TransformerSelfAttentionLayer(attn=attn, mlp=mlp, sa_norm=RMSNorm(d, eps=spec.norm_eps),
+                                         mlp_norm=RMSNorm(d, eps=spec.norm_eps))
+
+
+class _Linears:
+    """Makes each linear of the model: plain, LoRA-adapted where the options say, NF4 under QLoRA."""
+
+    def __init__(self, lora: dict | None, quantize_base: bool):
+        self.lora, self.quantize_base = lora, quantize_base
+        self.adapted = set()
+        if lora is not None:
+            self.adapted = set(lora["lora_attn_modules"]) | ({"w1", "w2", "w3"} if lora["apply_lora_to_mlp"] else set())
+            self.adapted |= {"output"} if lora["apply_lora_to_output"] else set()
+
+    def __call__(self, name: str, in_dim: int, out_dim: int, *, bias: bool = False, quantize: bool = True) -> nn.Module:
+        from torchtune.modules.low_precision import FrozenNF4Linear
+        from torchtune.modules.peft import LoRALinear
+
+        nf4 = self.quantize_base and quantize
+        if name in self.adapted:
+            o = self.lora
+            return LoRALinear(in_dim, out_dim, rank=o["lora_rank"], alpha=o["lora_alpha"], dropout=o["lora_dropout"],
+                              use_bias=bias, quantize_base=nf4)
+        return FrozenNF4Linear(in_dim, out_dim, bias=bias) if nf4 else nn.Linear(in_dim, out_dim, bias=bias)
+
+
+def _norm_heads(proj: nn.Module, norm: nn.Module, head_dim: int) -> None:
+    """Qwen3's q/k norm: RMSNorm over each head of the projection's output, before RoPE as in transformers.
+
+    torchtune's MultiHeadAttention applies its q_norm/k_norm after RoPE, which is not the same function (the
+    norm's scale does not commute with the rotation), so the norm runs as a forward hook of the projection
+    instead. It is the projection's child `head_norm`: saved, sharded and frozen (LoRA) with it, and named
+    self_attn.q_norm / k_norm in the checkpoint (hf_format.py)."""
+    proj.head_norm = norm
+
+    def normed(module, args, out):
+        return module.head_norm(out.unflatten(-1, (-1, head_dim))).flatten(-2)
+
+    proj.register_forward_hook(normed)
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
@@ -75,24 +131,18 @@ def is_nf4(tensor: torch.Tensor) -> bool:
 
 
 def nf4_weights(spec: ModelSpec, opts) -> dict[str, tuple[tuple[int, int], str]]:
-    """The weights of each layer that torchtune's QLoRA builders keep in NF4: module -> (shape, its dims).
-
-    Llama and Mistral: every linear of the layer, adapted or not. Qwen2: only the adapted ones.
-    Never the embeddings, the norms or the output projection. `opts`: the LoRA options (lora.LoraOptions).
-    """
+    """The weights of each layer that QLoRA keeps in NF4: module -> (shape, its dims). Every linear of the layer,
+    adapted or not; never the embeddings, the norms or the output projection. `opts`: lora.LoraOptions (the same
+    for any targets, kept for callers that may narrow it)."""
     d, i = spec.embed_dim, spec.intermediate_dim
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     hidden, inter = f"hidden_size={d}", f"intermediate_size={i}"
-    weights = {"attn.q_proj": ((q, d), f"num_attention_heads*head_dim={q}, {hidden}"),
-               "attn.k_proj": ((kv, d), f"num_key_value_heads*head_dim={kv}, {hidden}"),
-               "attn.v_proj": ((kv, d), f"num_key_value_heads*head_dim={kv}, {hidden}"),
-               "attn.output_proj": ((d, q), f"{hidden}, num_attention_heads*head_dim={q}"),
-               "mlp.w1": ((i, d), f"{inter}, {hidden}"), "mlp.w2": ((d, i), f"{hidden}, {inter}"),
-               "mlp.w3": ((i, d), f"{inter}, {hidden}")}
-    if spec.family != "qwen2":
-        return weights
-    adapted = set(opts.attn_modules) | ({"w1", "w2", "w3"} if opts.apply_to_mlp else set())
-    return {m: w for m, w in weights.items() if m.split(".")[1] in adapted}
+    return {"attn.q_proj": ((q, d), f"num_attention_heads*head_dim={q}, {hidden}"),
+            "attn.k_proj": ((kv, d), f"num_key_value_heads*head_dim={kv}, {hidden}"),
+            "attn.v_proj": ((kv, d), f"num_key_value_heads*head_dim={kv}, {hidden}"),
+            "attn.output_proj": ((d, q), f"{hidden}, num_attention_heads*head_dim={q}"),
+            "mlp.w1": ((i, d), f"{inter}, {hidden}"), "mlp.w2": ((d, i), f"{hidden}, {inter}"),
+            "mlp.w3": ((i, d), f"{inter}, {hidden}")}
 
 
 @contextmanager

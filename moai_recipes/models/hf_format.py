@@ -7,6 +7,7 @@ input file's tensors at a time, so a 70B model never has to fit whole in one pro
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -95,33 +96,70 @@ def _weight_map(folder: Path) -> dict[str, list[str]]:
         return {fname: list(f.keys())}
 
 
-def convert_names(spec: ModelSpec, state_dict: dict, *, to_tune: bool) -> dict:
-    """The one place that calls torchtune's converters (llama and mistral permute q/k for torchtune's RoPE)."""
-    if spec.family == "qwen2":
-        from torchtune.models.qwen2._convert_weights import (
-            qwen2_hf_to_tune as hf_to_tune,
-        )
-        from torchtune.models.qwen2._convert_weights import (
-            qwen2_tune_to_hf as tune_to_hf,
-        )
-    else:
-        from torchtune.models.convert_weights import hf_to_tune, tune_to_hf
-    convert = hf_to_tune if to_tune else tune_to_hf
-    # Ties are handled by the callers, so the qwen2 converters keep lm_head like the others do.
-    return convert(state_dict, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, dim=spec.embed_dim,
-                   head_dim=spec.head_dim)
+# Hugging Face tensor names and ours (torchtune's module names), layer {i}: the one mapping between the two.
+# Tensors are never permuted: rope.py rotates halves as transformers does, so q and k keep their layout.
+_LAYER_NAMES = {
+    "self_attn.q_proj": "attn.q_proj", "self_attn.k_proj": "attn.k_proj", "self_attn.v_proj": "attn.v_proj",
+    "self_attn.o_proj": "attn.output_proj", "mlp.gate_proj": "mlp.w1", "mlp.down_proj": "mlp.w2",
+    "mlp.up_proj": "mlp.w3",
+}
+_LAYER_NORMS = {  # Hugging Face module -> our module whose weight is RMSNorm's `scale`
+    "input_layernorm": "sa_norm", "post_attention_layernorm": "mlp_norm",
+    "self_attn.q_norm": "attn.q_proj.head_norm", "self_attn.k_norm": "attn.k_proj.head_norm",  # Qwen3, build.py
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.scale",
+              "lm_head.weight": "output.weight"}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+_TUNE_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias|scale)")
+_NOT_WEIGHTS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  # old transformers' buffers
+
+
+def tune_name(hf: str) -> str | None:
+    """Our parameter name for a Hugging Face tensor name; None for a buffer that is not a weight; KeyError for a
+    name no supported model has."""
+    if hf in _TOP_NAMES:
+        return _TOP_NAMES[hf]
+    if _NOT_WEIGHTS.fullmatch(hf):
+        return None
+    m = _LAYER.fullmatch(hf)
+    if m:
+        layer, module, kind = m.groups()
+        if module in _LAYER_NAMES:
+            return f"layers.{layer}.{_LAYER_NAMES[module]}.{kind}"
+        if module in _LAYER_NORMS and kind == "weight":
+            return f"layers.{layer}.{_LAYER_NORMS[module]}.scale"
+    raise KeyError(hf)
+
+
+_HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_LAYER_NORMS = {v: k for k, v in _LAYER_NORMS.items()}
+_HF_TOP_NAMES = {v: k for k, v in _TOP_NAMES.items()}
+
+
+def hf_name(tune: str) -> str:
+    """The Hugging Face name of one of our parameter names (KeyError for a name that has none, e.g. an adapter)."""
+    if tune in _HF_TOP_NAMES:
+        return _HF_TOP_NAMES[tune]
+    m = _TUNE_LAYER.fullmatch(tune)
+    if m:
+        layer, module, kind = m.groups()
+        if kind == "scale" and module in _HF_LAYER_NORMS:
+            return f"model.layers.{layer}.{_HF_LAYER_NORMS[module]}.weight"
+        if kind != "scale" and module in _HF_LAYER_NAMES:
+            return f"model.layers.{layer}.{_HF_LAYER_NAMES[module]}.{kind}"
+    raise KeyError(tune)
 
 
 def tune_names(ckpt: HFCheckpoint) -> dict[str, str | None]:
-    """Hugging Face tensor name -> torchtune parameter name (None: not a weight, e.g. rotary inv_freq)."""
+    """Hugging Face tensor name -> our parameter name (None: not a weight, e.g. rotary inv_freq)."""
     names = {}
     for hf_names in ckpt.files.values():
         for hf in hf_names:
-            try:  # meta tensors: the converter's name mapping and permutation, at no cost
-                converted = convert_names(ckpt.spec, {hf: torch.empty(ckpt.shapes[hf], device="meta")}, to_tune=True)
-            except Exception as e:  # torchtune raises a bare Exception for an unknown key
-                raise UserError(f"{ckpt.folder}: tensor {hf} is not part of a {ckpt.spec.family} model ({e})") from None
-            names[hf] = next(iter(converted), None)
+            try:
+                names[hf] = tune_name(hf)
+            except KeyError:
+                raise UserError(f"{ckpt.folder}: tensor {hf} is not part of a {ckpt.spec.family} model; the weights "
+                                "and config.json do not belong together") from None
     return names
 
 
@@ -190,8 +228,7 @@ def load_weights(model: torch.nn.Module, ckpt: HFCheckpoint, *, allow_missing: t
         with _open(ckpt.folder / fname) as f:
             for hf in hf_names:
                 if names[hf] in params:  # skips rotary inv_freq and the tied lm_head
-                    (tensor,) = convert_names(ckpt.spec, {hf: f.get_tensor(hf)}, to_tune=True).values()
-                    copy_full_into(params[names[hf]], tensor)
+                    copy_full_into(params[names[hf]], f.get_tensor(hf))
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -211,14 +248,6 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
         param = DTensor.from_local(local.to(mesh.device_type), mesh, param.placements, shape=param.shape,
                                    stride=param.stride())
     return param.full_tensor().cpu()
-
-
-def hf_name(spec: ModelSpec, tune_name: str) -> str:
-    """The Hugging Face name of a torchtune parameter name (through the family's converter)."""
-    module = tune_name.rsplit(".", 2)[-2]
-    # The converter permutes q and k, so their meta stand-ins need the real shapes.
-    rows = {"q_proj": spec.num_heads * spec.head_dim, "k_proj": spec.num_kv_heads * spec.head_dim}.get(module, 1)
-    return next(iter(convert_names(spec, {tune_name: torch.empty(rows, spec.embed_dim, device="meta")}, to_tune=False)))
 
 
 def save_weights(model: torch.nn.Module, ckpt: HFCheckpoint, out_dir: Path, *, rank: int,
@@ -268,13 +297,10 @@ def _save_file(params: dict, ckpt: HFCheckpoint, names: dict, fname: str, tmp: P
 
 
 def _export_tensor(params: dict, ckpt: HFCheckpoint, tune: str, transform) -> torch.Tensor:
-    """One whole weight, gathered, transformed and in Hugging Face layout; its intermediates die on return."""
+    """One whole weight, gathered and transformed; its intermediates die on return."""
     source = "tok_embeddings.weight" if tune == _TIED_OUTPUT and ckpt.spec.tie_word_embeddings else tune
     whole = full_tensor(params[source])
-    if transform is not None:
-        whole = transform(source, whole)
-    (tensor,) = convert_names(ckpt.spec, {tune: whole}, to_tune=False).values()
-    return tensor
+    return whole if transform is None else transform(source, whole)
 
 
 def _write_index_and_extras(ckpt: HFCheckpoint, tmp: Path, total_size: int) -> None:

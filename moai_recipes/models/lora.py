@@ -1,6 +1,6 @@
 """LoRA: which modules get adapters, their deterministic initialisation, and export as a PEFT adapter.
 
-The adapters are built by torchtune's LoRA model builders (see models.build_model); this module
+The adapters are torchtune's LoRALinear modules, placed by models.build_model; this module
 freezes the base, initialises the adapters the same way on every flavor, and writes what `peft`
 loads: adapter_config.json and adapter_model.safetensors with PEFT's tensor names.
 """
@@ -157,10 +157,8 @@ def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, ckpt: 
     tensors, targets = {}, set()
     for name, t in adapters.items():
         stem, kind = name.rsplit(".lora_", 1)  # layers.0.attn.q_proj, a.weight
-        base = hf_name(ckpt.spec, f"{stem}.weight")
+        base = hf_name(f"{stem}.weight")
         peft = "base_model.model." + base.removesuffix(".weight") + (".lora_A.weight" if kind.startswith("a") else ".lora_B.weight")
-        if kind.startswith("b") and ckpt.spec.family != "qwen2" and stem.endswith(("q_proj", "k_proj")):
-            t = _unpermute_rows(t, ckpt.spec, kv=stem.endswith("k_proj"))
         tensors[peft] = t.contiguous()
         targets.add(_PEFT_TARGETS[stem.rsplit(".", 1)[-1]])
     config = {
@@ -180,11 +178,3 @@ def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, ckpt: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _unpermute_rows(b: torch.Tensor, spec: ModelSpec, *, kv: bool) -> torch.Tensor:
-    """torchtune keeps q/k rows in RoPE's interleaved order; Hugging Face's halves order for Llama and Mistral.
-    The base weights are converted by torchtune's converter; the adapter's B rows need the same move."""
-    heads = spec.num_kv_heads if kv else spec.num_heads
-    rank = b.shape[1]
-    return b.view(heads, spec.head_dim // 2, 2, rank).transpose(1, 2).reshape(heads * spec.head_dim, rank)

@@ -1,9 +1,9 @@
 """PEFT LoRA adapters read back: adapter_config.json and adapter_model.safetensors, merged into a loaded model.
 
 Test: `python -m pytest tests/test_generate.py -q`. Reads what recipes/lora_finetune.py writes (moai_recipes/
-lora.py), and what peft writes for any Llama, Mistral or Qwen 2 model. The merge is W + scale * B @ A,
-computed in Hugging Face's layout and converted to torchtune's by the checkpoint's own converter (which
-permutes the q and k rows for RoPE), so it matches what `peft`'s merge_and_unload computes.
+lora.py), and what peft writes for any Llama, Mistral, Qwen2 or Qwen3 model. The merge is W + scale * B @ A,
+in the checkpoint's own layout (which the model keeps, models/rope.py), so it matches what `peft`'s
+merge_and_unload computes.
 """
 
 import json
@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from moai_recipes.errors import UserError
-from moai_recipes.models.hf_format import HFCheckpoint, convert_names
+from moai_recipes.models.hf_format import HFCheckpoint, tune_name
 from moai_recipes.models.sources import resolve_checkpoint_dir
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -131,7 +131,6 @@ def merge_adapter(model: torch.nn.Module, adapter: PeftAdapter, ckpt: HFCheckpoi
     accepted), one module at a time, in fp32."""
     params = dict(model.named_parameters())
     for module, (a, b) in adapter.weights.items():
-        delta = adapter.scale * (b.float() @ a.float())  # Hugging Face layout [out, in]
-        ((tune_name, delta),) = convert_names(ckpt.spec, {f"{module}.weight": delta}, to_tune=True).items()
-        param = params[tune_name]
+        delta = adapter.scale * (b.float() @ a.float())  # [out, in], the layout of the weight
+        param = params[tune_name(f"{module}.weight")]
         param.copy_(param.float() + delta.to(param.device))  # one rounding to the model's dtype

@@ -12,10 +12,9 @@ from pathlib import Path
 
 from moai_recipes.errors import UserError
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-# torchtune's Llama3ScaledRoPE fixes everything in rope_scaling but the factor.
-_LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -34,15 +33,18 @@ class ModelSpec:
     rope_base: float
     norm_eps: float
     tie_word_embeddings: bool
-    rope_scaling: dict | None
-    attention_bias: bool
+    rope_scaling: dict | None  # {"rope_type": "linear" | "llama3", ...}; None: plain RoPE
+    attention_bias: bool  # biases on the q, k and v projections
     torch_dtype: str
+    output_bias: bool = False  # a bias on the attention's output projection too (Llama's attention_bias)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # tokens a position attends back to, where the config turns it on
 
     def num_params(self) -> int:
         """Exact parameter count; tied embeddings counted once."""
         d, q, kv = self.embed_dim, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attn = d * q + 2 * d * kv + q * d + ((q + 2 * kv) if self.attention_bias else 0)
-        layer = attn + 3 * d * self.intermediate_dim + 2 * d  # + two RMSNorm scales
+        attn = d * q + 2 * d * kv + q * d + ((q + 2 * kv) if self.attention_bias else 0) + (d if self.output_bias else 0)
+        layer = attn + 3 * d * self.intermediate_dim + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
         embeddings = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layers * layer + d
 
@@ -52,7 +54,7 @@ def _rope(config: Mapping) -> tuple[float, dict | None]:
     params = config.get("rope_parameters")  # transformers >= 5 folds rope_theta and the scaling into one dict
     if params:
         theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
     else:
         theta, scaling = config.get("rope_theta", 10000.0), config.get("rope_scaling")
     if not scaling:
@@ -66,44 +68,42 @@ def _rope(config: Mapping) -> tuple[float, dict | None]:
 
 
 def check_supported(spec: ModelSpec) -> None:
-    """Raise UserError if torchtune's builders cannot express `spec` exactly."""
+    """Raise UserError, naming the field, if the model layer (models/build.py) cannot build `spec` exactly."""
+    from moai_recipes.models.rope import ROPE_TYPES
+
     what = f"this {spec.family} checkpoint"
     if spec.family not in SUPPORTED_FAMILIES:
         raise UserError(f"model_type {spec.family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
-    if spec.head_dim * spec.num_heads != spec.embed_dim:
-        raise UserError(f"{what} has head_dim={spec.head_dim} != hidden_size/num_attention_heads "
-                        f"({spec.embed_dim}/{spec.num_heads}); torchtune's builders cannot express that")
     if spec.num_heads % spec.num_kv_heads:
         raise UserError(f"{what}: num_attention_heads={spec.num_heads} is not a multiple of "
                         f"num_key_value_heads={spec.num_kv_heads}")
-    if spec.attention_bias != (spec.family == "qwen2"):
-        raise UserError(f"{what} has attention_bias={spec.attention_bias}; torchtune builds q/k/v biases "
-                        "for qwen2 only")
-    if spec.family == "llama":
-        _check_llama_rope(spec)
-    elif spec.rope_scaling is not None:
-        raise UserError(f"{what} uses rope_scaling {spec.rope_scaling}; torchtune's {spec.family} builder has no "
-                        "RoPE scaling. Remove rope_scaling from config.json to train at the original context length")
-    if spec.family == "mistral" and spec.tie_word_embeddings:
-        raise UserError(f"{what} ties its word embeddings; torchtune's mistral builder cannot")
-
-
-def _check_llama_rope(spec: ModelSpec) -> None:
+    if spec.head_dim % 2:
+        raise UserError(f"{what} has an odd head_dim={spec.head_dim}; RoPE rotates pairs of dimensions")
     s = spec.rope_scaling
     if s is None:
-        if spec.tie_word_embeddings:
-            raise UserError("this llama checkpoint ties its word embeddings but has no llama3 rope_scaling; "
-                            "torchtune builds tied Llama models only as Llama 3.2 (with scaled RoPE)")
         return
-    if s["rope_type"] != "llama3" or "factor" not in s:
-        raise UserError(f"llama rope_scaling {s} is not supported; only rope_type 'llama3' (Llama 3.1 / 3.2) is")
-    fixed = {k: s.get(k, v) for k, v in _LLAMA3_ROPE_FIXED.items()}
-    if fixed != _LLAMA3_ROPE_FIXED:
-        raise UserError(f"llama3 rope_scaling {s} is not supported; torchtune fixes {_LLAMA3_ROPE_FIXED}")
+    if s["rope_type"] not in ROPE_TYPES:
+        raise UserError(f"{what} asks for rope_type {s['rope_type']!r} RoPE scaling, which is not supported "
+                        f"(supported: {', '.join(ROPE_TYPES)}); remove the scaling from config.json to train at the "
+                        "original context length")
+    needed = _LLAMA3_ROPE_KEYS if s["rope_type"] == "llama3" else ("factor",)
+    missing = [k for k in needed if not isinstance(s.get(k), (int, float))]
+    if missing:
+        raise UserError(f"{what}: its {s['rope_type']} rope_scaling {s} lacks {', '.join(missing)}")
+
+
+def check_context(spec: ModelSpec, tokens: int, *, what: str, fix: str) -> None:
+    """UserError when `what`, a sequence of `tokens`, would reach past the sliding window config.json turns on:
+    attention here covers the whole sequence, which is exact only within the window."""
+    if spec.sliding_window is not None and tokens > spec.sliding_window:
+        raise UserError(f"{what} ({tokens} tokens) is longer than this {spec.family} model's sliding window "
+                        f"({spec.sliding_window} tokens, config.json sliding_window), and sliding-window attention is "
+                        f"not supported: {fix}")
 
 
 def spec_from_hf_config(config: Mapping) -> ModelSpec:
-    """A ModelSpec from the fields of a Hugging Face config.json (either transformers 4 or 5 layout)."""
+    """A ModelSpec from the fields of a Hugging Face config.json (either transformers 4 or 5 layout); anything it
+    asks that we cannot build is a UserError naming the field."""
     family = config.get("model_type")
     if family not in SUPPORTED_FAMILIES:
         raise UserError(f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
@@ -112,14 +112,15 @@ def spec_from_hf_config(config: Mapping) -> ModelSpec:
         raise UserError(f"the {family} config is missing {', '.join(missing)}; is it a complete config.json?")
     if config.get("hidden_act", "silu") != "silu" or config.get("mlp_bias", False):
         raise UserError(f"this {family} config has hidden_act={config.get('hidden_act')!r}, "
-                        f"mlp_bias={config.get('mlp_bias')}; torchtune builds SiLU MLPs without bias")
-    if family == "qwen2" and config.get("use_sliding_window", False):
-        raise UserError("this qwen2 config has use_sliding_window=true; torchtune has no sliding-window "
-                        "attention. Set it to false in config.json (exact for sequences shorter than the window)")
-    # Mistral's sliding_window is not applied by torchtune: exact for sequences shorter than the window
-    # (4096 for Mistral-7B-v0.1), so it is ignored here rather than refused.
+                        f"mlp_bias={config.get('mlp_bias')}; only SiLU MLPs without bias are supported")
+    partial = (config.get("rope_parameters") or {}).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UserError(f"this {family} config has partial_rotary_factor={partial}; only RoPE over the whole head "
+                        "is supported")
     heads, embed = config["num_attention_heads"], config["hidden_size"]
     theta, scaling = _rope(config)
+    # Qwen2 has biases on q, k and v only; Llama, Mistral and Qwen3 put attention_bias on o_proj too.
+    qkv_bias = family == "qwen2" or bool(config.get("attention_bias", False))
     spec = ModelSpec(
         family=family, vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"], num_heads=heads,
         num_kv_heads=config.get("num_key_value_heads") or heads, embed_dim=embed,
@@ -127,11 +128,26 @@ def spec_from_hf_config(config: Mapping) -> ModelSpec:
         max_position_embeddings=config.get("max_position_embeddings", 2048), rope_base=theta,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), rope_scaling=scaling,
-        attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+        attention_bias=qkv_bias, output_bias=family != "qwen2" and bool(config.get("attention_bias", False)),
+        qk_norm=family == "qwen3", sliding_window=_sliding_window(family, config),
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
     )
     check_supported(spec)
     return spec
+
+
+def _sliding_window(family: str, config: Mapping) -> int | None:
+    """The window config.json turns on: Mistral's sliding_window; Qwen's only with use_sliding_window (and then
+    on the layers from max_window_layers on: refused unless it covers them all, or none)."""
+    window = config.get("sliding_window")
+    if not window:
+        return None
+    if family in ("qwen2", "qwen3"):
+        if not config.get("use_sliding_window", False):
+            return None
+        if config.get("max_window_layers", 0) >= config["num_hidden_layers"]:
+            return None  # Qwen slides only from layer max_window_layers on: here, on none
+    return int(window)
 
 
 def read_spec(checkpoint_dir: str | Path) -> ModelSpec:

@@ -39,7 +39,7 @@ class ModelSizes:
 
 def model_sizes(spec: ModelSpec, lora=None) -> ModelSizes:
     """Parameter counts; with LoRA options, only the adapters are trainable (and with QLoRA some frozen
-    weights are NF4: those torchtune's QLoRA builders quantize)."""
+    weights are NF4: models.build.nf4_weights)."""
     total = spec.num_params()
     root = spec.vocab_size * spec.embed_dim * (1 if spec.tie_word_embeddings else 2) + spec.embed_dim
     per_layer = (total - root) // spec.num_layers

@@ -31,6 +31,7 @@ from moai_recipes.inference.sampling import complete
 from moai_recipes.models.build import build_model
 from moai_recipes.models.hf_format import load_weights
 from moai_recipes.models.peft_adapter import merge_adapter
+from moai_recipes.models.spec import check_context
 from moai_recipes.run_inputs import read_generate_inputs
 
 RECIPE = "generate"
@@ -51,6 +52,8 @@ def generate(cfg: DictConfig, *, prompt: str | None) -> tuple[Tokenizer, list[in
     if max_seq_len > spec.max_position_embeddings:
         raise UserError(f"the prompt ({len(ids)} tokens) and max_new_tokens={sampling.max_new_tokens} exceed the "
                         f"model's context of {spec.max_position_embeddings} tokens; lower max_new_tokens")
+    check_context(spec, max_seq_len, what=f"the prompt plus max_new_tokens={sampling.max_new_tokens}",
+                  fix="shorten the prompt or lower max_new_tokens")
 
     # 2. Build on meta, place whole blocks on the devices (KV caches counted), then give memory and weights.
     gpu = torch.cuda.is_available()
