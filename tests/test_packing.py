@@ -56,7 +56,6 @@ def test_packed_padded_any_budget_and_flavor_give_the_same_losses(tmp_path, vari
     common = ("logger=stdout", "dataset=text", f"dataset.path={varied_file}", "max_seq_len=128", "batch_size=8",
               "max_steps=5", "optimizer.lr=1e-3", "sample_max_new_tokens=0")
     runs = {"cpu padded": ("flavor=cpu", "plan.packing=false", "plan.micro_batch_size=2"),
-            "cpu packed 1x128": ("flavor=cpu", "plan.packing=true", "plan.micro_batch_size=1"),
             "cpu packed 4x128": ("flavor=cpu", "plan.packing=true", "plan.micro_batch_size=4"),
             "cpu-2 packed": ("flavor=cpu-2", "plan.packing=true", "plan.micro_batch_size=2"),
             "cpu-4 padded": ("flavor=cpu-4", "plan.packing=false")}

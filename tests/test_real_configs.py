@@ -155,26 +155,13 @@ def test_greedy_generation_equals_transformers(real):
     assert got == want
 
 
-def test_what_a_checkpoint_asks_and_we_cannot_build_is_refused_by_name(tmp_path):
+def test_a_tokenizer_of_another_model_is_refused_naming_its_file(tmp_path):
+    from moai_recipes.errors import UserError
     from moai_recipes.models.tiny import demo_texts, write_tokenizer
+    from moai_recipes.run_inputs import checked_tokenizer
     from tests.conftest import make_hf_checkpoint
-    from tests.test_full_finetune import run_recipe
 
-    def plan(folder):
-        r = run_recipe(f"model.checkpoint_dir={folder}", "dataset=text", f"dataset.path={texts}", module="recipes.plan")
-        assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("error:") == 1, r.stderr
-        return r.stderr
-
-    texts = tmp_path / "texts.jsonl"
-    texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in demo_texts()))
-    yarn = make_hf_checkpoint(tmp_path / "yarn", "qwen3")
-    config = json.loads((yarn / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                                 "original_max_position_embeddings": 256}
-    (yarn / "config.json").write_text(json.dumps(config))
-    assert "rope_type 'yarn' RoPE scaling, which is not supported" in plan(yarn)
-
-    other = make_hf_checkpoint(tmp_path / "other", "llama")
-    write_tokenizer(other, demo_texts() * 3, vocab_size=1024)  # another model's, larger tokenizer
-    err = plan(other)
-    assert f"{other / 'tokenizer.json'} has" in err and "belongs to another model" in err
+    folder = make_hf_checkpoint(tmp_path / "other", "llama")
+    write_tokenizer(folder, demo_texts() * 3, vocab_size=1024)  # another model's, larger tokenizer
+    with pytest.raises(UserError, match="tokenizer.json has .* tokens, but config.json's vocab_size is .* another model"):
+        checked_tokenizer(HFCheckpoint.open(folder))

@@ -53,8 +53,8 @@ def _attention(q, k, v, *, mask, dropout_p: float, is_causal: bool, torchtune_ca
     if not isinstance(mask, Documents):
         return torchtune_call(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
     varlen = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0
-    if torch.compiler.is_compiling():  # left out of compiled layers (plan.compile), see below
-        return (_eager_varlen if varlen else _eager_per_document)(q, k, v, mask, dropout_p)
+    if torch.compiler.is_compiling():  # left out of compiled layers (plan.compile), see keep_attention_eager
+        return _EAGER["varlen" if varlen else "per_document"](q, k, v, mask, dropout_p)
     return (_varlen if varlen else _per_document)(q, k, v, mask, dropout_p)
 
 
@@ -79,6 +79,11 @@ def _varlen(q, k, v, docs: Documents, dropout_p: float):
 
 # In a compiled layer (plan.compile) attention over documents runs eager: the documents' lengths are Python
 # values that differ every step, so a traced graph would be specialised to one row and recompiled for the
-# next. Only there: the wrapper costs each call tens of microseconds, which eager layers need not pay.
-_eager_per_document = torch.compiler.disable(_per_document)
-_eager_varlen = torch.compiler.disable(_varlen)
+# next. Only there: the wrapper costs each call tens of microseconds, which eager layers need not pay, and
+# making it imports torch._dynamo (a second and a half), which a process that never compiles need not pay.
+_EAGER: dict = {}
+
+
+def keep_attention_eager() -> None:
+    """Before compiling layers (train/parallel.apply_compile): attention over documents stays out of graphs."""
+    _EAGER.update(per_document=torch.compiler.disable(_per_document), varlen=torch.compiler.disable(_varlen))

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import (
 
 from moai_recipes.config.schema import Recompute
 from moai_recipes.launch.world import World
+from moai_recipes.models.attention import keep_attention_eager
 from moai_recipes.models.build import init_buffers, is_nf4
 from moai_recipes.planner.plan import Plan
 
@@ -80,6 +81,7 @@ def apply_compile(layers: nn.ModuleList) -> None:
     step to step (packed rows, padded rows of the longest sample). Packed attention stays eager
     (models/attention.py).
     """
+    keep_attention_eager()
     for layer in layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
