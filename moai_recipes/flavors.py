@@ -7,7 +7,8 @@ other hardware. The CPU flavors run a given number of processes on this machine 
 
 import math
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 
 import psutil
 
@@ -28,18 +29,21 @@ class Device:
     hbm_gbps: float  # memory bandwidth per device, GB/s
     intra_node_gbps: float  # per-device bandwidth to its peers in a node (NVLink / Infinity Fabric), GB/s
     inter_node_gbps: float  # per-device network bandwidth across nodes, GB/s
+    host_memory_gb: float = 0  # host (CPU) memory of a node of per_node devices; the CPU's is measured
 
 
 def _host_memory_gb() -> float:
     return psutil.virtual_memory().total / 2**30
 
 
+# Host memory per node, from data sheets: an MI250 node of 4 cards (8 devices) as HPE Cray EX235a, 512 GB;
+# MI300X as Azure ND MI300X v5, 1850 GB; A100 as DGX A100, 1 TB; H100 and H200 as DGX H100 / H200, 2 TB.
 DEVICES = {
-    "mi250": Device("mi250", "gpu", 64, 2, 8, 191.5, 47.9, 1638, 100, 25),
-    "mi300x": Device("mi300x", "gpu", 192, 1, 8, 1307, 163.4, 5300, 64, 50),
-    "a100": Device("a100", "gpu", 80, 1, 8, 312, 19.5, 2039, 300, 25),
-    "h100": Device("h100", "gpu", 80, 1, 8, 989, 67, 3350, 450, 50),
-    "h200": Device("h200", "gpu", 141, 1, 8, 989, 67, 4800, 450, 50),
+    "mi250": Device("mi250", "gpu", 64, 2, 8, 191.5, 47.9, 1638, 100, 25, host_memory_gb=512),
+    "mi300x": Device("mi300x", "gpu", 192, 1, 8, 1307, 163.4, 5300, 64, 50, host_memory_gb=1850),
+    "a100": Device("a100", "gpu", 80, 1, 8, 312, 19.5, 2039, 300, 25, host_memory_gb=1024),
+    "h100": Device("h100", "gpu", 80, 1, 8, 989, 67, 3350, 450, 50, host_memory_gb=2048),
+    "h200": Device("h200", "gpu", 141, 1, 8, 989, 67, 4800, 450, 50, host_memory_gb=2048),
     # The CPU's compute and memory speed are measured on the machine (planner/cpu_speed.py); its "link" is
     # gloo between processes of one machine, fitted with bench/planner_accuracy.py --processes 2.
     "cpu": Device("cpu", "cpu", 0, 1, 1, 0.01, 0.025, 20, 0.83, 0.83),
@@ -58,6 +62,15 @@ class Flavor:
         return self.num_devices * self.device_memory_gb
 
     @property
+    def processes_per_node(self) -> int:
+        return min(self.num_devices, self.device.per_node)
+
+    @property
+    def host_memory_gb(self) -> float:
+        """Host memory of one node: the data sheet's for GPU nodes, this machine's for the CPU."""
+        return self.device.host_memory_gb or _host_memory_gb()
+
+    @property
     def backend(self) -> str:
         # NCCL on NVIDIA, RCCL behind the same name on ROCm; gloo on the CPU.
         return "nccl" if self.device.kind == "gpu" else "gloo"
@@ -71,9 +84,37 @@ class Flavor:
                 f"{cards}, {self.device_memory_gb:.4g} GB each, {self.total_memory_gb:.5g} GB in all")
 
 
+def local_accelerator() -> tuple[Device, int]:
+    """What this machine has, as one accelerator: every visible GPU (their type, count and memory as torch reports
+    them), or the CPU. A GPU type without a data sheet here gets conservative figures, and a warning says so."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return DEVICES["cpu"], 1
+    props = torch.cuda.get_device_properties(0)
+    memory_gb = props.total_memory / 2**30
+    compact = props.name.lower().replace(" ", "").replace("-", "")
+    known = next((k for k in DEVICES if k != "cpu" and k in compact), None)
+    if known:
+        return replace(DEVICES[known], memory_gb=memory_gb), torch.cuda.device_count()
+    print(f"warning: flavor=auto: no figures for a {props.name}; planning with conservative ones (100 bf16 TFLOP/s, "
+          "1 TB/s, 25 GB/s links). Pick a known device with flavor.device=NAME if it is one", file=sys.stderr)
+    device = Device(props.name, "gpu", memory_gb, 1, 8, 100, 20, 1000, 25, 12.5, host_memory_gb=_host_memory_gb())
+    return device, torch.cuda.device_count()
+
+
 def resolve_flavor(*, name: str, device: str, memory_gb: float | None, processes: int | None,
                    device_memory_gb: float | None) -> Flavor:
-    """Turn a flavor config into a device type, a device count and a per-device memory budget."""
+    """Turn a flavor config into a device type, a device count and a per-device memory budget (flavor=auto:
+    the devices of this machine)."""
+    if device == "auto":
+        dev, count = local_accelerator()
+        if dev.kind == "cpu":
+            n = processes or 1
+            return Flavor(name=name, device=dev, num_devices=n, device_memory_gb=device_memory_gb or _host_memory_gb() / n)
+        n = processes or count
+        return Flavor(name=f"{name} ({n} x {dev.name})", device=dev, num_devices=n,
+                      device_memory_gb=device_memory_gb or dev.memory_gb)
     if device not in DEVICES:
         raise UserError(f"flavor.device={device} is not a known device; valid: {', '.join(DEVICES)}")
     dev = DEVICES[device]

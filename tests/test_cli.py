@@ -68,11 +68,12 @@ def test_the_console_script_is_the_cli():
 
 def test_flavors_lists_every_flavor_and_stars_the_default():
     out = moai("flavors").stdout
-    for name in ("Small.64GB", "xLarge.512GB", "4xLarge.2048GB", "48xLarge.24576GB", "cpu", "cpu-2", "cpu-4"):
+    for name in ("Small.64GB", "xLarge.512GB", "4xLarge.2048GB", "48xLarge.24576GB", "auto", "cpu", "cpu-2", "cpu-4"):
         assert table_row(out, name)
     row = table_row(out, "4xLarge.2048GB")
     assert "32 x MI250 (16 cards)" in row and "64 GB" in row and "2048 GB" in row and "flavor=4xlarge" in row
-    assert table_row(out, "cpu").startswith("*") and not row.startswith("*")  # the shipped default
+    assert table_row(out, "auto").startswith("*") and not row.startswith("*")  # the shipped default: this machine
+    assert "1 x CPU process" in table_row(out, "auto")  # no GPU here
     assert moai("switch", "4xlarge").returncode == 0
     assert table_row(moai("flavors").stdout, "4xLarge.2048GB").startswith("*")
 
@@ -125,15 +126,15 @@ class Terminal:
 
 def test_interactive_switch_in_a_terminal(home):
     term = Terminal("-m", "moai_recipes.tools.cli", "switch")
-    screen = term.expect("Selection (1-16, q, Q): ")
-    assert "Current MoAI Accelerator: cpu\n" in screen.replace("\r", "")
-    assert "1. Small.64GB\r\n" in screen and "8. 4xLarge.2048GB\r\n" in screen and "14. cpu  *" in screen
+    screen = term.expect("Selection (1-17, q, Q): ")
+    assert "Current MoAI Accelerator: auto\n" in screen.replace("\r", "")
+    assert "1. Small.64GB\r\n" in screen and "8. 4xLarge.2048GB\r\n" in screen and "14. auto  *" in screen
     term.type("8")
-    screen = term.expect("Selection (1-16, q, Q): ")
+    screen = term.expect("Selection (1-17, q, Q): ")
     assert 'The MoAI Accelerator model is successfully switched to  "4xLarge.2048GB".' in screen
-    assert "8. 4xLarge.2048GB  *" in screen and "14. cpu\r\n" in screen
+    assert "8. 4xLarge.2048GB  *" in screen and "14. auto\r\n" in screen and "15. cpu\r\n" in screen
     term.type("99")  # not on the list: asks again, changes nothing
-    assert "not a choice" in term.expect("Selection (1-16, q, Q): ")
+    assert "not a choice" in term.expect("Selection (1-17, q, Q): ")
     term.type("q")
     assert term.proc.wait(timeout=30) == 0
     assert json.loads((home / "settings.json").read_text()) == {"flavor": "4xlarge"}
@@ -232,7 +233,7 @@ def test_workers_left_running_by_a_killed_launcher_stay_listed_until_they_end():
 def test_smi_shows_a_running_recipe_and_forgets_it_once_killed(tmp_path):
     out_dir = tmp_path / "run"
     recipe = subprocess.Popen(
-        [sys.executable, "-m", "recipes.full_finetune", "model=tiny", "dataset=demo", "flavor=cpu", "logger=stdout",
+        [sys.executable, "-m", "recipes.full_finetune", "model=tiny", "dataset=demo", "flavor=auto", "logger=stdout",
          f"output_dir={out_dir}", "epochs=400"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
@@ -241,7 +242,7 @@ def test_smi_shows_a_running_recipe_and_forgets_it_once_killed(tmp_path):
             time.sleep(0.5)
         out = moai("smi").stdout
         device, process = table_row(out, "MoAI Accelerator"), table_row(out, str(recipe.pid))
-        assert "* 0" in device and " cpu " in device and "%" in device
+        assert "* 0" in device and " auto " in device and "%" in device
         assert "python -m recipes.full_finetune model=tiny" in process and int(process.split("|")[5].split()[0]) > 50
     finally:
         recipe.kill()  # kill -9: the run cannot unregister itself
@@ -277,7 +278,7 @@ def test_gpu_figures_come_from_the_driver_tool(tmp_path, monkeypatch):
         (runs_dir() / f"{p.pid}.json").write_text(json.dumps(run))
         out = moai("smi").stdout
         assert "1234 MiB" in table_row(out, "4xLarge.2048GB") and "80 %" in table_row(out, "4xLarge.2048GB")
-        assert table_row(out, "4xLarge.2048GB").startswith("|    1") and "* 0" in table_row(out, "cpu")
+        assert table_row(out, "4xLarge.2048GB").startswith("|    1") and "* 0" in table_row(out, "auto")
         assert "1234 MiB" in table_row(out, str(p.pid))
     finally:
         sleeper.kill()

@@ -23,7 +23,7 @@ def test_the_groups_have_the_options_the_product_promises():
     assert {"tiny", "llama3_2_1b", "llama3_2_3b", "llama3_8b", "llama3_70b", "mistral", "qwen2_5_0_5b", "qwen2_5_7b",
             "qwen2_5_14b", "qwen2_5_72b"} <= set(opts["model"])
     assert {"demo", "instruct", "chat", "text"} <= set(opts["dataset"])
-    assert {"cpu", "cpu-2", "cpu-4", "small", "medium", "large", "xlarge", "1.5xlarge", "2xlarge", "3xlarge", "4xlarge",
+    assert {"auto", "cpu", "cpu-2", "cpu-4", "small", "medium", "large", "xlarge", "1.5xlarge", "2xlarge", "3xlarge", "4xlarge",
             "6xlarge", "8xlarge", "12xlarge", "24xlarge", "48xlarge"} <= set(opts["flavor"])
     assert {"wandb", "stdout"} <= set(opts["logger"])
 

@@ -31,6 +31,21 @@ def test_4xlarge_is_16_cards_and_the_same_memory_on_h100():
     assert flavor("flavor=4xlarge", "flavor.device=mi300x").num_devices == 11
 
 
+def test_auto_is_this_machines_devices():
+    import torch
+
+    auto = flavor("flavor=auto")
+    assert auto.name.startswith("auto")
+    if torch.cuda.is_available():
+        assert auto.device.kind == "gpu" and auto.num_devices == torch.cuda.device_count()
+        assert auto.device_memory_gb == pytest.approx(torch.cuda.get_device_properties(0).total_memory / 2**30)
+    else:  # one process on the CPU, as flavor=cpu; more with flavor.processes
+        assert (auto.device.kind, auto.num_devices, auto.backend) == ("cpu", 1, "gloo")
+        assert auto.device_memory_gb == flavor("flavor=cpu").device_memory_gb
+        assert flavor("flavor=auto", "flavor.processes=2").num_devices == 2
+    assert flavor().name == auto.name  # the default of every recipe
+
+
 @pytest.mark.parametrize("name, n", [("cpu", 1), ("cpu-2", 2), ("cpu-4", 4)])
 def test_cpu_flavors_run_processes_with_gloo(name, n):
     f = flavor(f"flavor={name}")

@@ -233,3 +233,32 @@ def test_qlora_is_never_compiled():
     assert not choose_plan(work, gpu).chosen.plan.compile
     with pytest.raises(UserError, match="plan.compile=true: QLoRA's NF4 base weights cannot be compiled"):
         choose_plan(work, gpu, forced={"compile": True})
+
+
+def test_host_memory_is_planned_and_a_70b_full_run_on_one_device_is_refused_naming_it():
+    # Offloaded, 70B parameters keep fp32 weights, gradients and AdamW's moments on the host: about 1.1 TB,
+    # twice what a node of MI250s has. Nothing fits; the message says so and names what would.
+    _, spec, small = setup("model=llama3_70b", "flavor=small")
+    work = Workload(spec=spec, batch_size=64, seq_len=4096)
+    with pytest.raises(UserError, match=r"need at least 1,0\d\d GiB of host memory per node .*offloaded weights.* a node "
+                                        r"of mi250 has 512 GiB.*flavor=3xlarge.*LoRA fits"):
+        choose_plan(work, small)
+    # Where it fits, every GPU candidate carries its host bytes, and the chosen plan's are within the node's.
+    _, _, big = setup("model=llama3_70b", "flavor=48xlarge")
+    choice = choose_plan(work, big)
+    c = choice.chosen
+    assert c.host is not None and c.host.total <= big.host_memory_gb * GiB * 0.9
+    assert c.as_dict()["predicted_host_bytes_per_node"] == c.host.total
+    offloaded = [x for x in choice.candidates if x.plan.cpu_offload]
+    assert offloaded and all(x.host.offloaded > 0 for x in offloaded)
+    # The CPU's device memory is the host's: no separate host plan there.
+    _, tiny, cpu = setup("flavor=cpu")
+    assert choose_plan(Workload(spec=tiny, batch_size=8, seq_len=128), cpu).chosen.host is None
+
+
+def test_a_run_predicted_to_take_more_than_a_day_says_so_first():
+    _, spec, flavor = setup("model=llama3_70b", "flavor=3xlarge")
+    long = choose_plan(Workload(spec=spec, batch_size=512, seq_len=4096, steps=10_000), flavor).report()
+    assert long[0].startswith("Warning: the plan predicts") and "days for the run's 10,000 steps" in long[0]
+    short = choose_plan(Workload(spec=spec, batch_size=512, seq_len=4096, steps=2), flavor).report()
+    assert not short[0].startswith("Warning")

@@ -116,7 +116,8 @@ class OptimizerConfig:
 @dataclass
 class FlavorConfig:
     name: str = setting("cpu", "the name shown: 4xLarge.2048GB, cpu-2")
-    device: str = setting("cpu", "mi250 | mi300x | a100 | h100 | h200 | cpu: the hardware the memory is expressed on")
+    device: str = setting("cpu", "mi250 | mi300x | a100 | h100 | h200 | cpu: the hardware the memory is expressed on; "
+                                 "auto: this machine's devices")
     memory_gb: Optional[float] = setting(None, "total memory of the flavor (the MoAI names), in GB")
     processes: Optional[int] = setting(None, "devices (processes); the CPU flavors' count")
     device_memory_gb: Optional[float] = setting(None, "the per-device budget the planner must respect (null: the device's)")

@@ -161,3 +161,45 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str) -> MemoryBreakd
                            gathered=int(peak["gathered"]), activations=int(peak["activations"]),
                            logits=int(peak["logits"]), overhead=int(FIXED_OVERHEAD[device_kind] + SLACK[device_kind] * subtotal),
                            phase=phase)
+
+
+# Host memory of a GPU process beside what the plan puts there: the CUDA/ROCm runtime, NCCL, torch and the
+# libraries (about 3 GiB resident per process on a GPU node).
+HOST_PROCESS_BYTES = 3 * 2**30
+# The largest safetensors file an export holds whole on its writing rank (models/hf_format.save_weights):
+# Hugging Face's usual shard size. The checkpoint's own files are larger only when it is one single file.
+EXPORT_FILE_BYTES = 5 * 10**9
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Peak host (CPU) bytes of one node of a GPU flavor, for one plan."""
+
+    processes: int  # on the node
+    runtime: int  # per process: HOST_PROCESS_BYTES
+    offloaded: int  # per process: parameters, gradients and optimizer state under CPU offload
+    loading: int  # per process: the largest whole weight, read in fp32 while loading and exporting
+    export_file: int  # on the writing rank's node: one input file held whole while the model is written
+
+    @property
+    def total(self) -> int:
+        return self.processes * (self.runtime + self.offloaded + self.loading) + self.export_file
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "total": self.total}
+
+
+def predict_host_memory(plan: Plan, work: Workload, processes_per_node: int) -> HostMemory:
+    """Host bytes of the busiest node: each process's runtime, its share of what CPU offload keeps on the host
+    (fp32 master weights or NF4, fp32 gradients, AdamW's two fp32 moments), the largest weight whole in fp32
+    (loading reads and exporting gathers one at a time), and on rank 0's node one file of the export."""
+    spec, sizes = work.spec, work.sizes
+    nf4 = sizes.nf4_per_layer * spec.num_layers
+    offloaded = 0
+    if plan.cpu_offload:
+        master = (sizes.total - nf4) * 4 + nf4 * NF4_BYTES
+        offloaded = (master + sizes.trainable * (4 + 8)) / plan.shards
+    largest = max(spec.vocab_size * spec.embed_dim, spec.intermediate_dim * spec.embed_dim,
+                  spec.num_heads * spec.head_dim * spec.embed_dim) * 4
+    return HostMemory(processes=processes_per_node, runtime=HOST_PROCESS_BYTES, offloaded=int(offloaded),
+                      loading=largest, export_file=EXPORT_FILE_BYTES)

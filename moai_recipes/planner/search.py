@@ -8,7 +8,12 @@ from dataclasses import dataclass
 from moai_recipes.config.schema import Recompute
 from moai_recipes.errors import UserError
 from moai_recipes.flavors import Flavor
-from moai_recipes.planner.memory import MemoryBreakdown, predict_memory
+from moai_recipes.planner.memory import (
+    HostMemory,
+    MemoryBreakdown,
+    predict_host_memory,
+    predict_memory,
+)
 from moai_recipes.planner.plan import Plan, Workload
 from moai_recipes.planner.timing import TimeEstimate, predict_time
 
@@ -21,11 +26,15 @@ class Candidate:
     plan: Plan
     memory: MemoryBreakdown
     time: TimeEstimate
-    fits: bool
+    fits: bool  # on the devices and in the host memory of a node
+    host: HostMemory | None = None  # GPU flavors: a node's host memory (the CPU's is its device memory)
+    host_fits: bool = True
 
     def as_dict(self) -> dict:
+        host = {"predicted_host_bytes_per_node": self.host.total, "host": self.host.as_dict()} if self.host else {}
         return {**self.plan.as_dict(), "fits": self.fits, "predicted_peak_bytes": self.memory.total,
-                "predicted_step_s": self.time.total_s, "memory": self.memory.as_dict(), "time": self.time.as_dict()}
+                "predicted_step_s": self.time.total_s, "memory": self.memory.as_dict(), "time": self.time.as_dict(),
+                **host}
 
 
 @dataclass(frozen=True)
@@ -34,16 +43,28 @@ class PlanChoice:
     chosen: Candidate
     candidates: list[Candidate]
     budget_bytes: int
+    steps: int | None = None  # of the run, when the data is known
 
     def report(self) -> list[str]:
         fit = sum(c.fits for c in self.candidates)
         c = self.chosen
-        return [f"The number of candidates is {len(self.candidates)}.",
+        return self._long_run() + [f"The number of candidates is {len(self.candidates)}.",
                 f"The number of possible candidates is {fit} (predicted peak within {self.budget_bytes / GiB:.3g} GiB "
                 f"per device).",
                 f"Chosen: the fastest that fits: predicted {c.time.total_s:.3g} s/step"
                 + (f" after {c.time.once_s:.3g} s compiling" if c.time.once_s else "")
                 + f", peak {c.memory.total / GiB:.3g} GiB per device"]
+
+    def _long_run(self) -> list[str]:
+        """A warning, first, when the run is predicted to take more than a day."""
+        if not self.steps:
+            return []
+        seconds = self.chosen.time.run_s(self.steps)
+        if seconds <= 86400:
+            return []
+        return [f"Warning: the plan predicts {seconds / 86400:.1f} days for the run's {self.steps:,} steps "
+                f"({self.chosen.time.total_s:,.0f} s a step); a larger flavor or a shorter max_seq_len would shorten it "
+                "(recipes.plan compares flavors)"]
 
     def as_dict(self) -> dict:
         return {"flavor": self.flavor, "budget_bytes": self.budget_bytes, "chosen": self.chosen.as_dict(),
@@ -88,14 +109,22 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
     candidates, budget = _candidates(work, flavor, forced)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
-        smallest = min(candidates, key=lambda c: c.memory.total)
         what = ("with " + ", ".join(f"plan.{k}={v}" for k, v in forced.items())) if forced else "with any plan"
+        on_devices = [c for c in candidates if c.memory.total <= budget]
+        if on_devices:  # the devices would hold it; the host memory of a node does not
+            least = min(on_devices, key=lambda c: c.host.total)
+            raise UserError(
+                f"nothing fits {flavor.name} {what}: the plans that fit its devices need at least "
+                f"{least.host.total / GiB:,.0f} GiB of host memory per node ({_host_parts(least)}), and a node of "
+                f"{flavor.device.name} has {flavor.host_memory_gb:,.0f} GiB (budget {flavor.host_memory_gb * (1 - SAFETY_MARGIN):,.0f} "
+                f"GiB). {_what_would_fit(work, flavor, forced)}")
+        smallest = min(candidates, key=lambda c: c.memory.total)
         raise UserError(f"nothing fits {flavor.name} {what}: the smallest plan needs {smallest.memory.total / GiB:,.1f} GiB "
                         f"per device (budget {budget / GiB:.3g} GiB = {flavor.device_memory_gb:.4g} GiB less "
                         f"{SAFETY_MARGIN:.0%}). {_what_would_fit(work, flavor, forced)}")
     # The fastest run: compiling pays once for faster steps, so it is chosen only where the run is long enough.
     chosen = min(fitting, key=lambda c: (round(c.time.run_s(work.steps), 6), c.memory.total))
-    return PlanChoice(flavor=flavor.name, chosen=chosen, candidates=candidates, budget_bytes=budget)
+    return PlanChoice(flavor=flavor.name, chosen=chosen, candidates=candidates, budget_bytes=budget, steps=work.steps)
 
 
 def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Candidate], int]:
@@ -108,6 +137,7 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Cand
     gpu = flavor.device.kind == "gpu"
     compute = "bfloat16" if (work.dtype == "bf16" or (work.dtype == "auto" and gpu)) else "float32"
     budget = int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
+    host_budget = int(flavor.host_memory_gb * GiB * (1 - SAFETY_MARGIN))
     options = _options(n, per_device, flavor, forced, work, compute)
     if not options:
         raise UserError(_impossible(forced, flavor, work))
@@ -118,8 +148,23 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Cand
                     param_dtype=compute, master_dtype="float32", **o)
         memory = predict_memory(plan, work, flavor.device.kind)
         time = predict_time(plan, work, flavor.device)
-        candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=memory.total <= budget))
+        host, host_fits = None, True
+        if flavor.device.kind == "gpu":
+            host = predict_host_memory(plan, work, flavor.processes_per_node)
+            host_fits = host.total <= host_budget
+        candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=memory.total <= budget and host_fits,
+                                    host=host, host_fits=host_fits))
     return candidates, budget
+
+
+def _host_parts(c: Candidate) -> str:
+    h = c.host
+    parts = [f"{h.processes} process(es) x ({h.runtime / GiB:.0f} GiB runtime"]
+    if h.offloaded:
+        parts.append(f" + {h.offloaded / GiB:,.0f} GiB offloaded weights, gradients and AdamW state")
+    parts.append(f" + {h.loading / GiB:.1f} GiB for the largest weight) + {h.export_file / GiB:.1f} GiB for one file "
+                 "of the export")
+    return "".join(parts)
 
 
 def _what_would_fit(work: Workload, flavor: Flavor, forced: dict) -> str:
@@ -137,10 +182,29 @@ def _what_would_fit(work: Workload, flavor: Flavor, forced: dict) -> str:
                 hints.append(f"The smallest flavor that fits is {option.option} ({other.name} on {flavor.device.name}): "
                              f"flavor={option.option}.")
                 break
+    if work.lora is None:
+        fits = _adapters_that_fit(work, flavor, forced)
+        if fits:
+            hints.append(fits)
     if not hints:
         hints.append(f"Try a shorter max_seq_len (now {work.seq_len}), LoRA (recipes.lora_finetune), or a larger "
                      "flavor.device_memory_gb.")
     return " ".join(hints)
+
+
+def _adapters_that_fit(work: Workload, flavor: Flavor, forced: dict) -> str | None:
+    """Which of LoRA or QLoRA (the recipe's default adapters) fits where full fine-tuning does not."""
+    from dataclasses import replace
+
+    from moai_recipes.models.lora import LoraOptions
+
+    for quantize, how in ((False, "LoRA fits: python -m recipes.lora_finetune"),
+                          (True, "QLoRA fits: python -m recipes.lora_finetune lora.quantize_base=true")):
+        lora = LoraOptions(attn_modules=("q_proj", "v_proj"), apply_to_mlp=False, apply_to_output=False, rank=8,
+                           alpha=16.0, dropout=0.0, quantize_base=quantize)
+        if _fits(replace(work, lora=lora), flavor, forced):
+            return f"{how} (with the same flavor and batch)."
+    return None
 
 
 def _fits(work: Workload, flavor: Flavor, forced: dict) -> bool:
