@@ -58,6 +58,7 @@ def test_the_demo_learns_and_writes_everything(tmp_path):
     assert last < first / 2, (first, last)  # it learns (6.25 -> ~2.2 in 60 steps)
     assert "[Step 1/60] | Loss: " in r.stdout and "| Duration: " in r.stdout and "tokens/sec" in r.stdout
     assert "Configuration for parallelism is selected" in r.stdout and "before:" in r.stdout and "after:" in r.stdout
+    assert "Peak memory per device: predicted" in r.stdout and "Step time: predicted" in r.stdout
     for name in ("config.yaml", "plan.json", "loss.png", "model/config.json", "model/model.safetensors", "model/tokenizer.json"):
         assert (out / name).exists(), name
     from transformers import AutoModelForCausalLM

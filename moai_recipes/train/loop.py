@@ -203,7 +203,13 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
         measured, predicted = max(r["peak_memory_bytes"] for r in log.rows), choice.chosen.memory.total
         log.info(f"Peak memory per device: predicted {predicted / 2**30:.3f} GiB, measured {measured / 2**30:.3f} GiB "
                  f"({(measured - predicted) / max(predicted, 1):+.1%})")
-        log.summary(predicted_peak_bytes=predicted, measured_peak_bytes=measured)
+        # Steps after the first two (which warm up the allocator, the caches and a compiled layer's graph).
+        steady = sorted(r["step_time_s"] for r in log.rows[2:] or log.rows)
+        step_s, predicted_s = steady[len(steady) // 2], choice.chosen.time.total_s
+        log.info(f"Step time: predicted {predicted_s:.3g} s, measured {step_s:.3g} s (the median of "
+                 f"{len(steady)} step(s), {(step_s - predicted_s) / max(predicted_s, 1e-9):+.1%})")
+        log.summary(predicted_peak_bytes=predicted, measured_peak_bytes=measured, predicted_step_s=predicted_s,
+                    measured_step_s=step_s)
     state.model.eval()
 
 
