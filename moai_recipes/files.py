@@ -1,8 +1,15 @@
-"""Files written so that a reader (a resuming run, `moai smi`, a user) never sees half of one."""
+"""Files written so that a reader (a resuming run, `moai smi`, a user) never sees half of one, and where this
+machine's caches live."""
 
 import json
 import os
 from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """The cache of this machine (MOAI_CACHE, else ~/.cache/moai-recipes): the tiny checkpoint, converted models,
+    the CPU's measured speed, the planner's layer traces."""
+    return Path(os.environ.get("MOAI_CACHE") or Path.home() / ".cache" / "moai-recipes")
 
 
 def write_text(path: Path, text: str) -> None:

@@ -5,6 +5,7 @@ PyTorch sees as 32 devices of 64 GB). `flavor.device=h100` re-expresses the same
 other hardware. The CPU flavors run a given number of processes on this machine with gloo.
 """
 
+import functools
 import math
 import os
 import sys
@@ -84,6 +85,7 @@ class Flavor:
                 f"{cards}, {self.device_memory_gb:.4g} GB each, {self.total_memory_gb:.5g} GB in all")
 
 
+@functools.cache  # asked for by every catalog of flavors; the warning is said once
 def local_accelerator() -> tuple[Device, int]:
     """What this machine has, as one accelerator: every visible GPU (their type, count and memory as torch reports
     them), or the CPU. A GPU type without a data sheet here gets conservative figures, and a warning says so."""

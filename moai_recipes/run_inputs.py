@@ -108,7 +108,7 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     else:
         spec = ckpt.spec if m.name == DEFAULT_MODEL else same_family(ckpt.spec, named, ckpt.folder)
     check_context(spec, cfg.max_seq_len, what=f"max_seq_len={cfg.max_seq_len}",
-                  fix=f"use max_seq_len={spec.sliding_window or 0} or less")
+                  fix=f"use max_seq_len={spec.sliding_window} or less")
     tokenizer = checked_tokenizer(ckpt) if ckpt else None
     lora = None
     if "lora" in cfg and cfg.get("method", "lora") == "lora":

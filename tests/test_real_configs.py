@@ -133,7 +133,7 @@ def test_a_lora_adapter_loads_in_peft_with_equal_logits(real, tmp_path):
         for n, p in model.named_parameters():
             if ".lora_" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    save_adapter(gather_adapters(model), opts=opts, ckpt=ckpt, out_dir=tmp_path / "adapter", base_model=str(folder))
+    save_adapter(gather_adapters(model), opts=opts, out_dir=tmp_path / "adapter", base_model=str(folder))
     peft_model = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(folder).float(),
                                            tmp_path / "adapter").eval()
     x = tokens(3)

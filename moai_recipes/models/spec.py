@@ -137,8 +137,8 @@ def spec_from_hf_config(config: Mapping) -> ModelSpec:
 
 
 def _sliding_window(family: str, config: Mapping) -> int | None:
-    """The window config.json turns on: Mistral's sliding_window; Qwen's only with use_sliding_window (and then
-    on the layers from max_window_layers on: refused unless it covers them all, or none)."""
+    """The window config.json turns on: Mistral's sliding_window; Qwen's only with use_sliding_window, and only
+    where some layer slides (those from max_window_layers on)."""
     window = config.get("sliding_window")
     if not window:
         return None

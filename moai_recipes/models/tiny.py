@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from moai_recipes.files import cache_dir as machine_cache_dir
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEMO_DATA = ASSETS / "demo.jsonl"
 
@@ -97,7 +99,7 @@ def _init_llama_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
 
 def tiny_checkpoint_dir(cache_dir: str | os.PathLike | None = None, seed: int = 0) -> Path:
     """Return the folder of the tiny default checkpoint, making it (atomically) on first use."""
-    root = Path(cache_dir or os.environ.get("MOAI_CACHE") or Path.home() / ".cache" / "moai-recipes")
+    root = Path(cache_dir or machine_cache_dir())
     folder = root / f"tiny-llama-v1-seed{seed}"
     if (folder / "model.safetensors").exists():
         return folder

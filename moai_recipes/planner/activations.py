@@ -33,6 +33,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
+from moai_recipes.files import cache_dir
 from moai_recipes.models.build import build_model
 from moai_recipes.models.spec import ModelSpec
 from moai_recipes.train.parallel import apply_recompute
@@ -123,7 +124,7 @@ def _cached(cls, key_parts: tuple, trace):
 
 
 def _cache_folder() -> Path:
-    return Path(os.environ.get("MOAI_CACHE") or Path.home() / ".cache" / "moai-recipes") / "layer-traces"
+    return cache_dir() / "layer-traces"
 
 
 @functools.cache  # importlib.metadata scans the installed distributions: milliseconds, and planning asks often

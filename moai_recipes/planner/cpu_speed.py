@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from moai_recipes.files import cache_dir
+
 
 @dataclass(frozen=True)
 class CpuSpeed:
@@ -32,7 +34,7 @@ def process_threads(num_processes: int) -> int:
 def cpu_speed(threads: int) -> CpuSpeed:
     """This machine's CPU with `threads` threads, measured once and cached."""
     key = f"{_cpu_name()}|{os.cpu_count()}|{threads}|{torch.__version__}"
-    path = Path(os.environ.get("MOAI_CACHE") or Path.home() / ".cache" / "moai-recipes") / "cpu-speed.json"
+    path = cache_dir() / "cpu-speed.json"
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):

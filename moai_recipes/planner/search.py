@@ -28,7 +28,6 @@ class Candidate:
     time: TimeEstimate
     fits: bool  # on the devices and in the host memory of a node
     host: HostMemory | None = None  # GPU flavors: a node's host memory (the CPU's is its device memory)
-    host_fits: bool = True
 
     def as_dict(self) -> dict:
         host = {"predicted_host_bytes_per_node": self.host.total, "host": self.host.as_dict()} if self.host else {}
@@ -82,7 +81,7 @@ def _options(n: int, per_device: int, flavor: Flavor, forced: dict, work: Worklo
     # Compiling is predicted to gain nothing on the CPU (timing.COMPILED), so it is offered there only when
     # forced; never with NF4 base weights (QLoRA), whose tensor subclass inductor does not compile.
     qlora = work.lora is not None and work.lora.quantize_base
-    compiles = [False] if qlora else [False, True] if flavor.device.kind == "gpu" or forced.get("compile") else [False]
+    compiles = [False, True] if not qlora and (flavor.device.kind == "gpu" or forced.get("compile")) else [False]
     opts = [dict(micro_batch_size=m, packing=p, recompute=r, replicate=d, reshard_after_forward=s, cpu_offload=o,
                  chunked_loss=c, compile=k)
             for m in sizes for p in (False, True) for r in recomputes for d in replicas
@@ -148,12 +147,9 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Cand
                     param_dtype=compute, master_dtype="float32", **o)
         memory = predict_memory(plan, work, flavor.device.kind)
         time = predict_time(plan, work, flavor.device)
-        host, host_fits = None, True
-        if flavor.device.kind == "gpu":
-            host = predict_host_memory(plan, work, flavor.processes_per_node)
-            host_fits = host.total <= host_budget
-        candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=memory.total <= budget and host_fits,
-                                    host=host, host_fits=host_fits))
+        host = predict_host_memory(plan, work, flavor.processes_per_node) if flavor.device.kind == "gpu" else None
+        fits = memory.total <= budget and (host is None or host.total <= host_budget)
+        candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=fits, host=host))
     return candidates, budget
 
 
@@ -193,15 +189,19 @@ def _what_would_fit(work: Workload, flavor: Flavor, forced: dict) -> str:
 
 
 def _adapters_that_fit(work: Workload, flavor: Flavor, forced: dict) -> str | None:
-    """Which of LoRA or QLoRA (the recipe's default adapters) fits where full fine-tuning does not."""
-    from dataclasses import replace
+    """Which of LoRA or QLoRA (the lora recipe's default adapters) fits where full fine-tuning does not."""
+    from dataclasses import asdict, replace
 
-    from moai_recipes.models.lora import LoraOptions
+    from moai_recipes.config.schema import LoraConfig
+    from moai_recipes.models.lora import lora_options
 
     for quantize, how in ((False, "LoRA fits: python -m recipes.lora_finetune"),
                           (True, "QLoRA fits: python -m recipes.lora_finetune lora.quantize_base=true")):
-        lora = LoraOptions(attn_modules=("q_proj", "v_proj"), apply_to_mlp=False, apply_to_output=False, rank=8,
-                           alpha=16.0, dropout=0.0, quantize_base=quantize)
+        try:
+            lora = lora_options({**asdict(LoraConfig()), "quantize_base": quantize}, spec=work.spec,
+                                world_size=flavor.num_devices)
+        except UserError:  # QLoRA's NF4 blocks do not divide this model's weights
+            continue
         if _fits(replace(work, lora=lora), flavor, forced):
             return f"{how} (with the same flavor and batch)."
     return None

@@ -46,11 +46,12 @@ PCIE_GBPS = 25
 # A compiled layer (plan.compile) fuses its elementwise operators: the share of the eager layer's elementwise
 # traffic and of its dispatched operators that remain. GPUs: inductor's fused Triton kernels read each input
 # once and launch a few kernels per layer (torchtitan's per-block compile), an estimate not yet measured here.
-# The CPU: measured with bench/compile_layers.py on this machine, inductor's C++ kernels are no faster than
-# eager, so compiling there is predicted to gain nothing (and is never chosen).
+# The CPU: measured with `bench/packing_epoch.py --only compile` on this machine, inductor's C++ kernels are no
+# faster than eager (1.03x, within the noise), so compiling there is predicted to gain nothing (never chosen).
 COMPILED = {"gpu": (0.5, 0.2), "cpu": (1.0, 1.0)}
 # Seconds to compile a layer's forward and backward once (one graph serves every layer), a cold cache:
-# the CPU's measured (bench/compile_layers.py), the GPU's an estimate of inductor's Triton autotuning.
+# the CPU's measured (`bench/packing_epoch.py --only compile`: 27-32 s), the GPU's an estimate of inductor's
+# Triton autotuning.
 COMPILE_S = {"gpu": 60.0, "cpu": 30.0}
 # Operators a document adds to a packed row's attention, forward and backward (CPU: per-document SDPA).
 DOCUMENT_OPS = 8

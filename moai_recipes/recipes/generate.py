@@ -68,7 +68,7 @@ def generate(cfg: DictConfig, *, prompt: str | None) -> tuple[Tokenizer, list[in
     dispatch(model, placement, main=main_device)
     load_weights(model, ckpt)
     if adapter:
-        merge_adapter(model, adapter, ckpt)
+        merge_adapter(model, adapter)
     model.eval()
     setup_caches(model, placement, dtype=dtype, max_seq_len=max_seq_len)
     say(f"Model {ckpt.folder}: {spec.family}, {spec.num_params() / 1e6:.1f}M parameters in {str(dtype)[6:]}"

@@ -88,7 +88,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
         log.close()
     adapters = gather_adapters(model)
     if world.is_main:
-        save_adapter(adapters, opts=lora, ckpt=inputs.ckpt, out_dir=inputs.out / "adapter",
+        save_adapter(adapters, opts=lora, out_dir=inputs.out / "adapter",
                      base_model=base_model_name(inputs.ckpt.folder, cfg.model.hf_repo))
     if cfg.save_merged:
         save_weights(model, inputs.ckpt, inputs.out / "model", rank=world.rank, transform=merge_into(adapters, lora.scale))
