@@ -67,10 +67,10 @@ def make_varied_rows(count: int, *, seed: int) -> list[dict]:
 
 
 def our_lengths(checkpoint: Path, data: Path, seq_len: int) -> list[int]:
-    from moai_recipes.data.datasets import load_dataset
+    from moai_recipes.data.datasets import DataSource, load_dataset
     from moai_recipes.data.tokenizer import Tokenizer
 
-    ds = load_dataset(kind="text", path=str(data), tokenizer=Tokenizer.from_checkpoint(checkpoint), max_seq_len=seq_len)
+    ds = load_dataset(DataSource(kind="text", path=str(data)), Tokenizer.from_checkpoint(checkpoint), max_seq_len=seq_len)
     return list(ds.lengths)
 
 

@@ -8,7 +8,6 @@ only on the Hub is then described from its config and noted as not checked.
 `read_generate_inputs` does the same for recipes.generate and `moai validate generate`.
 """
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +17,7 @@ from omegaconf import DictConfig
 from moai_recipes.checkpoint.run_folder import check_output_dir
 from moai_recipes.checkpoint.steps import read_meta
 from moai_recipes.config.schema import DEFAULT_MODEL
-from moai_recipes.data.batches import GlobalBatches
-from moai_recipes.data.datasets import SFTDataset, load_dataset
+from moai_recipes.data.run_data import RunData, read_data
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
 from moai_recipes.flavors import Flavor
@@ -41,20 +39,27 @@ from moai_recipes.planner.plan import Workload
 
 @dataclass
 class RunInputs:
-    """A training run's inputs, checked. In a dry read of a model only on the Hub, `ckpt`, `tokenizer`,
-    `dataset` and `batches` are None (nothing to read them from yet)."""
+    """A training run's inputs, checked. In a dry read of a model only on the Hub, `ckpt`, `tokenizer` and
+    `data` are None (nothing to read them from yet)."""
 
     model_name: str
     spec: ModelSpec
     ckpt: HFCheckpoint | None
     tokenizer: Tokenizer | None
     lora: LoraOptions | None  # the LoRA recipe's (and a LoRA plan's) adapters
-    dataset: SFTDataset | None
-    batches: GlobalBatches | None
+    data: RunData | None
     total_steps: int | None
     out: Path | None  # the run folder (None: not checked, as for a plan)
     resume_from: Path | None  # a complete checkpoint to continue from
     workload: Workload  # what the planner plans: this model, this batch, these sequences
+
+    @property
+    def batches(self):
+        return self.data.batches
+
+    @property
+    def val_dataset(self):
+        return self.data.val
 
     @property
     def resume_step(self) -> int:
@@ -74,14 +79,8 @@ class RunInputs:
                        *(["the output"] if o.apply_to_output else [])]
             lines.append(f"LoRA: rank {o.rank} on {', '.join(targets)}, alpha {o.alpha:g}; "
                          + ("the base frozen in NF4 (QLoRA)" if o.quantize_base else "the base frozen"))
-        if self.dataset is not None:
-            d = cfg.dataset
-            lines.append(f"Data {d.kind} ({d.path or 'embedded demo'}): {len(self.dataset)} samples, "
-                         f"{self.batches.steps_per_epoch} steps per epoch of global batch {cfg.batch_size}, "
-                         f"{self.total_steps} steps")
-            if self.dataset.dropped:
-                lines.append(f"warning: {self.dataset.dropped} samples had no target token within "
-                             f"max_seq_len={cfg.max_seq_len} and were dropped")
+        if self.data is not None:
+            lines += self.data.describe(cfg)
         if self.out is not None:
             lines.append(f"Output {self.out}: " + (f"resumes from {self.resume_from}" if self.resume_from else "a new run"))
         return lines
@@ -113,18 +112,16 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     lora = None
     if "lora" in cfg and cfg.get("method", "lora") == "lora":
         lora = lora_options(cfg.lora, spec=spec, world_size=flavor.num_devices)
-    dataset = batches = total_steps = None
+    data = None
     if tokenizer is not None:
-        d = cfg.dataset
-        dataset = load_dataset(kind=d.kind, path=d.path, tokenizer=tokenizer, max_seq_len=cfg.max_seq_len,
-                               column_map=dict(d.column_map), train_on_input=d.train_on_input)
-        batches = GlobalBatches(num_samples=len(dataset), batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed)
-        total_steps = min(batches.total_steps, cfg.max_steps or math.inf)
+        main = not dist.is_initialized() or dist.get_rank() == 0
+        data = read_data(cfg, tokenizer, dry=dry, progress=main and not dry)
     workload = Workload(spec=spec, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, lora=lora, dtype=cfg.dtype,
-                        lengths=dataset.lengths if dataset is not None else None,
-                        steps=total_steps if total_steps is not None else cfg.max_steps)
-    return RunInputs(model_name=m.name, spec=spec, ckpt=ckpt, tokenizer=tokenizer, lora=lora, dataset=dataset,
-                     batches=batches, total_steps=total_steps, out=out, resume_from=resume_from, workload=workload)
+                        lengths=data.lengths if data is not None else None,
+                        steps=data.total_steps if data is not None else cfg.max_steps)
+    return RunInputs(model_name=m.name, spec=spec, ckpt=ckpt, tokenizer=tokenizer, lora=lora, data=data,
+                     total_steps=data.total_steps if data else None, out=out, resume_from=resume_from,
+                     workload=workload)
 
 
 @dataclass

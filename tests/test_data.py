@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from moai_recipes.data.datasets import IGNORE_INDEX, collate, load_dataset
+from moai_recipes.data.datasets import IGNORE_INDEX, DataSource, collate, load_dataset
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
 from moai_recipes.models.tiny import DEMO_DATA, EOS, IM_END, tiny_checkpoint_dir
@@ -63,8 +63,8 @@ def targets(sample) -> list[int]:
     return [t for t in sample["labels"] if t != IGNORE_INDEX]
 
 
-def load(tok, path, kind, **kw):
-    return load_dataset(kind=kind, path=str(path), tokenizer=tok, max_seq_len=kw.pop("max_seq_len", 256), **kw)
+def load(tok, path, kind, *, max_seq_len=256, **kw):
+    return load_dataset(DataSource(kind=kind, path=str(path), **kw), tok, max_seq_len=max_seq_len)
 
 
 # --- loading -----------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def test_each_kind_loads_from_each_format(tok, tmp_path, kind, ext):
 
 
 def test_demo_is_instruct_on_the_embedded_file(tok):
-    ds = load_dataset(kind="demo", path=None, tokenizer=tok, max_seq_len=256)
+    ds = load_dataset(DataSource(kind="demo"), tok, max_seq_len=256)
     rows = [line for line in DEMO_DATA.read_text().splitlines() if line.strip()]
     assert len(ds) == len(rows) and ds.num_target_tokens(0) > 0
 
@@ -237,7 +237,7 @@ def test_file_level_errors(tok, tmp_path, name, content, expected):
 
 def test_path_and_column_map_mistakes(tok, tmp_path):
     with pytest.raises(UserError, match="set dataset.path=FILE"):
-        load_dataset(kind="chat", path=None, tokenizer=tok, max_seq_len=64)
+        DataSource(kind="chat")
     with pytest.raises(UserError, match="dataset.column_map.answer is not a column"):
         load(tok, DEMO_DATA, "instruct", column_map={"answer": "x"})
     with pytest.raises(UserError, match="dataset.kind=qa is not"):
@@ -247,7 +247,7 @@ def test_path_and_column_map_mistakes(tok, tmp_path):
 def test_relative_path_is_from_the_current_directory(tok, tmp_path, monkeypatch):
     write(tmp_path / "data.jsonl", INSTRUCT)
     monkeypatch.chdir(tmp_path)
-    assert len(load_dataset(kind="instruct", path="data.jsonl", tokenizer=tok, max_seq_len=64)) == 3
+    assert len(load(tok, "data.jsonl", "instruct", max_seq_len=64)) == 3
 
 
 # --- the tokenizer -------------------------------------------------------------------------------

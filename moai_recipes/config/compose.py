@@ -166,6 +166,21 @@ def _check(ok: bool, message: str) -> None:
         raise UserError(message)
 
 
+def _validate_dataset(d: DictConfig) -> None:
+    _check(d.shuffle_buffer >= 1, f"dataset.shuffle_buffer={d.shuffle_buffer} must be at least 1 (1: the data's order)")
+    v = d.val_split
+    _check(v is None or d.val_path is None, f"dataset.val_split={v} and dataset.val_path={d.val_path} both name a "
+                                            "validation set; keep one")
+    if isinstance(v, bool) or isinstance(v, (int, float)) and not 0 < v < 1:
+        raise UserError(f"dataset.val_split={v} must be a fraction between 0 and 1 (0.05 holds out 5% of the samples) "
+                        "or the name of a split of dataset.source")
+    if isinstance(v, str):
+        _check(d.source is not None, f"dataset.val_split={v} names a split, and only dataset.source has splits; hold "
+                                     "out a fraction (dataset.val_split=0.05) or give dataset.val_path=FILE")
+    _check(not (d.streaming and isinstance(v, float)), f"dataset.val_split={v}: a fraction of a stream cannot be held "
+           "out; with dataset.streaming=true take a split (dataset.val_split=validation) or dataset.val_path=FILE")
+
+
 def validate(cfg: DictConfig) -> None:
     """Range checks the schema's types cannot express (its enums check the choices)."""
     if "batch_size" not in cfg:  # generate: its sampling options are checked where they are used
@@ -175,6 +190,9 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.epochs >= 1, f"epochs={cfg.epochs} must be at least 1")
     _check(cfg.max_steps is None or cfg.max_steps >= 1, f"max_steps={cfg.max_steps} must be at least 1 (or null)")
     _check(cfg.sample_max_new_tokens >= 0, "sample_max_new_tokens must be >= 0")
+    _check(cfg.eval_every is None or cfg.eval_every >= 1, f"eval_every={cfg.eval_every} must be at least 1 (or null: "
+                                                          "the validation loss at the end only)")
+    _validate_dataset(cfg.dataset)
     _check(cfg.checkpoint_every is None or cfg.checkpoint_every >= 1,
            f"checkpoint_every={cfg.checkpoint_every} must be at least 1 (or null: no step checkpoints)")
     _check(cfg.checkpoint_keep >= 1, f"checkpoint_keep={cfg.checkpoint_keep} must be at least 1")

@@ -97,8 +97,21 @@ class ModelConfig:
 class DatasetConfig:
     kind: DatasetKind = setting(DatasetKind.demo, "demo | instruct | chat | text")
     path: Optional[str] = setting(None, "a local .json, .jsonl, .parquet or .csv file (demo: the embedded data)")
+    source: Optional[str] = setting(None, "a Hugging Face dataset: a Hub id (tatsu-lab/alpaca) or a local dataset "
+                                          "folder, read through the datasets library and its cache")
+    name: Optional[str] = setting(None, "the source's config name, for datasets that have several")
+    split: str = setting("train", "the source's split to train on (a slice too: train[:90%])")
+    data_files: Optional[Any] = setting(None, "which files of the source to read: a pattern, a list, or split -> files")
     column_map: dict[str, str] = setting({}, "our column name -> the file's (column_map.output=response)")
     train_on_input: bool = setting(False, "also train on the prompt's tokens, not only the answer's")
+    val_split: Optional[Any] = setting(None, "a validation set: a fraction of the samples held out (0.05), or the "
+                                             "name of the source's split (validation)")
+    val_path: Optional[str] = setting(None, "a validation set from a local file of the same kind")
+    cache: bool = setting(True, "tokenise once and keep the tokens in the cache ($MOAI_CACHE/tokenized) for every "
+                                "later run, rank and restart")
+    streaming: bool = setting(False, "read and tokenise the rows as training goes, for data larger than memory or "
+                                     "disk; needs max_steps where the data does not say its size")
+    shuffle_buffer: int = setting(10_000, "streaming: rows shuffled together, a block at a time (1: the data's order)")
     sample_prompts: list[str] = setting([], "answered by the model before and after training, to show what changed")
 
 
@@ -160,6 +173,8 @@ class RecipeConfig:
     max_seq_len: int = setting(256, "longer samples are cut")
     epochs: int = setting(1, "passes over the data")
     max_steps: Optional[int] = setting(None, "stop early after this many optimizer steps")
+    eval_every: Optional[int] = setting(None, "the validation loss every N steps (and always at the end) when the "
+                                              "dataset has a validation set")
     seed: int = setting(0, "the data order, the initialisation of adapters, dropout")
     output_dir: Optional[str] = setting(None, "null: outputs/<recipe>/<date>_<time>; never overwrites an earlier run")
     dtype: Dtype = setting(Dtype.auto, "auto: bf16 compute with fp32 master weights on GPUs, fp32 on the CPU")

@@ -11,8 +11,9 @@ import torch
 
 
 class GlobalBatches:
-    def __init__(self, *, num_samples: int, batch_size: int, epochs: int, seed: int):
+    def __init__(self, *, num_samples: int, batch_size: int, epochs: int, seed: int, dataset=None):
         assert num_samples > 0 and batch_size > 0
+        self.dataset = dataset  # where samples() takes the samples from
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.epochs = epochs
@@ -40,3 +41,20 @@ class GlobalBatches:
         epoch, pos = divmod(step, self.steps_per_epoch)
         start = pos * self.batch_size
         return self._permutation(epoch)[start:start + self.batch_size]
+
+    def samples(self, step: int) -> list[dict]:
+        """The samples of `step`'s global batch, from the dataset."""
+        return [self.dataset[i] for i in self.global_indices(step)]
+
+    def position(self, step: int) -> dict:
+        """What a checkpoint after `step` steps records of the data's position."""
+        return {"samples_seen": self.samples_before(step)}
+
+    def resume(self, step: int, meta: dict) -> None:
+        # The order is a pure function of the step: nothing to seek; a checkpoint of other data would not match.
+        if "stream" in meta:
+            from moai_recipes.errors import UserError
+
+            raise UserError("the checkpoint was written by a run that streamed its data; resume it with "
+                            "dataset.streaming=true, or start a new run (resume=never)")
+        assert meta["samples_seen"] == self.samples_before(step), (meta["samples_seen"], self.samples_before(step))

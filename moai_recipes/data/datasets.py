@@ -1,19 +1,30 @@
-"""Fine-tuning datasets from local files: instruct, chat, text, and the embedded demo.
+"""Fine-tuning datasets: instruct, chat, text and the embedded demo, from a local file or a Hugging Face dataset.
 
-Rows are read from JSON, JSONL, Parquet or CSV, turned into tokens and shifted labels at load (so a bad
-row fails before training, naming its file and line), and truncated to max_seq_len.
-Tested by `python -m pytest tests/test_data.py`.
+Rows come from a local JSON, JSONL, Parquet or CSV file (local_files.py) or from a Hub dataset id or a
+local dataset folder through the datasets library (hf_datasets.py). They are turned into tokens and
+shifted labels before training (so a bad row fails first, named by its file and line), truncated to
+max_seq_len, and kept as flat arrays, cached on disk (token_cache.py). Tested by
+`python -m pytest tests/test_data.py tests/test_hf_datasets.py`.
 """
 
-import csv
-import io
 import json
-import os
-import re
-from pathlib import Path
+import sys
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+from tqdm import tqdm
 
+from moai_recipes.data import hf_datasets, local_files
+from moai_recipes.data.hf_datasets import HFSplit
+from moai_recipes.data.local_files import type_name
+from moai_recipes.data.token_cache import (
+    TokenArrays,
+    TokenWriter,
+    cache_key,
+    cached_tokens,
+    existing_tokens,
+)
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
 from moai_recipes.models.tiny import DEMO_DATA
@@ -21,34 +32,103 @@ from moai_recipes.train.loss import IGNORE_INDEX
 
 COLUMNS = {"instruct": ("instruction", "input", "output"), "chat": ("messages",), "text": ("text",)}
 KINDS = ("demo", "instruct", "chat", "text")
-# ShareGPT speaks of human and gpt; the rest is OpenAI's naming.
-ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant"}
+# ShareGPT speaks of human and gpt, some exports of bot; a role not named here (tool, ipython, function) goes to
+# the chat template as it is, which renders it or says it cannot.
+ROLES = {"human": "user", "gpt": "assistant", "bot": "assistant"}
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """What to read and how to make samples of it: a local file (`path`), a Hugging Face split (`hf`), or the
+    embedded demo; and the settings the tokens depend on."""
+
+    kind: str
+    path: str | None = None
+    hf: HFSplit | None = None
+    column_map: dict = field(default_factory=dict)
+    train_on_input: bool = False
+    key: str = "dataset.path"  # the setting that named `path`, for messages
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise UserError(f"dataset.kind={self.kind} is not a dataset kind; use one of {', '.join(KINDS)}")
+        if self.path is not None and self.hf is not None:
+            raise UserError(f"dataset.path={self.path} and dataset.source={self.hf.source} both name the data; "
+                            "keep one")
+        if self.path is None and self.hf is None and self.kind != "demo":
+            raise UserError(f"dataset={self.kind} reads a local file or a Hugging Face dataset: set "
+                            "dataset.path=FILE (.json, .jsonl, .parquet or .csv) or dataset.source=OWNER/NAME|FOLDER")
+        unknown = sorted(set(self.column_map) - set(COLUMNS[self.reads]))
+        if unknown:
+            raise UserError(f"dataset.column_map.{unknown[0]} is not a column of dataset={self.kind}, which reads "
+                            f"{', '.join(COLUMNS[self.reads])}; remove it or map one of those")
+
+    @property
+    def reads(self) -> str:
+        """The row layout read: the demo is instruct rows."""
+        return "instruct" if self.kind == "demo" else self.kind
+
+    def describe(self) -> str:
+        return self.hf.describe() if self.hf else (self.path or "embedded demo")
+
+    def open(self, *, streaming: bool = False):
+        """(rows, fingerprint, number of rows if known): `rows` yields (where, row); `fingerprint` digests the
+        data (None: unknown, as for a stream)."""
+        if self.hf is not None:
+            ds = hf_datasets.open_split(self.hf, streaming=streaming)
+            return hf_datasets.rows(ds, self.hf), hf_datasets.fingerprint(ds), hf_datasets.num_rows(ds)
+        path = str(DEMO_DATA if self.path is None else self.path)
+        local_files.check_file(path, key=self.key)
+        rows = local_files.read_rows(path, key=self.key)
+        return rows, None if streaming else local_files.fingerprint(path), None
 
 
 class SFTDataset(torch.utils.data.Dataset):
-    """Tokenised samples; labels[j] is the target of position j (tokens[j + 1]) or IGNORE_INDEX."""
+    """Tokenised samples; labels[j] is the target of position j (tokens[j + 1]) or IGNORE_INDEX. Backed by
+    flat arrays (memory-mapped from the cache), optionally seen through a subset of sample indices."""
 
-    def __init__(self, samples: list[tuple[list[int], list[int]]], *, dropped: int = 0):
-        # int32 tensors: a list of Python ints costs ~36 bytes a token.
-        self._tokens = [torch.tensor(t, dtype=torch.int32) for t, _ in samples]
-        self._labels = [torch.tensor(l, dtype=torch.int32) for _, l in samples]
-        self.dropped = dropped  # rows with no target token left after truncation
+    def __init__(self, arrays: TokenArrays, index: np.ndarray | None = None, *, origin: str = "memory"):
+        self._a = arrays
+        self.origin = origin  # tokenised (and cached now), cache (tokenised by an earlier run), memory (not cached)
+        self._index = np.arange(len(arrays.offsets) - 1) if index is None else index
+        self.dropped: int = arrays.meta.get("dropped", 0)  # rows with no target token left after truncation
+        self.rows: int = arrays.meta.get("rows", len(self._index))
 
     def __len__(self):
-        return len(self._tokens)
+        return len(self._index)
+
+    def _span(self, i) -> slice:
+        j = self._index[i]
+        return slice(int(self._a.offsets[j]), int(self._a.offsets[j + 1]))
 
     def __getitem__(self, i) -> dict:
-        return {"tokens": self._tokens[i].tolist(), "labels": self._labels[i].tolist()}
+        span = self._span(i)
+        return {"tokens": self._a.tokens[span].tolist(), "labels": self._a.labels[span].tolist()}
 
     def length(self, i) -> int:
-        return len(self._tokens[i])
+        j = self._index[i]
+        return int(self._a.offsets[j + 1] - self._a.offsets[j])
 
     @property
     def lengths(self) -> tuple[int, ...]:
-        return tuple(len(t) for t in self._tokens)
+        return tuple(np.diff(self._a.offsets)[self._index].tolist())
 
     def num_target_tokens(self, i) -> int:
-        return int((self._labels[i] != IGNORE_INDEX).sum())
+        return int((self._a.labels[self._span(i)] != IGNORE_INDEX).sum())
+
+    def split_off(self, fraction: float, *, seed: int) -> tuple["SFTDataset", "SFTDataset"]:
+        """(train, validation): a seeded `fraction` of the samples held out, the same whatever the flavor."""
+        g = torch.Generator().manual_seed(seed * 1_000_003 + 7919)
+        order = torch.randperm(len(self), generator=g).numpy()
+        n_val = round(fraction * len(self))
+        if n_val == 0 or n_val == len(self):
+            raise UserError(f"dataset.val_split={fraction:g} of {len(self)} samples leaves "
+                            f"{'no validation sample' if n_val == 0 else 'nothing to train on'}; use a fraction "
+                            f"that keeps both (at least {1 / len(self):.2g})" if len(self) > 1 else
+                            "dataset.val_split needs at least 2 samples; give a validation file with dataset.val_path")
+        val, train = np.sort(order[:n_val]), np.sort(order[n_val:])
+        return (SFTDataset(self._a, self._index[train], origin=self.origin),
+                SFTDataset(self._a, self._index[val], origin=self.origin))
 
 
 def collate(samples: list[dict], *, pad_id: int) -> dict:
@@ -62,44 +142,80 @@ def collate(samples: list[dict], *, pad_id: int) -> dict:
     return {"tokens": tokens, "labels": labels}
 
 
-def load_dataset(*, kind: str, path: str | None, tokenizer: Tokenizer, max_seq_len: int,
-                 column_map: dict | None = None, train_on_input: bool = False) -> SFTDataset:
-    """Read and tokenise a whole dataset file; prompts are masked from the loss unless train_on_input."""
-    if kind not in KINDS:
-        raise UserError(f"dataset.kind={kind} is not a dataset kind; use one of {', '.join(KINDS)}")
-    if path is None and kind != "demo":
-        raise UserError(f"dataset={kind} reads a local file: set dataset.path=FILE (.json, .jsonl, .parquet or .csv)")
-    path = str(DEMO_DATA if path is None else path)
-    reads = "instruct" if kind == "demo" else kind
-    column_map = dict(column_map or {})
-    unknown = sorted(set(column_map) - set(COLUMNS[reads]))
-    if unknown:
-        raise UserError(f"dataset.column_map.{unknown[0]} is not a column of dataset={kind}, which reads "
-                        f"{', '.join(COLUMNS[reads])}; remove it or map one of those")
-    samples, dropped = [], 0
-    for where, row in read_rows(path):
+def load_dataset(source: DataSource, tokenizer: Tokenizer, *, max_seq_len: int, cache: bool = False,
+                 write_cache: bool = True, progress: bool = False) -> SFTDataset:
+    """Tokenise a whole dataset; prompts are masked from the loss unless source.train_on_input.
+
+    `cache`: reuse (and, with `write_cache`, write) the tokens cached on disk for this data, tokenizer and
+    settings; else tokenise in memory. `progress`: a bar on stderr while tokenising."""
+    rows, digest, total = source.open()
+    build = lambda writer: _tokenize_all(rows, source, tokenizer, max_seq_len, writer,
+                                         progress=progress, total=total)
+    if not cache or digest is None:
+        return SFTDataset(_in_memory(build), origin="memory")
+    key = cache_key({"data": digest, "tokenizer": tokenizer.fingerprint(), "kind": source.kind,
+                     "column_map": dict(sorted(source.column_map.items())), "train_on_input": source.train_on_input,
+                     "max_seq_len": max_seq_len})
+    if not write_cache:
+        arrays = existing_tokens(key)
+        return SFTDataset(arrays, origin="cache") if arrays is not None else SFTDataset(_in_memory(build), origin="memory")
+    arrays, built = cached_tokens(key, build)
+    return SFTDataset(arrays, origin="tokenised" if built else "cache")
+
+
+def _in_memory(build) -> TokenArrays:
+    writer = TokenWriter()
+    return writer.finish(build(writer))
+
+
+def sample_from_row(row: dict, source: DataSource, tokenizer: Tokenizer, max_seq_len: int):
+    """(tokens, labels) of one row, truncated; None when no target token is left."""
+    tokens, masked = _tokenize_row(row, source.reads, tokenizer, source.column_map)
+    tokens, masked = tokens[:max_seq_len], masked[:max_seq_len]
+    labels = _shifted_labels(tokens, [False] * len(tokens) if source.train_on_input else masked)
+    if all(label == IGNORE_INDEX for label in labels):
+        return None
+    return tokens, labels
+
+
+def _tokenize_all(rows, source: DataSource, tokenizer: Tokenizer, max_seq_len: int, writer: TokenWriter, *,
+                  progress: bool, total: int | None) -> dict:
+    n_rows = dropped = 0
+    bar = tqdm(rows, total=total, unit=" rows", desc=f"Tokenising {source.describe()}", disable=not progress,
+               file=sys.stderr, mininterval=1 if sys.stderr.isatty() else 15, leave=False)
+    for where, row in bar:
+        n_rows += 1
         try:
-            tokens, masked = _tokenize_row(row, reads, tokenizer, column_map)
+            sample = sample_from_row(row, source, tokenizer, max_seq_len)
         except UserError as e:
             raise UserError(f"{where}: {e}") from None
-        tokens, masked = tokens[:max_seq_len], masked[:max_seq_len]
-        labels = _shifted_labels(tokens, [False] * len(tokens) if train_on_input else masked)
-        if all(label == IGNORE_INDEX for label in labels):
+        if sample is None:
             dropped += 1
         else:
-            samples.append((tokens, labels))
-    if not samples:
-        raise UserError(f"no row of {path} keeps a token to train on within max_seq_len={max_seq_len} ({dropped} "
-                        "dropped); raise max_seq_len, or check that the rows have answers")
-    return SFTDataset(samples, dropped=dropped)
+            writer.add(*sample)
+    bar.close()
+    if n_rows == 0:
+        raise UserError(f"{source.describe()} holds no rows; check dataset.split and dataset.data_files")
+    if not len(writer):
+        raise UserError(f"no row of {source.describe()} keeps a token to train on within max_seq_len={max_seq_len} "
+                        f"({dropped} dropped); raise max_seq_len, or check that the rows have answers")
+    return {"rows": n_rows, "dropped": dropped, "samples": len(writer)}
 
 
 def _tokenize_row(row: dict, kind: str, tokenizer: Tokenizer, column_map: dict) -> tuple[list[int], list[bool]]:
     if kind == "text":
         tokens = tokenizer.encode(_string(row, "text", column_map))
         return tokens, [False] * len(tokens)
-    to_messages = _instruct_messages if kind == "instruct" else _chat_messages
-    return tokenizer.tokenize_messages(to_messages(row, column_map))
+    if kind == "instruct":
+        return tokenizer.tokenize_messages(_instruct_messages(row, column_map))
+    messages = _chat_messages(row, column_map)
+    for j, m in enumerate(messages):
+        if m["role"] not in tokenizer.roles:
+            col = column_map.get("messages", "messages")
+            template = "the chat template of " + tokenizer.name if tokenizer.has_chat_template else "a model without a chat template"
+            raise UserError(f"message {j} of '{col}' has role {m['role']!r}, which {template} does not know; "
+                            f"use {', '.join(tokenizer.roles)} (ShareGPT: human, gpt)")
+    return tokenizer.tokenize_messages(messages)
 
 
 def _shifted_labels(tokens: list[int], masked: list[bool]) -> list[int]:
@@ -108,10 +224,6 @@ def _shifted_labels(tokens: list[int], masked: list[bool]) -> list[int]:
 
 
 # --- rows -> messages -------------------------------------------------------------------------
-
-
-def _type_name(value) -> str:
-    return "null" if value is None else type(value).__name__
 
 
 def _column(row: dict, name: str, column_map: dict):
@@ -129,7 +241,7 @@ def _string(row: dict, name: str, column_map: dict, *, optional: bool = False) -
     if optional and value is None:
         return ""
     if not isinstance(value, str):
-        raise UserError(f"column '{col}' must be a string, got {_type_name(value)}")
+        raise UserError(f"column '{col}' must be a string, got {type_name(value)}")
     return value
 
 
@@ -151,120 +263,21 @@ def _chat_messages(row: dict, column_map: dict) -> list[dict]:
         except json.JSONDecodeError as e:
             raise UserError(f"column '{col}' holds text that is not a valid JSON list of messages: {e.msg}") from None
     if not isinstance(value, list):
-        raise UserError(f"column '{col}' must be a list of messages, got {_type_name(value)}")
+        raise UserError(f"column '{col}' must be a list of messages, got {type_name(value)}")
     if not value:
         raise UserError(f"column '{col}' holds no messages")
     messages = []
     for j, m in enumerate(value):
         if not isinstance(m, dict):
-            raise UserError(f"message {j} of '{col}' must be an object with role and content, got {_type_name(m)}")
+            raise UserError(f"message {j} of '{col}' must be an object with role and content, got {type_name(m)}")
         role = m.get("role") or m.get("from")
         content = m["content"] if "content" in m else m.get("value")
-        if role not in ROLES:
-            raise UserError(f"message {j} of '{col}' has role {role!r}; use system, user or assistant "
-                            "(ShareGPT: human, gpt)")
+        if not isinstance(role, str) or not role:
+            raise UserError(f"message {j} of '{col}' has role {role!r}; give each message a role (system, user, "
+                            "assistant, or one the model's chat template knows, such as tool)")
         if not isinstance(content, str):
-            raise UserError(f"message {j} of '{col}' must have string content, got {_type_name(content)}")
-        messages.append({"role": ROLES[role], "content": content})
+            raise UserError(f"message {j} of '{col}' must have string content, got {type_name(content)}")
+        # Other keys (name, tool_calls) are kept for templates that render them.
+        extra = {k: v for k, v in m.items() if k not in ("role", "from", "content", "value")}
+        messages.append({**extra, "role": ROLES.get(role, role), "content": content})
     return messages
-
-
-# --- files -> rows ----------------------------------------------------------------------------
-
-
-def read_rows(path: str):
-    """Yield (where, row) for each row of a local file, `where` naming the file and line (Parquet: row)."""
-    p = Path(path)
-    if not p.is_file():
-        what = "is not a file" if p.exists() else "does not exist"
-        raise UserError(f"dataset.path={path} {what} (relative paths start from the current directory, {os.getcwd()})")
-    readers = {".json": _read_json, ".jsonl": _read_jsonl, ".parquet": _read_parquet, ".csv": _read_csv}
-    suffix = p.suffix.lower()
-    if suffix not in readers:
-        raise UserError(f"dataset.path={path}: cannot read '{suffix or p.name}' files; use one of {', '.join(readers)}")
-    source = p if suffix == ".parquet" else _read_text(p, path)
-    count = 0
-    for where, row in readers[suffix](source, path):
-        if not isinstance(row, dict):
-            raise UserError(f"{where}: expected an object with named columns, got {_type_name(row)}")
-        count += 1
-        yield where, row
-    if count == 0:
-        raise UserError(f"{path} is empty: it holds no rows")
-
-
-def _read_text(p: Path, name: str) -> str:
-    try:
-        return p.read_text(encoding="utf-8-sig")  # -sig: tolerate the byte-order mark some editors write
-    except UnicodeDecodeError as e:
-        raise UserError(f"{name} is not UTF-8 text ({e}); save it as UTF-8") from None
-
-
-def _read_jsonl(text: str, name: str):
-    # split("\n"), not splitlines(): JSON strings may hold raw U+2028, which splitlines breaks on.
-    for n, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{name}:{n}: not valid JSON: {e.msg} (column {e.colno})") from None
-        yield f"{name}:{n}", row
-
-
-def _read_json(text: str, name: str):
-    """A list of objects, or JSON lines saved as .json."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        if text.lstrip().startswith("["):
-            raise UserError(f"{name}:{e.lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
-        yield from _read_jsonl(text, name)
-        return
-    if not isinstance(data, list):
-        line = text[: len(text) - len(text.lstrip())].count("\n") + 1
-        yield f"{name}:{line}", data
-        return
-    yield from zip((f"{name}:{n}" for n in _element_lines(text)), data)
-
-
-def _element_lines(text: str):
-    """The line each element of a (valid) top-level JSON list starts on."""
-    decoder, separator = json.JSONDecoder(), re.compile(r"[\s,]*")
-    pos = text.index("[") + 1
-    line, counted = 1, 0
-    while True:
-        pos = separator.match(text, pos).end()
-        if text[pos] == "]":
-            return
-        line, counted = line + text.count("\n", counted, pos), pos
-        yield line
-        _, pos = decoder.raw_decode(text, pos)
-
-
-def _read_parquet(p: Path, name: str):
-    import pyarrow
-    import pyarrow.parquet as pq
-
-    try:
-        batches = pq.ParquetFile(p).iter_batches()
-        n = 0
-        for batch in batches:
-            for row in batch.to_pylist():
-                n += 1
-                yield f"{name} row {n}", row
-    except pyarrow.ArrowException as e:
-        raise UserError(f"{name} is not a readable Parquet file: {e}") from None
-
-
-def _read_csv(text: str, name: str):
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    try:
-        if reader.fieldnames is None:
-            return
-        start = reader.line_num
-        for row in reader:
-            yield f"{name}:{start + 1}", row
-            start = reader.line_num
-    except csv.Error as e:
-        raise UserError(f"{name}:{reader.line_num}: not valid CSV: {e}") from None

@@ -4,8 +4,10 @@ torchtune's HuggingFaceBaseTokenizer reads tokenizer.json and infers BOS/EOS; th
 rendered here as transformers renders it. Tested by `python -m pytest tests/test_data.py`.
 """
 
+import hashlib
 import json
 import os
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -14,6 +16,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from torchtune.modules.transforms.tokenizers import HuggingFaceBaseTokenizer
 
 from moai_recipes.errors import UserError
+
+# Roles beyond system, user and assistant that chat templates render when they name them.
+_TOOL_ROLES = ("tool", "ipython", "function", "developer", "observation")
 
 
 class _BaseTokenizer(HuggingFaceBaseTokenizer):
@@ -75,6 +80,12 @@ class Tokenizer:
         pad_id = self._hf.token_to_id(pad) if pad else None
         self.pad_id: int = pad_id if pad_id is not None else self.eos_id
         self.vocab_size: int = self._hf.get_vocab_size(with_added_tokens=True)
+        self._template_source = chat_template
+        # The roles a conversation may have: system, user, assistant, and the tool roles the chat template names
+        # (Qwen's tool, Llama 3's ipython). A role the template does not name is most likely a typo that it would
+        # render as a prompt, training on nothing.
+        named = set(re.findall(r"""['"](\w+)['"]""", chat_template or ""))
+        self.roles: tuple[str, ...] = ("system", "user", "assistant", *(r for r in _TOOL_ROLES if r in named))
         self._template = _compile_template(chat_template) if chat_template else None
         self.has_chat_template = self._template is not None
         gen_eos = gen.get("eos_token_id")
@@ -100,6 +111,16 @@ class Tokenizer:
             raise UserError(f"cannot read the tokenizer in {folder}: {e}; "
                             "set eos_token in its tokenizer_config.json") from None
         return cls(base, chat_template=_read_chat_template(folder, base.config), name=str(folder))
+
+    def fingerprint(self) -> str:
+        """A digest of what tokens depend on: the tokenizer's files as read and the chat template."""
+        digest = hashlib.sha256()
+        folder = Path(self.name)
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+            if (folder / name).is_file():
+                digest.update(name.encode() + (folder / name).read_bytes())
+        digest.update((self._template_source or "").encode())
+        return digest.hexdigest()
 
     def _encode_text(self, text: str):
         # add_special_tokens=False: BOS is ours to add (torchtune's encode cannot drop a post-processor's BOS).

@@ -21,21 +21,17 @@ from moai_recipes.checkpoint.steps import (
     load_checkpoint,
     save_checkpoint,
 )
-from moai_recipes.data.datasets import collate
 from moai_recipes.errors import UserError
 from moai_recipes.launch.world import World
-from moai_recipes.models.attention import Documents
 from moai_recipes.planner.plan import Plan
 from moai_recipes.planner.search import PlanChoice
 from moai_recipes.run_inputs import RunInputs
 from moai_recipes.train.loss import IGNORE_INDEX, token_loss_sum
+from moai_recipes.train.micro_batches import model_inputs, rank_micro_batches
 from moai_recipes.train.optim import clip_gradients
 from moai_recipes.train.parallel import all_reduce_gradients
 from moai_recipes.train.peak_memory import peak_memory_bytes
 from moai_recipes.train.run_log import RunLog
-
-# An empty micro-batch still runs forward and backward (FSDP's collectives must match on every rank).
-_EMPTY = {"tokens": None, "labels": [IGNORE_INDEX]}
 
 
 @dataclass(frozen=True)
@@ -46,11 +42,13 @@ class LoopSettings:
     checkpoint_every: int | None  # steps; None: only when asked to stop
     checkpoint_keep: int
     skip_nonfinite_steps: int  # NaN/inf steps tolerated (skipped) before stopping
+    eval_every: int | None = None  # steps between validation losses; None: at the end only
 
     @classmethod
     def from_config(cls, cfg) -> "LoopSettings":
         return cls(max_grad_norm=cfg.optimizer.max_grad_norm, checkpoint_every=cfg.checkpoint_every,
-                   checkpoint_keep=cfg.checkpoint_keep, skip_nonfinite_steps=cfg.skip_nonfinite_steps)
+                   checkpoint_keep=cfg.checkpoint_keep, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
+                   eval_every=cfg.eval_every)
 
 
 @dataclass
@@ -68,26 +66,26 @@ def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM)
     return t.tolist()
 
 
-def rank_micro_batches(plan: Plan, dataset, indices: list[int], world: World) -> list[list[dict] | None]:
-    """This rank's micro-batches of a step's global batch (dataset indices), as the plan splits it; None for an
-    empty one. Every rank computes every rank's split (it is deterministic) and runs as many micro-batches as
-    the busiest: FSDP's collectives need the same number of forward and backward passes everywhere."""
-    shares = [plan.rank_share(indices, [dataset.length(i) for i in indices], r) for r in range(world.world_size)]
-    splits = [plan.micro_batches([dataset.length(i) for i in share]) for share in shares]
-    mine, split = shares[world.rank], splits[world.rank]
-    micro = [[dataset[mine[p]] for p in group] for group in split]
-    return micro + [None] * (max(map(len, splits)) - len(split))
-
-
-def _inputs(micro: list[dict] | None, plan: Plan, pad_id: int) -> dict:
-    """A micro-batch as the model takes it: padded rows, or one packed row with its documents and positions. An
-    empty one (None) is one padding token whose label is ignored: it adds nothing to the loss or the gradients."""
-    micro = micro or [_EMPTY | {"tokens": [pad_id]}]
-    if not plan.packing:
-        return collate(micro, pad_id=pad_id)
-    docs = Documents(tuple(len(s["tokens"]) for s in micro))
-    return {"tokens": torch.tensor([[t for s in micro for t in s["tokens"]]]),
-            "labels": torch.tensor([[t for s in micro for t in s["labels"]]]), "documents": docs}
+def evaluate(model: torch.nn.Module, dataset, *, plan: Plan, world: World, batch_size: int, pad_id: int) -> dict:
+    """The validation loss: every sample of `dataset` in order, a global batch at a time split as the plan splits
+    training's, forward only, normalised by the target tokens of the whole set. The same on any flavor.
+    Returns {"eval_loss": ..., "eval_time_s": ...}."""
+    start = time.perf_counter()
+    model.eval()
+    loss_sum, targets = 0.0, 0
+    with torch.no_grad():
+        for first in range(0, len(dataset), batch_size):
+            samples = [dataset[i] for i in range(first, min(first + batch_size, len(dataset)))]
+            for micro in rank_micro_batches(plan, samples, world):
+                batch = model_inputs(micro, plan, pad_id)
+                labels = batch["labels"].to(world.device)
+                loss = token_loss_sum(model, batch["tokens"].to(world.device), labels, chunked=plan.chunked_loss,
+                                      documents=batch.get("documents"))
+                loss_sum += loss.double().item()
+                targets += int((labels != IGNORE_INDEX).sum())
+    model.train()
+    total, total_targets = _all_reduce([loss_sum, targets], world.device)
+    return {"eval_loss": total / max(total_targets, 1), "eval_time_s": time.perf_counter() - start}
 
 
 def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, plan: Plan, world: World,
@@ -102,7 +100,7 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
     scale = (world.world_size if plan.sharded else 1) / max(global_targets, 1)
     loss_sum = torch.zeros((), device=world.device, dtype=torch.float64)
     for micro in micro_batches:
-        batch = _inputs(micro, plan, pad_id)
+        batch = model_inputs(micro, plan, pad_id)
         docs = batch.get("documents")
         loss = token_loss_sum(state.model, batch["tokens"].to(world.device), batch["labels"].to(world.device),
                               chunked=plan.chunked_loss, documents=docs)
@@ -158,19 +156,19 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     if inputs.resume_from is not None:
         meta = load_checkpoint(inputs.resume_from, state, world)
         first = meta["step"]
-        assert meta["samples_seen"] == batches.samples_before(first)
+        batches.resume(first, meta)
         if log:
             log.info(f"Resumed from {inputs.resume_from} (step {first}, saved on {meta['flavor']} with "
                      f"{meta['world_size']} process(es)); continuing at step {first + 1}")
     about = {"flavor": choice.flavor, "plan": choice.chosen.as_dict()}
-    save = lambda step: save_checkpoint(inputs.out, state, {"step": step, "samples_seen": batches.samples_before(step),
-                                                            **about}, world=world, keep=settings.checkpoint_keep)
+    save = lambda step: save_checkpoint(inputs.out, state, {"step": step, **batches.position(step), **about},
+                                        world=world, keep=settings.checkpoint_keep)
     nonfinite = 0
     state.model.train()
     with _StopRequest() as stop:
         for step in range(first, inputs.total_steps):
             with StepTimer(world.device) as timer:
-                micro = rank_micro_batches(plan, inputs.dataset, batches.global_indices(step), world)
+                micro = rank_micro_batches(plan, batches.samples(step), world)
                 result = train_step(state, micro, plan=plan, world=world, max_grad_norm=settings.max_grad_norm,
                                     pad_id=inputs.tokenizer.pad_id)
                 lr = state.scheduler.get_last_lr()[0]
@@ -186,12 +184,17 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             # One collective for both: the peak of any rank, and whether any rank was asked to stop.
             peak, stopping = _all_reduce([peak_memory_bytes(world.device), float(stop.signame is not None)],
                                          world.device, op=dist.ReduceOp.MAX)
+            done = step + 1
+            evaluated = {}
+            if inputs.val_dataset is not None and (done == inputs.total_steps or (
+                    settings.eval_every and done % settings.eval_every == 0)):
+                evaluated = evaluate(state.model, inputs.val_dataset, plan=plan, world=world,
+                                     batch_size=batches.batch_size, pad_id=inputs.tokenizer.pad_id)
             if log:
-                log.step(step=step + 1, loss=result.loss, lr=lr, tokens=result.tokens,
+                log.step(step=done, loss=result.loss, lr=lr, tokens=result.tokens,
                          tokens_per_sec=result.tokens / timer.seconds, step_time_s=timer.seconds,
                          grad_norm=result.grad_norm, peak_memory_bytes=int(peak), target_tokens=result.target_tokens,
-                         skipped=not result.finite)
-            done = step + 1
+                         skipped=not result.finite, **evaluated)
             every = settings.checkpoint_every
             if stopping or (every and done % every == 0 and done < inputs.total_steps):
                 path, seconds, size = save(done)

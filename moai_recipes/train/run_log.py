@@ -103,7 +103,8 @@ class RunLog:
         self.rows.append(m)
         self._jsonl.write(json.dumps(m) + "\n")
         self.info(f"[Step {m['step']}/{self.total_steps}] | Loss: {m['loss']:.8g} | Duration: {m['step_time_s']:.2f} | "
-                  f"Throughput: {m['tokens_per_sec']:.2f} tokens/sec")
+                  f"Throughput: {m['tokens_per_sec']:.2f} tokens/sec"
+                  + (f" | Eval loss: {m['eval_loss']:.8g} ({m['eval_time_s']:.2f} s)" if "eval_loss" in m else ""))
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{m['loss']:.4f}")
         if self._wandb is not None:
@@ -146,17 +147,22 @@ def _start_wandb(output_dir: Path, *, config: dict, plan: dict, tracker: dict):
 
 
 def plot_loss(rows: list[dict], path: Path) -> None:
-    """The loss curve, as in the reference tutorial, written atomically."""
+    """The loss curve, as in the reference tutorial, and the validation loss where measured; written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], color="tab:blue", linewidth=1.5)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], color="tab:blue", linewidth=1.5, label="training")
+    evals = [r for r in rows if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], color="tab:orange", linewidth=1.5,
+                marker="o", markersize=3, label="validation")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title("training loss")
+    ax.set_title("training and validation loss" if evals else "training loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")

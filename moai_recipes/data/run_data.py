@@ -1,0 +1,105 @@
+"""A run's data as its config names it: the training samples, the validation samples, the global batches.
+
+read_inputs (run_inputs.py) calls read_data for the recipes, `moai validate` and recipes.plan alike.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from moai_recipes.data.batches import GlobalBatches
+from moai_recipes.data.datasets import DataSource, SFTDataset, load_dataset
+from moai_recipes.data.hf_datasets import HFSplit
+from moai_recipes.data.stream import StreamedBatches
+from moai_recipes.data.tokenizer import Tokenizer
+from moai_recipes.errors import UserError
+
+
+@dataclass
+class RunData:
+    train: SFTDataset | None  # None when streamed
+    val: SFTDataset | None  # None without a validation set
+    batches: GlobalBatches | StreamedBatches
+    total_steps: int
+    lengths: tuple[int, ...]  # the samples' token counts the planner prices steps with (streamed: the first block's)
+    source: DataSource
+    seconds: float  # to read (and tokenise, unless cached) the data
+
+    def describe(self, cfg: DictConfig) -> list[str]:
+        d, b = cfg.dataset, self.batches
+        if self.train is None:
+            lines = [f"Data {d.kind} ({self.source.describe()}), streamed in blocks of {d.shuffle_buffer} rows: "
+                     f"global batch {cfg.batch_size}, {self.total_steps} steps"]
+        else:
+            how = {"cache": "read from the tokenised cache", "tokenised": "tokenised and cached",
+                   "memory": "tokenised"}[self.train.origin]
+            lines = [f"Data {d.kind} ({self.source.describe()}): {len(self.train)} samples ({how} in "
+                     f"{self.seconds:.1f} s), {b.steps_per_epoch} steps per epoch of global batch {cfg.batch_size}, "
+                     f"{self.total_steps} steps"]
+            if self.train.dropped:
+                lines.append(f"warning: {self.train.dropped} samples had no target token within "
+                             f"max_seq_len={cfg.max_seq_len} and were dropped")
+        if self.val is not None:
+            every = f"every {cfg.eval_every} steps and " if cfg.eval_every else ""
+            lines.append(f"Validation: {len(self.val)} samples ({_val_origin(d)}), the loss {every}at the end")
+        return lines
+
+
+def _val_origin(d: DictConfig) -> str:
+    if d.val_path:
+        return d.val_path
+    if isinstance(d.val_split, str):
+        return f"split {d.val_split}"
+    return f"{d.val_split:g} of the data held out"
+
+
+def read_data(cfg: DictConfig, tokenizer: Tokenizer, *, dry: bool, progress: bool) -> RunData:
+    """Read and tokenise (or map from the cache) the training and validation data; the global batches.
+    `dry`: write no cache (a plan or a validation reads only)."""
+    d = cfg.dataset
+    source = _source(d, d.path, d.split)
+    start = time.perf_counter()
+    load = lambda s: load_dataset(s, tokenizer, max_seq_len=cfg.max_seq_len, cache=d.cache, write_cache=not dry,
+                                  progress=progress)
+    val = None
+    if d.val_path:
+        val = load(_source(d, d.val_path, d.split, key="dataset.val_path", hf=False))
+    elif isinstance(d.val_split, str):
+        val = load(_source(d, None, d.val_split))
+    elif cfg.eval_every and d.val_split is None:
+        raise UserError(f"eval_every={cfg.eval_every} needs a validation set: hold out a fraction of the data "
+                        "(dataset.val_split=0.05), name a split (dataset.val_split=validation) or a file "
+                        "(dataset.val_path=FILE)")
+    if d.streaming:
+        _, _, rows = source.open(streaming=True)
+        steps = cfg.max_steps or (math.ceil(rows * cfg.epochs / cfg.batch_size) if rows else None)
+        if steps is None:
+            raise UserError(f"dataset.streaming=true: {source.describe()} does not say how many rows it has before "
+                            "it is read through; set max_steps=N (the run's length in steps)")
+        batches = StreamedBatches(source, tokenizer, max_seq_len=cfg.max_seq_len, batch_size=cfg.batch_size,
+                                  seed=cfg.seed, shuffle_buffer=d.shuffle_buffer, steps=steps)
+        return RunData(train=None, val=val, batches=batches, total_steps=steps, lengths=batches.first_lengths,
+                       source=source, seconds=time.perf_counter() - start)
+    train = load(source)
+    if isinstance(d.val_split, float):
+        train, val = train.split_off(d.val_split, seed=cfg.seed)
+    batches = GlobalBatches(num_samples=len(train), batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed,
+                            dataset=train)
+    total_steps = min(batches.total_steps, cfg.max_steps or math.inf)
+    return RunData(train=train, val=val, batches=batches, total_steps=total_steps, lengths=train.lengths,
+                   source=source, seconds=time.perf_counter() - start)
+
+
+def _source(d: DictConfig, path: str | None, split: str, *, key: str = "dataset.path", hf: bool = True) -> DataSource:
+    hf_split = None
+    if hf and d.source is not None:
+        files = d.data_files
+        if files is not None and not isinstance(files, str):
+            from omegaconf import OmegaConf
+
+            files = OmegaConf.to_container(files)
+        hf_split = HFSplit(source=d.source, name=d.name, split=split, data_files=files)
+    return DataSource(kind=str(d.kind), path=path, hf=hf_split, column_map=dict(d.column_map),
+                      train_on_input=d.train_on_input, key=key)
