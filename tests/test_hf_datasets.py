@@ -98,6 +98,8 @@ def test_an_unknown_id_a_missing_column_and_an_empty_split(tok, tmp_path, monkey
     with pytest.raises(UserError, match=r"ds \[train\] row 1: no 'instruction' column \(columns present: question, "
                                         r"output\); map it with dataset.column_map.instruction=NAME"):
         load_dataset(DataSource(kind="instruct", hf=HFSplit(str(folder))), tok, max_seq_len=64)
+    with pytest.raises(UserError, match=r"is a file; a single file is read with dataset.path="):
+        load_dataset(DataSource(kind="instruct", hf=HFSplit(str(jsonl(tmp_path / "t.jsonl", ROWS)))), tok, max_seq_len=64)
     with pytest.raises(UserError, match=r"dataset.split=train\[:0\]: .*no data!; choose a split"):
         load_dataset(DataSource(kind="instruct", hf=HFSplit(str(folder), split="train[:0]")), tok, max_seq_len=64)
     empty = tmp_path / "empty"

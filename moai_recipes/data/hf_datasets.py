@@ -30,6 +30,8 @@ def open_split(what: HFSplit, *, streaming: bool = False):
     an IterableDataset read as it goes."""
     import datasets
 
+    if Path(what.source).expanduser().is_file():
+        raise UserError(f"dataset.source={what.source} is a file; a single file is read with dataset.path={what.source}")
     base = what.split.split("[", 1)[0]
     kwargs = {"name": what.name, "data_files": what.data_files, "streaming": streaming}
     try:

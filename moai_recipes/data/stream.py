@@ -12,6 +12,7 @@ Tested by `python -m pytest tests/test_hf_datasets.py`.
 
 import itertools
 
+import numpy as np
 import torch
 
 from moai_recipes.data.datasets import DataSource, sample_from_row
@@ -32,7 +33,7 @@ class StreamedBatches:
     @property
     def first_lengths(self) -> tuple[int, ...]:
         """The token counts of the first block's samples: what the planner prices the run's steps with."""
-        return tuple(len(s["tokens"]) for s in self._block)
+        return tuple(len(tokens) for tokens, _ in self._block)
 
     def _rows(self, start: int):
         rows, _, _ = self.source.open(streaming=True)
@@ -58,7 +59,8 @@ class StreamedBatches:
                 if sample is None:
                     self.dropped += 1
                 else:
-                    block.append({"tokens": sample[0], "labels": sample[1]})
+                    # int32 arrays: as lists of Python ints a block of 10,000 chats would take ~100 MB.
+                    block.append((np.asarray(sample[0], dtype=np.int32), np.asarray(sample[1], dtype=np.int32)))
             if block:
                 g = torch.Generator().manual_seed((self.seed * 1_000_003 + self._pass) * 1_000_033 + self._block_row)
                 self._block = [block[i] for i in torch.randperm(len(block), generator=g).tolist()]
@@ -83,7 +85,7 @@ class StreamedBatches:
                 self._block_row += self._rows_in_block
                 self._read_block()
             take = min(self.batch_size - len(batch), len(self._block) - self._taken)
-            batch += self._block[self._taken:self._taken + take]
+            batch += [{"tokens": t.tolist(), "labels": l.tolist()} for t, l in self._block[self._taken:self._taken + take]]
             self._taken += take
         self._step += 1
         return batch

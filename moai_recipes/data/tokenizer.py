@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from torchtune.modules.transforms.tokenizers import HuggingFaceBaseTokenizer
 
@@ -149,8 +150,12 @@ class Tokenizer:
         text = self.render(messages)
         enc = self._encode_text(text)
         spans = self._assistant_spans(messages, text)
-        masked = [not any(s <= a and b <= e for s, e in spans) for a, b in enc.offsets]
-        return self._with_bos(text, enc.ids, masked)
+        # A token is trained when it lies within an assistant turn (vectorised: a long conversation has thousands).
+        offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+        trained = np.zeros(len(offsets), dtype=bool)
+        for start, end in spans:
+            trained |= (offsets[:, 0] >= start) & (offsets[:, 1] <= end)
+        return self._with_bos(text, enc.ids, (~trained).tolist())
 
     def encode_prompt(self, messages: list[dict]) -> list[int]:
         """Tokens that prompt the model for the next assistant turn."""
