@@ -199,6 +199,17 @@ def test_a_stream_is_every_sample_once_a_pass_in_shuffled_blocks_and_resumes_at_
     assert samples(load_dataset(DataSource(kind="instruct", path=str(path)), tok, max_seq_len=64)) == whole
 
 
+def test_a_dataset_folder_streams_through_the_datasets_library_as_it_reads(tok, tmp_path):
+    folder = hub_layout(tmp_path / "ds", {"train": ROWS[:12]})
+    whole = samples(load_dataset(DataSource(kind="instruct", hf=HFSplit(str(folder))), tok, max_seq_len=64))
+    stream = StreamedBatches(DataSource(kind="instruct", hf=HFSplit(str(folder))), tok, max_seq_len=64, batch_size=4,
+                             seed=0, shuffle_buffer=5, steps=3)
+    flat = [(tuple(s["tokens"]), tuple(s["labels"])) for step in range(3) for s in stream.samples(step)]
+    assert sorted(flat) == sorted(whole) and flat != whole
+    with pytest.raises(UserError, match=r"a slice of a split cannot be streamed"):
+        DataSource(kind="instruct", hf=HFSplit(str(folder), split="train[:5]")).open(streaming=True)
+
+
 def test_training_from_a_hub_id_in_the_datasets_cache_offline_with_a_validation_split(tmp_path):
     """What `load_dataset("acme/arith")` leaves in the datasets cache, read back with HF_DATASETS_OFFLINE=1."""
     from datasets.packaged_modules.parquet.parquet import Parquet
