@@ -67,6 +67,21 @@ def hf_checkpoints(tmp_path_factory):
     return {f: make_hf_checkpoint(root / f, f) for f in FAMILIES}
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The embedded demo checkpoint (tiny Llama, its tokenizer and chat template), written for this module."""
+    from moai_recipes.models.tiny import tiny_checkpoint_dir
+
+    return tiny_checkpoint_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    from moai_recipes.data.tokenizer import Tokenizer
+
+    return Tokenizer.from_checkpoint(tiny_dir)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("WANDB_MODE", os.environ.get("WANDB_MODE", "offline"))

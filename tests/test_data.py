@@ -15,7 +15,7 @@ import torch
 from moai_recipes.data.datasets import IGNORE_INDEX, DataSource, collate, load_dataset
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
-from moai_recipes.models.tiny import DEMO_DATA, EOS, IM_END, tiny_checkpoint_dir
+from moai_recipes.models.tiny import DEMO_DATA, EOS, IM_END
 
 INSTRUCT = [
     {"instruction": "What is the opposite of open?", "input": "", "output": "The opposite of open is closed."},
@@ -31,16 +31,6 @@ CHAT = [
 ]
 TEXT = [{"text": "The opposite of open is closed."}, {"text": "A cow says moo."}, {"text": "A bee says buzz."}]
 ROWS = {"instruct": INSTRUCT, "chat": CHAT, "text": TEXT}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return tiny_checkpoint_dir(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_dir):
-    return Tokenizer.from_checkpoint(tiny_dir)
 
 
 def write(path, rows):

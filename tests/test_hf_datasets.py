@@ -19,7 +19,6 @@ from moai_recipes.data.hf_datasets import HFSplit
 from moai_recipes.data.stream import StreamedBatches
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
-from moai_recipes.models.tiny import tiny_checkpoint_dir
 from tests.test_full_finetune import metrics, run_recipe
 
 ROWS = [{"instruction": f"What is {i} plus {i}?", "input": "", "output": f"{i} plus {i} is {2 * i}."}
@@ -27,16 +26,6 @@ ROWS = [{"instruction": f"What is {i} plus {i}?", "input": "", "output": f"{i} p
 CHAT_TEMPLATE_WITH_TOOLS = ("{% for m in messages %}{% if m.role == 'tool' %}<tool>{{ m.content }}</tool>"
                             "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return tiny_checkpoint_dir(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_dir):
-    return Tokenizer.from_checkpoint(tiny_dir)
 
 
 def hub_layout(folder: Path, splits: dict[str, list[dict]]) -> Path:

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from moai_recipes.errors import UserError
+
 
 class GlobalBatches:
     def __init__(self, *, num_samples: int, batch_size: int, epochs: int, seed: int, dataset=None):
@@ -53,8 +55,6 @@ class GlobalBatches:
     def resume(self, step: int, meta: dict) -> None:
         # The order is a pure function of the step: nothing to seek; a checkpoint of other data would not match.
         if "stream" in meta:
-            from moai_recipes.errors import UserError
-
             raise UserError("the checkpoint was written by a run that streamed its data; resume it with "
                             "dataset.streaming=true, or start a new run (resume=never)")
         assert meta["samples_seen"] == self.samples_before(step), (meta["samples_seen"], self.samples_before(step))

@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from moai_recipes.data.batches import GlobalBatches
 from moai_recipes.data.datasets import DataSource, SFTDataset, load_dataset
@@ -97,8 +97,6 @@ def _source(d: DictConfig, path: str | None, split: str, *, key: str = "dataset.
     if hf and d.source is not None:
         files = d.data_files
         if files is not None and not isinstance(files, str):
-            from omegaconf import OmegaConf
-
             files = OmegaConf.to_container(files)
         hf_split = HFSplit(source=d.source, name=d.name, split=split, data_files=files)
     return DataSource(kind=str(d.kind), path=path, hf=hf_split, column_map=dict(d.column_map),
