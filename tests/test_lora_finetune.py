@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import make_hf_checkpoint
-from tests.test_full_finetune import metrics, run_recipe, tensors
+from tests.test_full_finetune import metrics, peak_error, run_recipe, tensors
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +80,7 @@ def test_only_adapters_train_and_losses_agree_across_flavors(tmp_path, hf_checkp
         r = lora(*common, *extra, f"output_dir={tmp_path / name}")
         assert r.returncode == 0, r.stdout + r.stderr
         assert "Trainable: 0.0" in r.stdout and "[Step 4/4] | Loss: " in r.stdout and "tokens/sec" in r.stdout
+        assert abs(peak_error(r.stdout)) <= 0.10, name
         losses[name] = [row["loss"] for row in metrics(tmp_path / name)]
         assert not (tmp_path / name / "model").exists() and (tmp_path / name / "adapter").exists()
         for output in ("loss.png", "plan.json", "config.yaml"):  # what the full fine-tuning recipe writes, too
@@ -206,6 +207,7 @@ def test_qlora_trains_alike_on_cpu_and_cpu_2_and_peft_loads_its_adapter(tmp_path
         r = lora(*common, f"flavor={flavor}", *extra, f"output_dir={tmp_path / flavor}")
         assert r.returncode == 0, r.stdout + r.stderr
         assert "base frozen in NF4 (QLoRA)" in r.stdout
+        assert abs(peak_error(r.stdout)) <= 0.10, flavor
         losses[flavor] = [row["loss"] for row in metrics(tmp_path / flavor)]
     assert losses["cpu"][-1] < losses["cpu"][0]
     for a, b in zip(losses["cpu"], losses["cpu-2"], strict=True):

@@ -16,7 +16,7 @@ from moai_recipes.planner.activations import trace_layer
 from moai_recipes.planner.plan import Workload
 from moai_recipes.planner.search import GiB, choose_plan
 from tests.conftest import ROOT
-from tests.test_full_finetune import metrics, run_recipe
+from tests.test_full_finetune import metrics, peak_error, run_recipe
 
 
 def setup(*overrides, recipe="full_finetune"):
@@ -185,7 +185,7 @@ def test_a_small_budget_trains_the_same_curve_with_accumulation(tmp_path):
     chosen = json.loads((tmp_path / "small" / "plan.json").read_text())["chosen"]
     assert chosen["accumulation_steps"] > 1 or chosen["recompute"] != "none"
     assert chosen["predicted_peak_bytes"] <= 0.06 * GiB
-    assert "Peak memory per device: predicted" in small.stdout
+    assert abs(peak_error(small.stdout)) <= 0.10
     for a, b in zip(metrics(tmp_path / "big"), metrics(tmp_path / "small"), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * a["loss"] and b["peak_memory_bytes"] > 0
 

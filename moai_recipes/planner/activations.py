@@ -66,10 +66,14 @@ _CACHE: dict[str, object] = {}
 
 
 def trace_layer(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
-                lora: tuple | None = None) -> LayerTrace:
-    """Bytes and FLOPs per sequence of `seq_len` tokens for one layer under `recompute`, in `dtype`."""
-    return _cached(LayerTrace, (spec, seq_len, recompute, dtype, lora),
-                   lambda: _trace(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora))
+                lora: tuple | None = None, per_document: bool = False) -> LayerTrace:
+    """Bytes and FLOPs per sequence of `seq_len` tokens for one layer under `recompute`, in `dtype`.
+    `per_document`: the row is packed documents whose attention runs one document at a time (the CPU's packed
+    rows, models/attention.py), traced on two: each document's attention output is kept, and so is the row
+    they are concatenated into."""
+    key = (spec, seq_len, recompute, dtype, lora) + (("per_document",) if per_document else ())
+    return _cached(LayerTrace, key, lambda: _trace(spec, seq_len=seq_len, recompute=recompute, dtype=dtype,
+                                                   lora=lora, per_document=per_document))
 
 
 def trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked: bool, dtype: torch.dtype,
@@ -247,18 +251,25 @@ def _on_fake_storage(module, *, dtype: torch.dtype) -> None:
             m.is_cache_built = True
 
 
-def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None) -> LayerTrace:
+def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None,
+           per_document: bool = False) -> LayerTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from moai_recipes.models.attention import Documents, use_document_attention
+
     layer = _meta_model(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora).layers[0]
+    docs = Documents((seq_len // 2, seq_len - seq_len // 2)) if per_document and seq_len > 1 else None
+    if docs:
+        use_document_attention(layer)
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # dtype-mix notices of fused kernels: irrelevant to sizes
         _on_fake_storage(layer, dtype=dtype)
         x = torch.empty(1, seq_len, spec.embed_dim, dtype=dtype, requires_grad=True)
         grad_out = torch.empty_like(x)  # the gradient the next layer hands back: not this layer's memory
+        position = docs.positions(x.device) if docs else None
         count = OpCounter(existing=[*layer.parameters(), *layer.buffers(), x, grad_out])
         with count:
-            y = layer(x)
+            y = layer(x, mask=docs, input_pos=position) if docs else layer(x)
             retained = count.current
             y.backward(grad_out)
         grads_at_peak = count.bytes_at_peak([p.grad for p in layer.parameters() if p.grad is not None])

@@ -128,7 +128,9 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str) -> MemoryBreakd
     later_grads = 0 if cpu_offload else (L - 1) * layer_trainable * 4 / n
 
     dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
-    act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora)
+    # Packed rows attend document by document except in a GPU's varlen kernel (models/attention.py).
+    per_document = plan.packing and not (device_kind == "gpu" and plan.param_dtype == "bfloat16")
+    act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, per_document=per_document)
     retained = micro_batch_size * L * act.retained
     layer_backward = micro_batch_size * act.transient + act.grads_at_peak + reduce_copy
     earlier_grads = sharded_grads if plan.accumulation_steps > 1 else 0

@@ -29,7 +29,6 @@ from moai_recipes.train.answers import Answers
 from moai_recipes.train.loop import LoopSettings, train_loop
 from moai_recipes.train.optim import build_optimizer, build_scheduler
 from moai_recipes.train.parallel import parallelize
-from moai_recipes.train.peak_memory import mark_memory_baseline
 from moai_recipes.train.run_log import RunLog
 
 
@@ -50,7 +49,6 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     say(f"Configuration for parallelism is selected: {plan.describe()}")
 
     # 3. Build on meta; recompute, shard and give memory in one place, one order; then the weights.
-    mark_memory_baseline()  # the measured peak counts what training allocates from here, as the plan predicts
     with torch.device("meta"):
         model = build_model(inputs.spec, max_seq_len=plan.row_length)
     parallelize(model, plan, world)

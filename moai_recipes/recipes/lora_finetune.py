@@ -36,7 +36,6 @@ from moai_recipes.train.answers import Answers
 from moai_recipes.train.loop import LoopSettings, train_loop
 from moai_recipes.train.optim import build_optimizer, build_scheduler
 from moai_recipes.train.parallel import parallelize
-from moai_recipes.train.peak_memory import mark_memory_baseline
 from moai_recipes.train.run_log import RunLog
 
 
@@ -58,7 +57,6 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     say(f"Configuration for parallelism is selected: {plan.describe()}")
 
     # 3. Build with adapters on meta, freeze the base; recompute, shard and give memory; base weights, adapters.
-    mark_memory_baseline()  # the measured peak counts what training allocates from here, as the plan predicts
     with torch.device("meta"):
         model = build_model(inputs.spec, max_seq_len=plan.row_length, lora=lora.builder_kwargs(),
                             quantize_base=lora.quantize_base)

@@ -27,10 +27,15 @@ from moai_recipes.planner.plan import Plan
 from moai_recipes.planner.search import PlanChoice
 from moai_recipes.run_inputs import RunInputs
 from moai_recipes.train.loss import IGNORE_INDEX, token_loss_sum
-from moai_recipes.train.micro_batches import model_inputs, rank_micro_batches
+from moai_recipes.train.micro_batches import (
+    micro_batch_shapes,
+    model_inputs,
+    rank_micro_batches,
+)
 from moai_recipes.train.optim import clip_gradients
 from moai_recipes.train.parallel import all_reduce_gradients
-from moai_recipes.train.peak_memory import peak_memory_bytes
+from moai_recipes.train.peak_memory import PeakMemory, host_peak_bytes
+from moai_recipes.train.plan_accuracy import Measured, compare
 from moai_recipes.train.run_log import RunLog
 
 
@@ -164,15 +169,19 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     save = lambda step: save_checkpoint(inputs.out, state, {"step": step, **batches.position(step), **about},
                                         world=world, keep=settings.checkpoint_keep)
     nonfinite = 0
+    meter, step_times = PeakMemory(world.device), []
     state.model.train()
     with _StopRequest() as stop:
         for step in range(first, inputs.total_steps):
-            with StepTimer(world.device) as timer:
-                micro = rank_micro_batches(plan, batches.samples(step), world)
+            samples = batches.samples(step)
+            shapes = micro_batch_shapes(plan, samples, world.world_size) if meter.tracked else None
+            with StepTimer(world.device) as timer, meter.step(state.model, state.optimizer, shapes):
+                micro = rank_micro_batches(plan, samples, world)
                 result = train_step(state, micro, plan=plan, world=world, max_grad_norm=settings.max_grad_norm,
                                     pad_id=inputs.tokenizer.pad_id)
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()
+            step_times.append(timer.seconds)
             if not result.finite:
                 nonfinite += 1
                 last = complete_checkpoints(inputs.out)
@@ -181,9 +190,10 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                                     f"grad norm {result.grad_norm}); stopped without applying it. "
                                     f"{f'The last good checkpoint is {last[-1]}. ' if last else ''}"
                                     "Lower optimizer.lr, or tolerate such steps with skip_nonfinite_steps=K")
-            # One collective for both: the peak of any rank, and whether any rank was asked to stop.
-            peak, stopping = _all_reduce([peak_memory_bytes(world.device), float(stop.signame is not None)],
-                                         world.device, op=dist.ReduceOp.MAX)
+            # One collective for all: the peaks of any rank, and whether any rank was asked to stop.
+            peak, steady_peak, host_peak, stopping = _all_reduce(
+                [meter.peak, meter.steady[0], host_peak_bytes(), float(stop.signame is not None)], world.device,
+                op=dist.ReduceOp.MAX)
             done = step + 1
             evaluated = {}
             if inputs.val_dataset is not None and (done == inputs.total_steps or (
@@ -193,8 +203,8 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             if log:
                 log.step(step=done, loss=result.loss, lr=lr, tokens=result.tokens,
                          tokens_per_sec=result.tokens / timer.seconds, step_time_s=timer.seconds,
-                         grad_norm=result.grad_norm, peak_memory_bytes=int(peak), target_tokens=result.target_tokens,
-                         skipped=not result.finite, **evaluated)
+                         grad_norm=result.grad_norm, peak_memory_bytes=int(peak), host_peak_bytes=int(host_peak),
+                         target_tokens=result.target_tokens, skipped=not result.finite, **evaluated)
             every = settings.checkpoint_every
             if stopping or (every and done % every == 0 and done < inputs.total_steps):
                 path, seconds, size = save(done)
@@ -202,17 +212,13 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                     log.checkpoint(step=done, path=path, seconds=seconds, size=size)
                 if stopping:
                     raise Stopped(done, path, stop.signame or "SIGTERM")
-    if log and log.rows:
-        measured, predicted = max(r["peak_memory_bytes"] for r in log.rows), choice.chosen.memory.total
-        log.info(f"Peak memory per device: predicted {predicted / 2**30:.3f} GiB, measured {measured / 2**30:.3f} GiB "
-                 f"({(measured - predicted) / max(predicted, 1):+.1%})")
-        # Steps after the first two (which warm up the allocator, the caches and a compiled layer's graph).
-        steady = sorted(r["step_time_s"] for r in log.rows[2:] or log.rows)
-        step_s, predicted_s = steady[len(steady) // 2], choice.chosen.time.total_s
-        log.info(f"Step time: predicted {predicted_s:.3g} s, measured {step_s:.3g} s (the median of "
-                 f"{len(steady)} step(s), {(step_s - predicted_s) / max(predicted_s, 1e-9):+.1%})")
-        log.summary(predicted_peak_bytes=predicted, measured_peak_bytes=measured, predicted_step_s=predicted_s,
-                    measured_step_s=step_s)
+    if log and step_times:
+        measured = Measured(peak_bytes=int(steady_peak), shapes=meter.steady[1], step_times=step_times,
+                            host_peak_bytes=int(host_peak))
+        accuracy = compare(choice, inputs.workload, measured, "gpu" if world.device.type == "cuda" else "cpu")
+        for line in accuracy.lines():
+            log.info(line)
+        log.summary(**accuracy.as_dict())
     state.model.eval()
 
 

@@ -16,17 +16,29 @@ from moai_recipes.train.loss import IGNORE_INDEX
 _EMPTY = {"tokens": None, "labels": [IGNORE_INDEX]}
 
 
-def rank_micro_batches(plan: Plan, samples: list[dict], world: World) -> list[list[dict] | None]:
-    """This rank's micro-batches of a global batch, as the plan splits it; None for an empty one. Every rank
-    computes every rank's split (it is deterministic) and runs as many micro-batches as the busiest: FSDP's
-    collectives need the same number of forward and backward passes everywhere."""
+def _splits(plan: Plan, samples: list[dict], world_size: int) -> list[list[list[dict]]]:
+    """Every rank's micro-batches of a global batch, as the plan splits it (deterministic: each rank computes all)."""
     lengths = [len(s["tokens"]) for s in samples]
     positions = list(range(len(samples)))
-    shares = [plan.rank_share(positions, lengths, r) for r in range(world.world_size)]
-    splits = [plan.micro_batches([lengths[p] for p in share]) for share in shares]
-    mine, split = shares[world.rank], splits[world.rank]
-    micro = [[samples[mine[p]] for p in group] for group in split]
-    return micro + [None] * (max(map(len, splits)) - len(split))
+    shares = [plan.rank_share(positions, lengths, r) for r in range(world_size)]
+    return [[[samples[share[p]] for p in group] for group in plan.micro_batches([lengths[p] for p in share])]
+            for share in shares]
+
+
+def rank_micro_batches(plan: Plan, samples: list[dict], world: World) -> list[list[dict] | None]:
+    """This rank's micro-batches of a global batch, as the plan splits it; None for an empty one. Every rank
+    runs as many micro-batches as the busiest: FSDP's collectives need the same number of forward and backward
+    passes everywhere."""
+    splits = _splits(plan, samples, world.world_size)
+    return splits[world.rank] + [None] * (max(map(len, splits)) - len(splits[world.rank]))
+
+
+def micro_batch_shapes(plan: Plan, samples: list[dict], world_size: int) -> list[tuple[int, int, int]]:
+    """(place in its rank's step, rows, tokens per row) of every micro-batch any rank forms from a global batch:
+    what peak memory is predicted at (padded rows: the longest sample's length; a packed row: its samples' sum)."""
+    return [(i, 1, sum(len(s["tokens"]) for s in micro)) if plan.packing else
+            (i, len(micro), max(len(s["tokens"]) for s in micro))
+            for split in _splits(plan, samples, world_size) for i, micro in enumerate(split)]
 
 
 def model_inputs(micro: list[dict] | None, plan: Plan, pad_id: int) -> dict:

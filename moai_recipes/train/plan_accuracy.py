@@ -1,0 +1,95 @@
+"""What a run measured against what its plan predicted, like for like: the lines at the end of a run, the W&B
+summary, and the machine's calibration record (planner/calibration.py).
+
+Peak memory: the most bytes tensors held at once in step TRACKED_STEPS (train/peak_memory.py: the first whose
+optimizer state exists throughout) against the planner's tensor bytes (MemoryBreakdown.allocated) for the
+largest micro-batch that step formed. The plan
+itself reserves memory for the worst micro-batch the data can form, plus the allocator's slack and the
+runtime: that figure is said beside it. Step time: the median of the steps after the first TRACKED_STEPS
+(which warm up the allocator and the caches, and on the CPU are followed tensor by tensor) against the
+planner's step time at the data's real lengths.
+"""
+
+from dataclasses import dataclass, replace
+
+from moai_recipes.planner.memory import predict_memory
+from moai_recipes.planner.plan import Plan, Workload
+from moai_recipes.planner.search import PlanChoice
+from moai_recipes.train.peak_memory import TRACKED_STEPS
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a process measured of its steps (the largest over ranks)."""
+
+    peak_bytes: int  # tensors, at most at once, in the steady measured step (PeakMemory.steady)
+    shapes: list[tuple[int, int, int]]  # that step's micro-batches (train/micro_batches.micro_batch_shapes)
+    step_times: list[float]  # every step this process ran, in order
+    host_peak_bytes: int  # the process's resident peak
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    predicted_peak_bytes: int  # at the measured micro-batch
+    measured_peak_bytes: int
+    planned_peak_bytes: int  # what the plan reserves (the worst micro-batch, slack and runtime included)
+    predicted_step_s: float
+    measured_step_s: float | None  # None: no step after the warm-up ones
+    steady_steps: int
+    largest: tuple[int, int]  # (rows, tokens per row) of the measured step's largest micro-batch
+
+    @property
+    def peak_error(self) -> float:
+        return (self.measured_peak_bytes - self.predicted_peak_bytes) / max(self.predicted_peak_bytes, 1)
+
+    @property
+    def step_error(self) -> float | None:
+        if self.measured_step_s is None:
+            return None
+        return (self.measured_step_s - self.predicted_step_s) / max(self.predicted_step_s, 1e-9)
+
+    def lines(self) -> list[str]:
+        rows, tokens = self.largest
+        lines = [f"Peak tensor memory per device: predicted {self.predicted_peak_bytes / GiB:.3f} GiB, measured "
+                 f"{self.measured_peak_bytes / GiB:.3f} GiB ({self.peak_error:+.1%}) in step {TRACKED_STEPS}, whose "
+                 f"largest micro-batch was {rows} x {tokens} tokens; the plan reserves "
+                 f"{self.planned_peak_bytes / GiB:.3f} GiB for the worst the data can form"]
+        if self.measured_step_s is None:
+            lines.append(f"Step time: predicted {self.predicted_step_s:.3g} s; too few steps to measure "
+                         f"(the first {TRACKED_STEPS} warm up)")
+        else:
+            lines.append(f"Step time: predicted {self.predicted_step_s:.3g} s, measured {self.measured_step_s:.3g} s "
+                         f"(the median of {self.steady_steps} step(s), {self.step_error:+.1%})")
+        return lines
+
+    def as_dict(self) -> dict:
+        return {"predicted_peak_bytes": self.predicted_peak_bytes, "measured_peak_bytes": self.measured_peak_bytes,
+                "planned_peak_bytes": self.planned_peak_bytes, "predicted_step_s": self.predicted_step_s,
+                "measured_step_s": self.measured_step_s}
+
+
+def compare(choice: PlanChoice, work: Workload, measured: Measured, device_kind: str) -> Accuracy:
+    plan = choice.chosen.plan
+    steady = sorted(measured.step_times[TRACKED_STEPS:])
+    return Accuracy(predicted_peak_bytes=predicted_peak(plan, work, measured.shapes, device_kind),
+                    measured_peak_bytes=measured.peak_bytes, planned_peak_bytes=choice.chosen.memory.total,
+                    predicted_step_s=choice.chosen.time.total_s,
+                    measured_step_s=steady[len(steady) // 2] if steady else None, steady_steps=len(steady),
+                    largest=max(((r, t) for _, r, t in measured.shapes), key=_size, default=(1, 1)))
+
+
+def predicted_peak(plan: Plan, work: Workload, shapes: list[tuple[int, int, int]], device_kind: str) -> int:
+    """The planner's tensor bytes for a step of these micro-batches: the largest first micro-batch of a rank
+    (no gradients from earlier ones yet) or the largest later one (with them), whichever predicts more."""
+    first = max(((r, t) for i, r, t in shapes if i == 0), key=_size, default=None)
+    later = max(((r, t) for i, r, t in shapes if i > 0), key=_size, default=None)
+    predicted = [predict_memory(replace(plan, micro_batch_size=rows, accumulation_steps=accumulation),
+                                replace(work, seq_len=tokens), device_kind).allocated
+                 for shape, accumulation in ((first, 1), (later, 2)) if shape for rows, tokens in [shape]]
+    return max(predicted, default=0)
+
+
+def _size(shape: tuple[int, int]) -> tuple[int, tuple[int, int]]:
+    return shape[0] * shape[1], shape
