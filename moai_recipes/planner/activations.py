@@ -38,7 +38,7 @@ from moai_recipes.models.build import build_model
 from moai_recipes.models.spec import ModelSpec
 from moai_recipes.train.parallel import apply_recompute
 
-_VERSION = 4  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 5  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class LayerTrace:
     flops: int  # matmul and attention FLOPs of forward, recompute and backward, per sequence
     traffic: int  # bytes read and written by the other operators (norms, activations, RoPE...), per sequence
     ops: int  # operators dispatched (each costs a launch, whatever its size), per micro-batch
+    attention_flops: int = 0  # the share of `flops` in attention kernels (the CPU's run at fp32 speed in bf16)
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ class OpCounter(TorchDispatchMode):
 
     def __init__(self, existing=()):
         super().__init__()
-        self.current = self.peak = self.flops = self.traffic = self.ops = 0
+        self.current = self.peak = self.flops = self.attention_flops = self.traffic = self.ops = 0
         self._live: dict[int, tuple[weakref.ref, int]] = {}
         self._at_peak: list[weakref.ref] = []
         self._existing = {id(t.untyped_storage()): t.untyped_storage() for t in existing}
@@ -190,7 +191,10 @@ class OpCounter(TorchDispatchMode):
         formula = _FLOP_FORMULAS.get(func._overloadpacket)
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if formula is not None:
-            self.flops += formula(*args, **kwargs, out_val=out)
+            flops = formula(*args, **kwargs, out_val=out)
+            self.flops += flops
+            if "attention" in func._overloadpacket.__name__:
+                self.attention_flops += flops
         elif self._moves_data(func, args, kwargs, outputs):
             self.traffic += _nbytes(tree_leaves((args, kwargs))) + _nbytes(outputs)
         for t in outputs:
@@ -274,7 +278,8 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
             y.backward(grad_out)
         grads_at_peak = count.bytes_at_peak([p.grad for p in layer.parameters() if p.grad is not None])
     return LayerTrace(retained=retained, transient=max(0, count.peak - retained - grads_at_peak),
-                      grads_at_peak=grads_at_peak, flops=count.flops, traffic=count.traffic, ops=count.ops)
+                      grads_at_peak=grads_at_peak, flops=count.flops, traffic=count.traffic, ops=count.ops,
+                      attention_flops=count.attention_flops)
 
 
 def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked: bool, dtype: torch.dtype,

@@ -23,6 +23,7 @@ from moai_recipes.files import cache_dir
 class CpuSpeed:
     fp32_flops: float  # per second, a large fp32 matmul
     bytes_per_s: float  # memory read and written per second by a large elementwise op
+    bf16_flops: float  # per second, a large bf16 matmul (faster than fp32 where the CPU has bf16 dot products)
 
 
 def process_threads(num_processes: int) -> int:
@@ -33,7 +34,7 @@ def process_threads(num_processes: int) -> int:
 
 def cpu_speed(threads: int) -> CpuSpeed:
     """This machine's CPU with `threads` threads, measured once and cached."""
-    key = f"{_cpu_name()}|{os.cpu_count()}|{threads}|{torch.__version__}"
+    key = f"{_cpu_name()}|{os.cpu_count()}|{threads}|{torch.__version__}|2"  # |2: bf16 measured too
     path = cache_dir() / "cpu-speed.json"
     try:
         known = json.loads(path.read_text())
@@ -93,11 +94,13 @@ def _measure(threads: int) -> CpuSpeed:
     try:
         a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
         flops = _best_rate(2 * 1024**3, lambda: torch.mm(a, b))
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        bf16_flops = _best_rate(2 * 1024**3, lambda: torch.mm(a16, b16))
         # 128 MiB each: beyond the caches (virtual machines report L3 caches of hundreds of MiB).
         x, y = torch.randn(2**25), torch.randn(2**25)
         out = torch.empty_like(x)
         bandwidth = _best_rate(3 * x.numel() * 4, lambda: torch.add(x, y, out=out))
     finally:
         torch.set_num_threads(before)
-    return CpuSpeed(fp32_flops=flops, bytes_per_s=bandwidth)
+    return CpuSpeed(fp32_flops=flops, bytes_per_s=bandwidth, bf16_flops=bf16_flops)
 

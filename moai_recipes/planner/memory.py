@@ -35,6 +35,7 @@ class ModelSizes:
     trainable: int
     nf4_per_layer: int = 0  # QLoRA: the frozen layer weights kept in NF4
     nf4_largest: int = 0  # values of the largest of them (its dequantization is the transient peak)
+    trainable_tensors: int = 0  # parameter tensors the optimizer steps and the clipping scales (each costs a call)
 
 
 def model_sizes(spec: ModelSpec, lora=None) -> ModelSizes:
@@ -46,7 +47,16 @@ def model_sizes(spec: ModelSpec, lora=None) -> ModelSizes:
     trainable = lora_params(spec, lora) if lora else total
     nf4 = [r * c for (r, c), _ in nf4_weights(spec, lora).values()] if lora and lora.quantize_base else []
     return ModelSizes(total=total, per_layer=per_layer, root=root, trainable=trainable, nf4_per_layer=sum(nf4),
-                      nf4_largest=max(nf4, default=0))
+                      nf4_largest=max(nf4, default=0), trainable_tensors=_trainable_tensors(spec, lora))
+
+
+def _trainable_tensors(spec: ModelSpec, lora=None) -> int:
+    """How many parameter tensors are trained: every weight, bias and norm; with LoRA two per adapter."""
+    if lora:
+        adapters = len(lora.attn_modules) + (3 if lora.apply_to_mlp else 0)
+        return 2 * (spec.num_layers * adapters + (1 if lora.apply_to_output else 0))
+    layer = 4 + 3 + 2 + (3 if spec.attention_bias else 0) + (1 if spec.output_bias else 0) + (2 if spec.qk_norm else 0)
+    return spec.num_layers * layer + 2 + (0 if spec.tie_word_embeddings else 1)
 
 
 def lora_params(spec: ModelSpec, lora) -> int:
@@ -84,7 +94,7 @@ class MemoryBreakdown:
         return {**self.__dict__, "total": self.total}
 
 
-def predict_memory(plan: Plan, work: Workload, device_kind: str) -> MemoryBreakdown:
+def predict_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: float = 1.0) -> MemoryBreakdown:
     """Peak bytes on one device for one plan: the largest of four moments of the step.
 
     The sharded parameters and optimizer state live throughout. In the backward pass of the last
@@ -95,7 +105,8 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str) -> MemoryBreakd
     Weight gradients of earlier micro-batches are alive throughout when accumulating (freed after
     each step otherwise). Then the optimizer step: the sharded state and the optimizer's own
     temporaries (OPTIMIZER_TEMPORARY bytes per trainable value: foreach AdamW on the CPU makes
-    one fp32 copy, fused AdamW on GPUs none).
+    one fp32 copy, fused AdamW on GPUs none). `traced_scale`: the machine's calibration of the traced
+    activations and logits (planner/calibration.py).
     """
     spec, sizes, seq_len, lora = work.spec, work.sizes, work.seq_len, work.lora_key
     micro_batch_size, recompute, cpu_offload = plan.micro_batch_size, plan.recompute, plan.cpu_offload
@@ -155,6 +166,10 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str) -> MemoryBreakd
         "gradients all-reduced": dict(gathered=0, grads=sharded_grads * 2 if plan.replicate else 0, logits=0,
                                       activations=0),
     }
+    for name, parts in phases.items():
+        if name != "optimizer step":  # its temporaries are counted, not traced
+            parts["activations"] *= traced_scale
+            parts["logits"] *= traced_scale
     phase, peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     if phase not in ("optimizer step", "gradients all-reduced"):
         peak["gathered"] += sizes.nf4_largest * NF4_DEQUANT_BYTES

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from moai_recipes.config.schema import Recompute
 from moai_recipes.errors import UserError
 from moai_recipes.flavors import Flavor
+from moai_recipes.planner import calibration
 from moai_recipes.planner.memory import (
     HostMemory,
     MemoryBreakdown,
@@ -43,6 +44,7 @@ class PlanChoice:
     candidates: list[Candidate]
     budget_bytes: int
     steps: int | None = None  # of the run, when the data is known
+    device: str = "cpu"  # the flavor's device: what a run's measurements calibrate (planner/calibration.py)
 
     def report(self) -> list[str]:
         fit = sum(c.fits for c in self.candidates)
@@ -66,7 +68,7 @@ class PlanChoice:
                 "(recipes.plan compares flavors)"]
 
     def as_dict(self) -> dict:
-        return {"flavor": self.flavor, "budget_bytes": self.budget_bytes, "chosen": self.chosen.as_dict(),
+        return {"flavor": self.flavor, "device": self.device, "budget_bytes": self.budget_bytes, "chosen": self.chosen.as_dict(),
                 "candidates": [c.as_dict() for c in self.candidates]}
 
 
@@ -123,7 +125,8 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
                         f"{SAFETY_MARGIN:.0%}). {_what_would_fit(work, flavor, forced)}")
     # The fastest run: compiling pays once for faster steps, so it is chosen only where the run is long enough.
     chosen = min(fitting, key=lambda c: (round(c.time.run_s(work.steps), 6), c.memory.total))
-    return PlanChoice(flavor=flavor.name, chosen=chosen, candidates=candidates, budget_bytes=budget, steps=work.steps)
+    return PlanChoice(flavor=flavor.name, chosen=chosen, candidates=candidates, budget_bytes=budget, steps=work.steps,
+                      device=flavor.device.name)
 
 
 def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Candidate], int]:
@@ -140,13 +143,13 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Cand
     options = _options(n, per_device, flavor, forced, work, compute)
     if not options:
         raise UserError(_impossible(forced, flavor, work))
-    candidates = []
+    candidates, scales = [], calibration.scales(flavor.device.name)
     for o in options:
         plan = Plan(batch_size=work.batch_size, num_devices=n, max_seq_len=work.seq_len,
                     accumulation_steps=math.ceil(per_device / o["micro_batch_size"]),
                     param_dtype=compute, master_dtype="float32", **o)
-        memory = predict_memory(plan, work, flavor.device.kind)
-        time = predict_time(plan, work, flavor.device)
+        memory = predict_memory(plan, work, flavor.device.kind, traced_scale=scales.get(calibration.MEMORY, 1.0))
+        time = predict_time(plan, work, flavor.device, scales=scales)
         host = predict_host_memory(plan, work, flavor.processes_per_node) if flavor.device.kind == "gpu" else None
         fits = memory.total <= budget and (host is None or host.total <= host_budget)
         candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=fits, host=host))

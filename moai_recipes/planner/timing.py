@@ -13,7 +13,7 @@ machine (cpu_speed.py); bench/planner_accuracy.py compares predictions with meas
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +42,15 @@ SELECTIVE_OP_S = {"gpu": 2.5e-6, "cpu": 2.4e-6}
 # and gloo's round trip, 2.2 ms (fitted with bench/planner_accuracy.py --processes 2).
 OVERLAP = {"gpu": 0.8, "cpu": 0.0}
 LATENCY_S = {"gpu": 30e-6, "cpu": 2.2e-3}
+# FSDP2 on one device (for its bf16 compute or CPU offload): each "collective" a local copy and FSDP2's hooks.
+LOCAL_COLLECTIVE_S = {"gpu": 20e-6, "cpu": 0.4e-3}
+# An all-reduce of a few scalars (the step's token counts, its loss, the gradient norm): a round trip.
+SCALAR_LATENCY_S = {"gpu": 50e-6, "cpu": 0.3e-3}
+# Seconds per trainable tensor and step for the optimizer's and the clipping's Python, beyond the bytes they move
+# (the memory term): foreach AdamW and clipping on the CPU, and more for a DTensor's dispatch (clipping 21
+# tensors of the tiny model: 0.45 ms plain, 1.45 ms as DTensors, on this machine); estimates to calibrate.
+PARAM_S = {"gpu": 10e-6, "cpu": 15e-6}
+DTENSOR_PARAM_S = {"gpu": 30e-6, "cpu": 50e-6}
 PCIE_GBPS = 25
 # A compiled layer (plan.compile) fuses its elementwise operators: the share of the eager layer's elementwise
 # traffic and of its dispatched operators that remain. GPUs: inductor's fused Triton kernels read each input
@@ -55,14 +64,22 @@ COMPILED = {"gpu": (0.5, 0.2), "cpu": (1.0, 1.0)}
 COMPILE_S = {"gpu": 60.0, "cpu": 30.0}
 # Operators a document adds to a packed row's attention, forward and backward (CPU: per-document SDPA).
 DOCUMENT_OPS = 8
+# Fixed seconds of one attention kernel's forward and backward beyond its FLOPs: the CPU's flash attention sets up
+# its blocks per call, in bf16 much more (SDPA of 4 heads x 36 tokens x 32, forward and backward, on this machine:
+# 114 us in fp32, 390 us in bf16); a GPU's is a launch.
+ATTENTION_CALL_S = {"cpu": {"float32": 100e-6, "bfloat16": 350e-6}, "gpu": {"float32": 20e-6, "bfloat16": 20e-6}}
+
+
+# The parts of a step the model adds up, each in seconds under the constants above. A machine's calibration
+# (planner/calibration.py, `moai calibrate`) scales each by what its own runs measured.
+TERMS = ("matmul", "memory", "dispatch", "parameters", "collectives", "transfer", "offload")
 
 
 @dataclass(frozen=True)
 class TimeEstimate:
-    compute_s: float
-    comm_s: float
-    exposed_comm_s: float
-    offload_s: float
+    terms: dict  # seconds of each of TERMS under the default constants
+    kind: str  # the device's kind: how the terms combine (a GPU computes while the host dispatches)
+    scales: dict = field(default_factory=dict)  # the machine's calibration of each term (absent: 1)
     once_s: float = 0.0  # paid once a run, not every step: compiling the layers
 
     def run_s(self, steps: int | None) -> float:
@@ -70,18 +87,37 @@ class TimeEstimate:
         return self.total_s if steps is None else self.total_s * steps + self.once_s
 
     @property
+    def parts(self) -> dict:
+        return combine(self.terms, self.kind, self.scales)
+
+    @property
     def total_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s + self.offload_s
+        return self.parts["total_s"]
 
     def as_dict(self) -> dict:
-        return {**self.__dict__, "total_s": self.total_s}
+        return {**self.parts, "terms": self.terms, "scales": self.scales, "once_s": self.once_s}
+
+
+def combine(terms: dict, kind: str, scales: dict | None = None, maximum=max) -> dict:
+    """A step's seconds from its terms, each scaled by the calibration: compute, communication (what of it is
+    not hidden behind compute), offload, and their total. (The calibration fits scales through this same
+    arithmetic on columns of tensors, with maximum=torch.maximum.)"""
+    t = {k: terms.get(k, 0.0) * (scales or {}).get(k, 1.0) for k in TERMS}
+    work, host = t["matmul"] + t["memory"], t["dispatch"] + t["parameters"]
+    # A GPU works while the host dispatches ahead of it: the slower of the two. A CPU does one, then the other.
+    compute = maximum(work, host) if kind == "gpu" else work + host
+    comm = t["collectives"] + t["transfer"]
+    overlap = OVERLAP[kind]
+    exposed = maximum(comm - overlap * compute, comm * (1 - overlap))
+    return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": exposed, "offload_s": t["offload"],
+            "total_s": compute + exposed + t["offload"]}
 
 
 def device_speed(device: Device, *, compute_dtype: str, num_devices: int) -> tuple[float, float]:
     """(peak FLOP/s, memory bytes/s) of one device; a CPU process's measured at the threads it gets."""
     if device.kind == "cpu":
         speed = cpu_speed(process_threads(num_devices))
-        return speed.fp32_flops, speed.bytes_per_s
+        return (speed.bf16_flops if compute_dtype == "bfloat16" else speed.fp32_flops), speed.bytes_per_s
     tflops = device.bf16_tflops if compute_dtype == "bfloat16" else device.fp32_tflops
     return tflops * 1e12, device.hbm_gbps * 1e9
 
@@ -98,10 +134,11 @@ def step_shape(plan: Plan, work: Workload) -> tuple[float, int, float]:
     return samples * work.mean_longest(m), plan.accumulation_steps, m
 
 
-def predict_time(plan: Plan, work: Workload, device: Device) -> TimeEstimate:
-    """Seconds of one optimizer step of `plan` on `device`, with the data's real lengths."""
+def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None = None) -> TimeEstimate:
+    """Seconds of one optimizer step of `plan` on `device`, with the data's real lengths; `scales`: the
+    machine's calibration of each term (planner/calibration.py)."""
     spec, sizes, seq_len, lora = work.spec, work.sizes, work.seq_len, work.lora_key
-    n, L = plan.num_devices, spec.num_layers
+    n, L, kind = plan.num_devices, spec.num_layers, device.kind
     tokens, micro, per_micro_samples = step_shape(plan, work)
     compute_dtype = plan.param_dtype
     dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
@@ -111,41 +148,52 @@ def predict_time(plan: Plan, work: Workload, device: Device) -> TimeEstimate:
     head = trace_head(spec, micro_batch_size=plan.micro_batch_size, seq_len=seq_len, chunked=plan.chunked_loss,
                       dtype=dtype, lora=lora)
     sequences, heads = tokens / seq_len, tokens / plan.token_budget
-    fused_traffic, fused_ops = COMPILED[device.kind] if plan.compile else (1.0, 1.0)
-    flops = sequences * L * layer.flops + heads * head.flops
+    fused_traffic, fused_ops = COMPILED[kind] if plan.compile else (1.0, 1.0)
+    attention_flops = sequences * L * layer.attention_flops
+    flops = sequences * L * layer.flops + heads * head.flops - attention_flops
     traffic = sequences * L * layer.traffic * fused_traffic + heads * head.traffic
     peak, bandwidth = device_speed(device, compute_dtype=compute_dtype, num_devices=n)
-    top, half = EFFICIENCY[device.kind]
+    # The CPU's flash attention computes in fp32 whatever its inputs (bf16 gains it nothing); a GPU's in the dtype.
+    attention_peak = device_speed(device, compute_dtype="float32", num_devices=n)[0] if kind == "cpu" else peak
+    top, half = EFFICIENCY[kind]
     mb_tokens = tokens / micro
-    memory_speed = bandwidth * BANDWIDTH_EFFICIENCY[device.kind]
-    work = flops / (peak * top * mb_tokens / (mb_tokens + half)) + traffic / memory_speed
+    memory_speed = bandwidth * BANDWIDTH_EFFICIENCY[kind]
+    terms = dict.fromkeys(TERMS, 0.0)
+    efficiency = top * mb_tokens / (mb_tokens + half)
+    terms["matmul"] = flops / (peak * efficiency) + attention_flops / (attention_peak * efficiency)
+    terms["memory"] = traffic / memory_speed
     if not plan.cpu_offload:  # offloaded, the optimizer runs on the host (below)
-        work += sizes.trainable / plan.shards * OPTIMIZER_TRAFFIC[device.kind] / memory_speed
+        terms["memory"] += sizes.trainable / plan.shards * OPTIMIZER_TRAFFIC[kind] / memory_speed
     ops = micro * (L * layer.ops * fused_ops + head.ops)
-    if plan.packing:  # attention document by document (models/attention.py): slices, a kernel, a concatenation
-        ops += micro * per_micro_samples * L * DOCUMENT_OPS
-    dispatch = ops * PER_OP_S[device.kind]
+    # Attention kernel calls, forward and backward: one per layer and micro-batch, or per document of a packed row
+    # where attention runs document by document (models/attention.py: slices, a kernel, a concatenation each).
+    calls = micro * L
+    if plan.packing and not (kind == "gpu" and compute_dtype == "bfloat16"):
+        calls *= per_micro_samples
+        ops += calls * DOCUMENT_OPS
+    terms["dispatch"] = ops * PER_OP_S[kind] + calls * ATTENTION_CALL_S[kind][compute_dtype]
     if plan.recompute == "selective":
-        dispatch += micro * L * layer.ops * SELECTIVE_OP_S[device.kind]
-    # A GPU works while the host dispatches ahead of it: the slower of the two. A CPU does one, then the other.
-    compute = max(work, dispatch) if device.kind == "gpu" else work + dispatch
-    comm = 0.0
+        terms["dispatch"] += micro * L * layer.ops * SELECTIVE_OP_S[kind]
+    # The optimizer and the clipping handle each trainable tensor in Python, a DTensor's through its dispatch.
+    terms["parameters"] = sizes.trainable_tensors * (PARAM_S[kind] + (DTENSOR_PARAM_S[kind] if plan.sharded else 0))
     link = device.intra_node_gbps if n <= device.per_node else device.inter_node_gbps
     if plan.replicate:  # one all-reduce of the fp32 gradients a step (ring: twice the data over the link)
-        comm = 2 * sizes.trainable * 4 * (n - 1) / n / (link * 1e9) + 2 * LATENCY_S[device.kind]
-    elif n > 1:
+        terms["transfer"] = 2 * sizes.trainable * 4 * (n - 1) / n / (link * 1e9)
+        terms["collectives"] = 2 * LATENCY_S[kind]
+    elif plan.sharded:
         c = DTYPE_BYTES[compute_dtype]
         # Layers are gathered for the forward and, when resharded after it, again for the backward; the
-        # root once (FSDP2 keeps it until its backward); gradients are reduce-scattered in fp32.
+        # root once (FSDP2 keeps it until its backward); gradients are reduce-scattered in fp32. On one
+        # device (FSDP2 for its bf16 compute or offload) each is a copy and a hook, without a peer.
         gathers = 2 if plan.reshard_after_forward else 1
         per_micro = (gathers * (sizes.total - sizes.root) * c + sizes.root * c + sizes.trainable * 4) * (n - 1) / n
         collectives = L * (gathers + 1) + 2
-        comm = micro * (per_micro / (link * 1e9) + collectives * LATENCY_S[device.kind])
-    overlap = OVERLAP[device.kind]
-    exposed = max(comm - overlap * compute, comm * (1 - overlap))
-    offload = 0.0
+        terms["transfer"] = micro * per_micro / (link * 1e9)
+        terms["collectives"] = micro * collectives * (LATENCY_S[kind] if n > 1 else LOCAL_COLLECTIVE_S[kind])
+    if n > 1:  # the step's scalars summed over the processes: its tokens, its loss, the gradient norm
+        terms["collectives"] += 3 * SCALAR_LATENCY_S[kind]
     if plan.cpu_offload:
         moved = micro * sizes.total / n * DTYPE_BYTES[compute_dtype] * 2 + sizes.trainable * 4 / n
-        offload = moved / (PCIE_GBPS * 1e9) + sizes.trainable * 16 / n / 20e9  # host-side AdamW
-    return TimeEstimate(compute_s=compute, comm_s=comm, exposed_comm_s=exposed, offload_s=offload,
-                        once_s=COMPILE_S[device.kind] if plan.compile else 0.0)
+        terms["offload"] = moved / (PCIE_GBPS * 1e9) + sizes.trainable * 16 / n / 20e9  # host-side AdamW
+    return TimeEstimate(terms=terms, kind=kind, scales=dict(scales or {}),
+                        once_s=COMPILE_S[kind] if plan.compile else 0.0)

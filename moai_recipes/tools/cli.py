@@ -8,6 +8,7 @@
     moai validate CONFIG [KEY=VALUE]  compose and check a config without training
     moai run RECIPE [KEY=VALUE]       run a recipe from any folder (full_finetune, lora_finetune, plan, generate)
     moai generate [KEY=VALUE]         moai run generate: sample from a checkpoint
+    moai calibrate [--reset]          refit the planner's constants to the runs this machine recorded
 
 Installed as the console script `moai`; `python -m moai_recipes.tools.cli` is the same.
 Test: `python -m pytest tests/test_cli.py -q`.
@@ -96,6 +97,13 @@ def validate(args) -> int:
     return 0
 
 
+def calibrate(args) -> int:
+    from moai_recipes.planner.calibration import calibrate as refit
+
+    print("\n".join(refit(reset=args.reset)))
+    return 0
+
+
 def run(recipe: str | None, args: list[str]) -> int:
     """`python -m moai_recipes.recipes.RECIPE ARGS`: the installed recipe, from any folder (the processes a
     flavor launches run the same module)."""
@@ -125,6 +133,10 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("config", help="a recipe's config (full_finetune) or a config file (my.yaml)")
     v.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="as on a recipe's command line: model=mistral ...")
     v.set_defaults(run=validate)
+    k = sub.add_parser("calibrate", help="refit the planner's constants to the runs this machine recorded (each run "
+                                         "records its predicted and measured peak and step time)")
+    k.add_argument("--reset", action="store_true", help="forget the fit: plan with the default constants again")
+    k.set_defaults(run=calibrate)
     # Listed for --help only: main hands their command lines, --help and --cfg included, to the recipe.
     sub.add_parser("run", help="run a recipe from any folder: moai run full_finetune flavor=cpu-2 ...")
     sub.add_parser("generate", help="sample from a checkpoint: moai generate model.checkpoint_dir=DIR prompt=...")

@@ -35,7 +35,7 @@ from moai_recipes.train.micro_batches import (
 from moai_recipes.train.optim import clip_gradients
 from moai_recipes.train.parallel import all_reduce_gradients
 from moai_recipes.train.peak_memory import PeakMemory, host_peak_bytes
-from moai_recipes.train.plan_accuracy import Measured, compare
+from moai_recipes.train.plan_accuracy import Measured, compare, record
 from moai_recipes.train.run_log import RunLog
 
 
@@ -215,10 +215,12 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     if log and step_times:
         measured = Measured(peak_bytes=int(steady_peak), shapes=meter.steady[1], step_times=step_times,
                             host_peak_bytes=int(host_peak))
-        accuracy = compare(choice, inputs.workload, measured, "gpu" if world.device.type == "cuda" else "cpu")
+        kind = "gpu" if world.device.type == "cuda" else "cpu"
+        accuracy = compare(choice, inputs.workload, measured, kind)
         for line in accuracy.lines():
             log.info(line)
         log.summary(**accuracy.as_dict())
+        record(choice, inputs.workload, measured, accuracy, model_name=inputs.model_name, device_kind=kind)
     state.model.eval()
 
 

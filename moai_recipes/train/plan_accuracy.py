@@ -12,7 +12,8 @@ planner's step time at the data's real lengths.
 
 from dataclasses import dataclass, replace
 
-from moai_recipes.planner.memory import predict_memory
+from moai_recipes.planner import calibration
+from moai_recipes.planner.memory import MemoryBreakdown, predict_memory
 from moai_recipes.planner.plan import Plan, Workload
 from moai_recipes.planner.search import PlanChoice
 from moai_recipes.train.peak_memory import TRACKED_STEPS
@@ -39,6 +40,7 @@ class Accuracy:
     measured_step_s: float | None  # None: no step after the warm-up ones
     steady_steps: int
     largest: tuple[int, int]  # (rows, tokens per row) of the measured step's largest micro-batch
+    memory: MemoryBreakdown  # the planner's, default constants, at the measured step's micro-batches
 
     @property
     def peak_error(self) -> float:
@@ -73,22 +75,38 @@ class Accuracy:
 def compare(choice: PlanChoice, work: Workload, measured: Measured, device_kind: str) -> Accuracy:
     plan = choice.chosen.plan
     steady = sorted(measured.step_times[TRACKED_STEPS:])
-    return Accuracy(predicted_peak_bytes=predicted_peak(plan, work, measured.shapes, device_kind),
+    memory = predicted_memory(plan, work, measured.shapes, device_kind)
+    scale = calibration.scales(choice.device).get(calibration.MEMORY, 1.0)  # as the planner applied it
+    return Accuracy(predicted_peak_bytes=int(memory.allocated + (scale - 1) * (memory.activations + memory.logits)),
                     measured_peak_bytes=measured.peak_bytes, planned_peak_bytes=choice.chosen.memory.total,
                     predicted_step_s=choice.chosen.time.total_s,
                     measured_step_s=steady[len(steady) // 2] if steady else None, steady_steps=len(steady),
-                    largest=max(((r, t) for _, r, t in measured.shapes), key=_size, default=(1, 1)))
+                    largest=max(((r, t) for _, r, t in measured.shapes), key=_size, default=(1, 1)), memory=memory)
 
 
-def predicted_peak(plan: Plan, work: Workload, shapes: list[tuple[int, int, int]], device_kind: str) -> int:
-    """The planner's tensor bytes for a step of these micro-batches: the largest first micro-batch of a rank
-    (no gradients from earlier ones yet) or the largest later one (with them), whichever predicts more."""
-    first = max(((r, t) for i, r, t in shapes if i == 0), key=_size, default=None)
+def predicted_memory(plan: Plan, work: Workload, shapes: list[tuple[int, int, int]], device_kind: str) -> MemoryBreakdown:
+    """The planner's memory (default constants) for a step of these micro-batches: the largest first micro-batch
+    of a rank (no gradients from earlier ones yet) or the largest later one (with them), whichever is more."""
+    first = max(((r, t) for i, r, t in shapes if i == 0), key=_size, default=(1, 1))
     later = max(((r, t) for i, r, t in shapes if i > 0), key=_size, default=None)
     predicted = [predict_memory(replace(plan, micro_batch_size=rows, accumulation_steps=accumulation),
-                                replace(work, seq_len=tokens), device_kind).allocated
+                                replace(work, seq_len=tokens), device_kind)
                  for shape, accumulation in ((first, 1), (later, 2)) if shape for rows, tokens in [shape]]
-    return max(predicted, default=0)
+    return max(predicted, key=lambda m: m.allocated)
+
+
+def record(choice: PlanChoice, work: Workload, measured: Measured, accuracy: Accuracy, *, model_name: str,
+           device_kind: str) -> None:
+    """This run's line of the machine's calibration record (planner/calibration.py)."""
+    plan = choice.chosen.plan
+    about = {"device": choice.device, "kind": device_kind, "recipe": "lora" if work.lora else "full",
+             "flavor": choice.flavor, "plan": plan.as_dict(), "shapes": measured.shapes,
+             "workload": {"model": model_name, "params": work.sizes.total, "trainable": work.sizes.trainable,
+                          "batch_size": work.batch_size, "seq_len": work.seq_len,
+                          "mean_length": round(work.mean_length, 2)}}
+    calibration.record(calibration.run_entry(about, time_terms=choice.chosen.time.terms, memory=accuracy.memory,
+                                             measured_step_s=accuracy.measured_step_s,
+                                             measured_peak_bytes=measured.peak_bytes))
 
 
 def _size(shape: tuple[int, int]) -> tuple[int, tuple[int, int]]:

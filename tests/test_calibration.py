@@ -1,0 +1,106 @@
+"""Calibration from use: every run records what it predicted and measured; `moai calibrate` refits the planner's
+constants to those records and the planner uses them. Run: pytest tests/test_calibration.py"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moai_recipes.planner import calibration
+from moai_recipes.planner.memory import predict_memory
+from moai_recipes.planner.search import choose_plan
+from moai_recipes.planner.timing import combine
+from tests.conftest import ROOT
+from tests.test_planner import setup
+
+TRUE_SCALES = {"matmul": 1.6, "memory": 0.7, "dispatch": 1.3, "parameters": 2.0}
+TRUE_MEMORY = 1.12
+
+
+def moai(*args, home):
+    env = {**os.environ, "MOAI_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "moai_recipes.tools.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def synthetic_runs() -> list[dict]:
+    """Runs of the tiny model's plans whose 'measurements' follow known scales, with a deterministic +-4% noise: the
+    planner's own terms and memory, as a run records them."""
+    runs = []
+    for i, (model, batch, seq, dtype) in enumerate([
+            ("tiny", 8, 256, "fp32"), ("tiny", 16, 128, "fp32"), ("tiny", 4, 512, "fp32"), ("tiny", 8, 256, "bf16"),
+            ("tiny", 32, 64, "fp32"), ("smollm2_135m", 4, 128, "fp32"), ("smollm2_135m", 8, 512, "fp32"),
+            ("smollm2_135m", 2, 64, "bf16")]):
+        cfg, spec, flavor = setup(f"model={model}", f"batch_size={batch}", f"max_seq_len={seq}", f"dtype={dtype}")
+        from moai_recipes.planner.plan import Workload
+
+        work = Workload(spec=spec, batch_size=batch, seq_len=seq, dtype=dtype)
+        for j, c in enumerate(choose_plan(work, flavor).candidates[:6]):
+            noise = 1 + 0.04 * ((i * 7 + j * 3) % 5 - 2) / 2
+            memory = predict_memory(c.plan, work, "cpu")
+            traced = memory.activations + memory.logits
+            runs.append(calibration.run_entry(
+                {"device": "cpu", "kind": "cpu", "recipe": "full", "flavor": "cpu", "plan": c.plan.as_dict()},
+                time_terms=c.time.terms, memory=memory,
+                measured_step_s=combine(c.time.terms, "cpu", TRUE_SCALES)["total_s"] * noise,
+                measured_peak_bytes=int((memory.allocated - traced + TRUE_MEMORY * traced) * noise)))
+    return runs
+
+
+def test_a_run_records_what_it_predicted_and_measured(tmp_path):
+    from tests.test_full_finetune import run_recipe
+
+    home = tmp_path / "home"
+    r = run_recipe("logger=stdout", "max_steps=5", "batch_size=8", "sample_max_new_tokens=0",
+                   f"output_dir={tmp_path / 'run'}", env={"MOAI_HOME": str(home)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    (line,) = (home / "calibration" / "runs.jsonl").read_text().splitlines()
+    run = json.loads(line)
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())["chosen"]
+    assert run["device"] == "cpu" and run["plan"]["micro_batch_size"] == plan["micro_batch_size"]
+    assert run["time_terms"] == plan["time"]["terms"] and run["workload"]["model"] == "tiny"
+    steps = [row["step_time_s"] for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())]
+    assert run["measured_step_s"] == sorted(steps[2:])[1]  # the median of the steps after the first two
+    assert run["measured_peak_bytes"] > run["memory_exact"] > 0 and run["memory_traced"] > 0
+    assert f"measured {run['measured_step_s']:.3g} s" in r.stdout
+    one = moai("calibrate", home=home)  # one run is too few to fit
+    assert one.returncode == 2 and "needs 3 at least" in one.stderr and "Traceback" not in one.stderr
+
+
+def test_calibrate_recovers_the_machine_and_the_planner_uses_it(tmp_path):
+    home = tmp_path / "home"
+    (home / "calibration").mkdir(parents=True)
+    runs = synthetic_runs()
+    (home / "calibration" / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs) + "{damaged\n")
+    before = moai("calibrate", home=home)
+    assert before.returncode == 0, before.stderr
+    fit = json.loads((home / "calibration" / "fit.json").read_text())["cpu"]
+    # The scales the runs exercise come back within the noise; the step-time error falls from the defaults'.
+    # (Matmul and memory time grow together with the tokens: the runs tell them apart less well.)
+    for term, within in (("matmul", 0.1), ("dispatch", 0.1), ("memory", 0.25)):
+        assert fit["scales"][term] == pytest.approx(TRUE_SCALES[term], rel=within), (term, fit["scales"])
+    assert fit["scales"]["offload"] == pytest.approx(1.0, abs=0.01)  # no run offloads: the default stays
+    assert fit["scales"][calibration.MEMORY] == pytest.approx(TRUE_MEMORY, rel=0.05)
+    error = fit["error"]["step time"]
+    assert error["runs"] == len(runs) and error["before"] > 0.2 and error["after"] < 0.05 and error["held_out"] < 0.06
+    assert "step time" in before.stdout and "calibrated" in before.stdout and "held out" in before.stdout
+
+    def planned(*extra):
+        out = tmp_path / f"plan{len(extra)}"
+        r = subprocess.run([sys.executable, "-m", "recipes.plan", "model=tiny", "flavor=cpu", f"output_dir={out}"],
+                           cwd=ROOT, env={**os.environ, "MOAI_HOME": str(home), **dict(extra)}, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads((out / "plan.json").read_text())["chosen"]
+
+    calibrated = planned()
+    assert calibrated["time"]["scales"]["matmul"] == fit["scales"]["matmul"]
+    assert calibrated["predicted_step_s"] == pytest.approx(
+        combine(calibrated["time"]["terms"], "cpu", fit["scales"])["total_s"])
+    assert moai("calibrate", "--reset", home=home).returncode == 0
+    assert not (home / "calibration" / "fit.json").exists()
+    default = planned(("MOAI_HOME", str(home)))
+    assert default["time"]["scales"] == {} and default["predicted_step_s"] == pytest.approx(
+        combine(default["time"]["terms"], "cpu")["total_s"])
