@@ -135,17 +135,6 @@ def test_lr_zero_returns_the_input_weights_bit_for_bit(tmp_path, family, flavor,
     AutoModelForCausalLM.from_pretrained(model_dir)
 
 
-def test_under_torchrun_it_joins_the_given_world(tmp_path, hf_checkpoints, instruct_file):
-    out = tmp_path / "run"
-    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                        "-m", "recipes.full_finetune", "flavor=cpu-2", f"model.checkpoint_dir={hf_checkpoints['mistral']}",
-                        "dataset=instruct", f"dataset.path={instruct_file}", "max_steps=2", "batch_size=4",
-                        "logger=stdout", f"output_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert len(metrics(out)) == 2 and "2 process(es)" in r.stdout
-
-
 def test_an_earlier_run_is_never_overwritten(tmp_path):
     out = tmp_path / "run"
     assert run_recipe("logger=stdout", "max_steps=2", f"output_dir={out}").returncode == 0

@@ -40,8 +40,10 @@ def _slurm_to_torch_env() -> None:
         return
     e["RANK"], e["WORLD_SIZE"] = e["SLURM_PROCID"], e["SLURM_NTASKS"]
     e["LOCAL_RANK"] = e.get("SLURM_LOCALID", "0")
+    # The node srun was started from (an sbatch script's first node, where rank 0 runs), and a port of the job's
+    # own: two jobs sharing a node must not meet at the same one. An sbatch script may set both (docs/multinode.md).
     e.setdefault("MASTER_ADDR", e.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
-    e.setdefault("MASTER_PORT", "29500")
+    e.setdefault("MASTER_PORT", str(20000 + (int(e.get("SLURM_JOB_ID", "0")) * 7 + int(e.get("SLURM_STEP_ID", "0"))) % 20000))
 
 
 def in_launched_world() -> bool:

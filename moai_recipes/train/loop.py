@@ -9,7 +9,7 @@ global batch splits into ranks and micro-batches.
 import math
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +33,12 @@ from moai_recipes.train.micro_batches import (
     rank_micro_batches,
 )
 from moai_recipes.train.optim import clip_gradients
+from moai_recipes.train.out_of_memory import (
+    injected_fault,
+    is_out_of_memory,
+    release_memory,
+    smaller_plan,
+)
 from moai_recipes.train.parallel import all_reduce_gradients
 from moai_recipes.train.peak_memory import PeakMemory, host_peak_bytes
 from moai_recipes.train.plan_accuracy import Measured, compare, record
@@ -63,6 +69,14 @@ class StepResult:
     target_tokens: int
     grad_norm: float
     finite: bool
+
+
+class StepOutOfMemory(Exception):
+    """A step's forward or backward ran out of memory before anything was applied."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
@@ -104,13 +118,19 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
     # (and one process) sum them (all_reduce_gradients).
     scale = (world.world_size if plan.sharded else 1) / max(global_targets, 1)
     loss_sum = torch.zeros((), device=world.device, dtype=torch.float64)
-    for micro in micro_batches:
-        batch = model_inputs(micro, plan, pad_id)
-        docs = batch.get("documents")
-        loss = token_loss_sum(state.model, batch["tokens"].to(world.device), batch["labels"].to(world.device),
-                              chunked=plan.chunked_loss, documents=docs)
-        (loss * scale).backward()
-        loss_sum += loss.detach().double()
+    try:
+        for micro in micro_batches:
+            batch = model_inputs(micro, plan, pad_id)
+            injected_fault(batch["tokens"].numel())
+            docs = batch.get("documents")
+            loss = token_loss_sum(state.model, batch["tokens"].to(world.device), batch["labels"].to(world.device),
+                                  chunked=plan.chunked_loss, documents=docs)
+            (loss * scale).backward()
+            loss_sum += loss.detach().double()
+    except Exception as e:  # nothing is applied yet: the step can run again (out_of_memory.py)
+        if is_out_of_memory(e):
+            raise StepOutOfMemory(e) from e
+        raise
     if plan.replicate:
         all_reduce_gradients(state.model)
     (total_loss,) = _all_reduce([loss_sum.item()], world.device)
@@ -176,9 +196,11 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             samples = batches.samples(step)
             shapes = micro_batch_shapes(plan, samples, world.world_size) if meter.tracked else None
             with StepTimer(world.device) as timer, meter.step(state.model, state.optimizer, shapes):
-                micro = rank_micro_batches(plan, samples, world)
-                result = train_step(state, micro, plan=plan, world=world, max_grad_norm=settings.max_grad_norm,
-                                    pad_id=inputs.tokenizer.pad_id)
+                result, changed = _step_within_memory(state, samples, choice, world, settings, step + 1, log,
+                                                      pad_id=inputs.tokenizer.pad_id)
+                if changed:  # an out-of-memory step ran again with a smaller plan: the run goes on with it
+                    choice, plan = changed, changed.chosen.plan
+                    about = {"flavor": choice.flavor, "plan": choice.chosen.as_dict()}
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()
             step_times.append(timer.seconds)
@@ -222,6 +244,26 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
         log.summary(**accuracy.as_dict())
         record(choice, inputs.workload, measured, accuracy, model_name=inputs.model_name, device_kind=kind)
     state.model.eval()
+
+
+def _step_within_memory(state: TrainState, samples: list[dict], choice: PlanChoice, world: World,
+                        settings: LoopSettings, step: int, log: RunLog | None, *, pad_id: int):
+    """train_step on the plan's micro-batches of `samples`; after an out-of-memory error, the same global batch again
+    with the next smaller plan (train/out_of_memory.py). Returns the result and the new choice (None: unchanged)."""
+    changed = None
+    while True:
+        plan = choice.chosen.plan
+        try:
+            result = train_step(state, rank_micro_batches(plan, samples, world), plan=plan, world=world,
+                                max_grad_norm=settings.max_grad_norm, pad_id=pad_id)
+            return result, changed
+        except StepOutOfMemory as oom:
+            release_memory(state.optimizer)
+            smaller = smaller_plan(choice, plan, step=step, error=oom.error, world_size=world.world_size)
+            changed = choice = replace(choice, chosen=smaller)
+            if log:
+                log.plan_changed(choice.as_dict(), {"step": step, "error": str(oom.error).splitlines()[0][:300],
+                                                    "from": plan.as_dict(), "to": smaller.plan.as_dict()})
 
 
 class StepTimer:

@@ -95,6 +95,19 @@ class RunLog:
         if self._wandb is not None:
             self._wandb.log({"checkpoint_seconds": seconds, "checkpoint_bytes": size}, step=step)
 
+    def plan_changed(self, plan: dict, change: dict) -> None:
+        """The plan changed mid-run (an out-of-memory step redone smaller): say so, and record it in plan.json."""
+        from moai_recipes.files import write_json
+
+        before, after = change["from"], change["to"]
+        self.info(f"Step {change['step']} ran out of memory with micro-batches of up to "
+                  f"{before['micro_batch_size'] * before['max_seq_len']} tokens ({change['error']}); it runs again, "
+                  f"the same global batch, with micro_batch_size {after['micro_batch_size']} "
+                  f"({after['micro_batch_size'] * after['max_seq_len']} tokens), and so does the rest of the run")
+        path = self.output_dir / "plan.json"
+        changes = json.loads(path.read_text()).get("changes", []) if path.exists() else []
+        write_json(path, {**plan, "changes": [*changes, change]})
+
     def info(self, text: str) -> None:
         self._bar.write(text, file=sys.stdout) if not self._bar.disable else print(text, flush=True)
 
