@@ -36,6 +36,7 @@ class ModelSizes:
     nf4_per_layer: int = 0  # QLoRA: the frozen layer weights kept in NF4
     nf4_largest: int = 0  # values of the largest of them (its dequantization is the transient peak)
     trainable_tensors: int = 0  # parameter tensors the optimizer steps and the clipping scales (each costs a call)
+    nf4_tensors_per_layer: int = 0  # QLoRA: the layer's weights kept in NF4 (each dequantized at every use)
 
 
 def model_sizes(spec: ModelSpec, lora=None) -> ModelSizes:
@@ -47,7 +48,8 @@ def model_sizes(spec: ModelSpec, lora=None) -> ModelSizes:
     trainable = lora_params(spec, lora) if lora else total
     nf4 = [r * c for (r, c), _ in nf4_weights(spec, lora).values()] if lora and lora.quantize_base else []
     return ModelSizes(total=total, per_layer=per_layer, root=root, trainable=trainable, nf4_per_layer=sum(nf4),
-                      nf4_largest=max(nf4, default=0), trainable_tensors=_trainable_tensors(spec, lora))
+                      nf4_largest=max(nf4, default=0), trainable_tensors=_trainable_tensors(spec, lora),
+                      nf4_tensors_per_layer=len(nf4))
 
 
 def _trainable_tensors(spec: ModelSpec, lora=None) -> int:

@@ -70,9 +70,15 @@ DOCUMENT_OPS = 8
 ATTENTION_CALL_S = {"cpu": {"float32": 100e-6, "bfloat16": 350e-6}, "gpu": {"float32": 20e-6, "bfloat16": 20e-6}}
 
 
+# QLoRA's NF4 weights, per micro-batch: the fixed cost of dequantizing one in its forward and backward, and the
+# cost per value (a linear_nf4 forward and backward against a plain linear, torchao 0.14.1, 64 tokens, on this
+# machine: 1.5 ms more at 256 x 256, 2.4 ms at 1024 x 1024, 22 ms at 4096 x 1024). The GPU's: estimates.
+NF4_CALL_S = {"cpu": 1.2e-3, "gpu": 60e-6}
+NF4_VALUE_S = {"cpu": 5e-9, "gpu": 2e-11}
+
 # The parts of a step the model adds up, each in seconds under the constants above. A machine's calibration
 # (planner/calibration.py, `moai calibrate`) scales each by what its own runs measured.
-TERMS = ("matmul", "memory", "dispatch", "parameters", "collectives", "transfer", "offload")
+TERMS = ("matmul", "memory", "dispatch", "parameters", "dequantize", "collectives", "transfer", "offload")
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ def combine(terms: dict, kind: str, scales: dict | None = None, maximum=max) -> 
     not hidden behind compute), offload, and their total. (The calibration fits scales through this same
     arithmetic on columns of tensors, with maximum=torch.maximum.)"""
     t = {k: terms.get(k, 0.0) * (scales or {}).get(k, 1.0) for k in TERMS}
-    work, host = t["matmul"] + t["memory"], t["dispatch"] + t["parameters"]
+    work, host = t["matmul"] + t["memory"] + t["dequantize"], t["dispatch"] + t["parameters"]
     # A GPU works while the host dispatches ahead of it: the slower of the two. A CPU does one, then the other.
     compute = maximum(work, host) if kind == "gpu" else work + host
     comm = t["collectives"] + t["transfer"]
@@ -174,6 +180,9 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     terms["dispatch"] = ops * PER_OP_S[kind] + calls * ATTENTION_CALL_S[kind][compute_dtype]
     if plan.recompute == "selective":
         terms["dispatch"] += micro * L * layer.ops * SELECTIVE_OP_S[kind]
+    # QLoRA: torchao dequantizes each NF4 weight whole at every use, forward and backward, in a dozen operators.
+    nf4 = sizes.nf4_tensors_per_layer * L
+    terms["dequantize"] = micro * (nf4 * NF4_CALL_S[kind] + sizes.nf4_per_layer * L * NF4_VALUE_S[kind])
     # The optimizer and the clipping handle each trainable tensor in Python, a DTensor's through its dispatch.
     terms["parameters"] = sizes.trainable_tensors * (PARAM_S[kind] + (DTENSOR_PARAM_S[kind] if plan.sharded else 0))
     link = device.intra_node_gbps if n <= device.per_node else device.inter_node_gbps
