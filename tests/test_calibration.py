@@ -77,10 +77,11 @@ def test_calibrate_recovers_the_machine_and_the_planner_uses_it(tmp_path):
     before = moai("calibrate", home=home)
     assert before.returncode == 0, before.stderr
     fit = json.loads((home / "calibration" / "fit.json").read_text())["cpu"]
-    # The scales the runs exercise come back within the noise; the step-time error falls from the defaults'.
-    # (Matmul and memory time grow together with the tokens: the runs tell them apart less well.)
-    for term, within in (("matmul", 0.1), ("dispatch", 0.1), ("memory", 0.25)):
-        assert fit["scales"][term] == pytest.approx(TRUE_SCALES[term], rel=within), (term, fit["scales"])
+    # The scales the runs tell apart come back within the noise and the prior's pull; the step-time error falls from
+    # the defaults'. (Memory time grows with the tokens as matmul time does: these runs barely tell it apart, and
+    # the prior holds it nearer 1.)
+    for term in ("matmul", "dispatch"):
+        assert fit["scales"][term] == pytest.approx(TRUE_SCALES[term], rel=0.1), (term, fit["scales"])
     assert fit["scales"]["offload"] == pytest.approx(1.0, abs=0.01)  # no run offloads: the default stays
     assert fit["scales"][calibration.MEMORY] == pytest.approx(TRUE_MEMORY, rel=0.05)
     error = fit["error"]["step time"]

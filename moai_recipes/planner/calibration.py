@@ -29,7 +29,7 @@ from moai_recipes.planner.timing import TERMS, combine
 RUNS = "runs.jsonl"
 FIT = "fit.json"
 MEMORY = "traced_memory"  # the scale of the traced activations and logits
-PRIOR = 1e-3  # weight of the pull of each log-scale towards 0 (a scale of 1) against the squared log errors
+PRIOR = 0.01  # weight of the pull of each log-scale towards 0 (a scale of 1) against the squared log errors
 FOLDS = 5
 
 
@@ -80,13 +80,14 @@ def scales(device: str) -> dict:
 
 
 def _time_error(run: dict, fitted: dict) -> float:
+    """(measured - predicted) / predicted, as a run's last lines say it."""
     predicted = combine(run["time_terms"], run["kind"], fitted)["total_s"]
-    return predicted / run["measured_step_s"] - 1
+    return run["measured_step_s"] / predicted - 1
 
 
 def _memory_error(run: dict, fitted: dict) -> float:
     predicted = run["memory_exact"] + run["memory_traced"] * fitted.get(MEMORY, 1.0)
-    return predicted / run["measured_peak_bytes"] - 1
+    return run["measured_peak_bytes"] / predicted - 1
 
 
 def fit(runs: list[dict]) -> dict:
