@@ -22,6 +22,7 @@ class UserError(Exception):
 
 EXIT_USER_ERROR = 2
 EXIT_STOPPED = 75
+EXIT_OUT_OF_MEMORY = 76  # a rank ran out of memory and left a smaller plan: start the processes again
 
 
 def exit_on_user_error(main):

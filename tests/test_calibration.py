@@ -30,14 +30,16 @@ def synthetic_runs() -> list[dict]:
     planner's own terms and memory, as a run records them."""
     runs = []
     for i, (model, batch, seq, dtype) in enumerate([
-            ("tiny", 8, 256, "fp32"), ("tiny", 16, 128, "fp32"), ("tiny", 4, 512, "fp32"), ("tiny", 8, 256, "bf16"),
-            ("tiny", 32, 64, "fp32"), ("smollm2_135m", 4, 128, "fp32"), ("smollm2_135m", 8, 512, "fp32"),
-            ("smollm2_135m", 2, 64, "bf16")]):
+            ("tiny", 8, 256, "fp32"), ("tiny", 32, 64, "fp32"), ("tiny", 4, 512, "fp32"), ("tiny", 8, 256, "bf16"),
+            ("smollm2_135m", 4, 128, "fp32"), ("smollm2_135m", 2, 64, "bf16")]):
         cfg, spec, flavor = setup(f"model={model}", f"batch_size={batch}", f"max_seq_len={seq}", f"dtype={dtype}")
         from moai_recipes.planner.plan import Workload
 
         work = Workload(spec=spec, batch_size=batch, seq_len=seq, dtype=dtype)
-        for j, c in enumerate(choose_plan(work, flavor).candidates[:6]):
+        # Fewer layer traces to make (a second each, cold): no recomputation, chunked loss or packing.
+        candidates = choose_plan(work, flavor, forced={"recompute": "none", "chunked_loss": False,
+                                                        "packing": False}).candidates
+        for j, c in enumerate(candidates[:8]):
             noise = 1 + 0.04 * ((i * 7 + j * 3) % 5 - 2) / 2
             memory = predict_memory(c.plan, work, "cpu")
             traced = memory.activations + memory.logits
@@ -49,33 +51,21 @@ def synthetic_runs() -> list[dict]:
     return runs
 
 
-def test_a_run_records_what_it_predicted_and_measured(tmp_path):
-    from tests.test_full_finetune import run_recipe
-
+def test_too_few_runs_is_a_user_error(tmp_path):
     home = tmp_path / "home"
-    r = run_recipe("logger=stdout", "max_steps=5", "batch_size=8", "sample_max_new_tokens=0",
-                   f"output_dir={tmp_path / 'run'}", env={"MOAI_HOME": str(home)})
-    assert r.returncode == 0, r.stdout + r.stderr
-    (line,) = (home / "calibration" / "runs.jsonl").read_text().splitlines()
-    run = json.loads(line)
-    plan = json.loads((tmp_path / "run" / "plan.json").read_text())["chosen"]
-    assert run["device"] == "cpu" and run["plan"]["micro_batch_size"] == plan["micro_batch_size"]
-    assert run["time_terms"] == plan["time"]["terms"] and run["workload"]["model"] == "tiny"
-    steps = [row["step_time_s"] for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())]
-    assert run["measured_step_s"] == sorted(steps[2:])[1]  # the median of the steps after the first two
-    assert run["measured_peak_bytes"] > run["memory_exact"] > 0 and run["memory_traced"] > 0
-    assert f"measured {run['measured_step_s']:.3g} s" in r.stdout
-    one = moai("calibrate", home=home)  # one run is too few to fit
+    (home / "calibration").mkdir(parents=True)
+    (home / "calibration" / "runs.jsonl").write_text(json.dumps({"device": "cpu", "kind": "cpu"}) + "\n")
+    one = moai("calibrate", home=home)
     assert one.returncode == 2 and "needs 3 at least" in one.stderr and "Traceback" not in one.stderr
 
 
-def test_calibrate_recovers_the_machine_and_the_planner_uses_it(tmp_path):
+def test_calibrate_recovers_the_machine_and_the_planner_uses_it(tmp_path, monkeypatch):
     home = tmp_path / "home"
     (home / "calibration").mkdir(parents=True)
     runs = synthetic_runs()
     (home / "calibration" / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs) + "{damaged\n")
-    before = moai("calibrate", home=home)
-    assert before.returncode == 0, before.stderr
+    monkeypatch.setenv("MOAI_HOME", str(home))
+    report = "\n".join(calibration.calibrate())
     fit = json.loads((home / "calibration" / "fit.json").read_text())["cpu"]
     # The scales the runs tell apart come back within the noise and the prior's pull; the step-time error falls from
     # the defaults'. (Memory time grows with the tokens as matmul time does: these runs barely tell it apart, and
@@ -86,7 +76,7 @@ def test_calibrate_recovers_the_machine_and_the_planner_uses_it(tmp_path):
     assert fit["scales"][calibration.MEMORY] == pytest.approx(TRUE_MEMORY, rel=0.05)
     error = fit["error"]["step time"]
     assert error["runs"] == len(runs) and error["before"] > 0.2 and error["after"] < 0.05 and error["held_out"] < 0.06
-    assert "step time" in before.stdout and "calibrated" in before.stdout and "held out" in before.stdout
+    assert "step time" in report and "calibrated" in report and "held out" in report
 
     out = tmp_path / "plan"
     r = subprocess.run([sys.executable, "-m", "recipes.plan", "model=tiny", "flavor=cpu", f"output_dir={out}"],

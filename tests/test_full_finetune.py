@@ -55,8 +55,9 @@ def instruct_file(tmp_path_factory):
 
 def test_the_demo_learns_and_writes_everything(tmp_path):
     out = tmp_path / "run"
+    home = tmp_path / "home"
     r = run_recipe("logger=stdout", "epochs=6", "batch_size=8", "optimizer.lr=3e-3", "optimizer.warmup_steps=3",
-                   f"output_dir={out}")
+                   f"output_dir={out}", env={"MOAI_HOME": str(home)})
     assert r.returncode == 0, r.stdout + r.stderr
     rows = metrics(out)
     assert len(rows) == 60 and [row["step"] for row in rows] == list(range(1, 61))
@@ -67,6 +68,13 @@ def test_the_demo_learns_and_writes_everything(tmp_path):
     assert "[Step 1/60] | Loss: " in r.stdout and "| Duration: " in r.stdout and "tokens/sec" in r.stdout
     assert "Configuration for parallelism is selected" in r.stdout and "before:" in r.stdout and "after:" in r.stdout
     assert abs(peak_error(r.stdout)) <= 0.10 and "Step time: predicted" in r.stdout
+    # The run recorded what it predicted and measured for `moai calibrate` (tests/test_calibration.py).
+    (line,) = (home / "calibration" / "runs.jsonl").read_text().splitlines()
+    record, plan = json.loads(line), json.loads((out / "plan.json").read_text())["chosen"]
+    assert record["device"] == "cpu" and record["plan"]["micro_batch_size"] == plan["micro_batch_size"]
+    assert record["time_terms"] == plan["time"]["terms"] and record["workload"]["model"] == "tiny"
+    assert record["measured_step_s"] == sorted(row["step_time_s"] for row in rows[2:])[29]  # the median of 58
+    assert record["measured_peak_bytes"] > record["memory_exact"] > 0 and record["memory_traced"] > 0
     for name in ("config.yaml", "plan.json", "loss.png", "model/config.json", "model/model.safetensors", "model/tokenizer.json"):
         assert (out / name).exists(), name
     from transformers import AutoModelForCausalLM

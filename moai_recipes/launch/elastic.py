@@ -10,7 +10,12 @@ import os
 import sys
 import uuid
 
-from moai_recipes.errors import EXIT_STOPPED, EXIT_USER_ERROR, UserError
+from moai_recipes.errors import (
+    EXIT_OUT_OF_MEMORY,
+    EXIT_STOPPED,
+    EXIT_USER_ERROR,
+    UserError,
+)
 from moai_recipes.flavors import Flavor, local_capacity
 from moai_recipes.launch import env
 from moai_recipes.launch.world import free_port, in_launched_world
@@ -66,6 +71,8 @@ def relaunch(flavor: Flavor, module: str, argv: list[str]) -> int:
         codes = sorted({f.exitcode for f in e.failures.values()})
         if EXIT_USER_ERROR in codes:
             return EXIT_USER_ERROR  # the worker already printed the message
+        if EXIT_OUT_OF_MEMORY in codes:  # a rank left a smaller plan; the others were stopped waiting for it
+            return EXIT_OUT_OF_MEMORY
         if codes == [EXIT_STOPPED]:  # every worker saved and stopped on a signal (a scheduler's preemption)
             return EXIT_STOPPED
         print(f"error: worker process failed with exit code {codes} (see its output above)", file=sys.stderr)

@@ -6,6 +6,7 @@ processes are started again, up to `max_restarts` times, and resume from the las
 """
 
 import sys
+from pathlib import Path
 from typing import Callable
 
 from omegaconf import DictConfig
@@ -13,7 +14,7 @@ from omegaconf import DictConfig
 from moai_recipes.checkpoint.run_folder import check_output_dir, run_finished
 from moai_recipes.config.compose import load_config
 from moai_recipes.config.user_settings import switched_flavor
-from moai_recipes.errors import EXIT_STOPPED, EXIT_USER_ERROR
+from moai_recipes.errors import EXIT_OUT_OF_MEMORY, EXIT_STOPPED, EXIT_USER_ERROR
 from moai_recipes.flavors import Flavor, resolve_flavor
 from moai_recipes.launch import env
 from moai_recipes.launch.elastic import needs_launch, relaunch
@@ -22,6 +23,7 @@ from moai_recipes.launch.registry import registered
 from moai_recipes.launch.world import World, distributed
 from moai_recipes.models.sources import model_source, resolve_checkpoint_dir
 from moai_recipes.train.loop import Stopped
+from moai_recipes.train.out_of_memory import read_hint
 
 
 def run_recipe(train: Callable[[DictConfig, Flavor, World], None], argv: list[str] | None = None) -> int:
@@ -53,9 +55,18 @@ def _launch_or_train(train: Callable, module: str, argv: list[str], cfg: DictCon
         check_output_dir(cfg)
         checkpoint_dir = resolve_checkpoint_dir(**model_source(cfg))
         worker_argv = [*argv, f"output_dir={cfg.output_dir}", f"model.checkpoint_dir={checkpoint_dir}"]
-        for attempt in range(cfg.max_restarts + 1):
-            env.set_restart(attempt)
+        attempt = starts = 0
+        while True:
+            env.set_restart(starts)
+            starts += 1
             code = relaunch(flavor, module, worker_argv)
+            if code == EXIT_OUT_OF_MEMORY and read_hint(Path(cfg.output_dir)):
+                # A step ran out of memory on a rank: it left a smaller plan, which the processes take as they
+                # start again (train/out_of_memory.py). Each time smaller, so this ends; not a failure to count.
+                print(f"Starting the {flavor.num_devices} processes again with "
+                      f"plan.micro_batch_size={read_hint(Path(cfg.output_dir))['micro_batch_size']}, resuming from the "
+                      "last checkpoint (or the first step)", flush=True)
+                continue
             if code not in (0, EXIT_USER_ERROR, EXIT_STOPPED) and run_finished(cfg):
                 # The folder held no finished run when we started (check_output_dir), so this launch
                 # wrote every output before the failure: a worker died on its way out (gloo can abort
@@ -67,6 +78,7 @@ def _launch_or_train(train: Callable, module: str, argv: list[str], cfg: DictCon
                 return code
             print(f"A worker failed (exit code {code}): restarting the {flavor.num_devices} processes, resuming from "
                   f"the last checkpoint (restart {attempt + 1} of max_restarts={cfg.max_restarts})", flush=True)
+            attempt += 1
     if flavor.device.kind == "cpu":
         keep_freed_memory()  # large tensors reuse freed memory instead of faulting in fresh pages (4.8x faster)
     with distributed(flavor) as world:

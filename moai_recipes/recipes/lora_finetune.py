@@ -35,6 +35,7 @@ from moai_recipes.run_inputs import read_inputs
 from moai_recipes.train.answers import Answers
 from moai_recipes.train.loop import LoopSettings, train_loop
 from moai_recipes.train.optim import build_optimizer, build_scheduler
+from moai_recipes.train.out_of_memory import forced_plan
 from moai_recipes.train.parallel import parallelize
 from moai_recipes.train.run_log import RunLog
 
@@ -49,7 +50,8 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
 
     # 2. The plan, decided before the first step.
     # Decided once: step times rest on this machine's measured speed, and the ranks must agree.
-    choice = decided_by_main(world, lambda: choose_plan(inputs.workload, flavor, forced=cfg.plan))
+    choice = decided_by_main(world, lambda: choose_plan(inputs.workload, flavor,
+                                                                forced=forced_plan(cfg.plan, inputs.out)))
     plan = choice.chosen.plan
     say(f"Flavor {flavor.describe()}; {world.world_size} process(es), backend {flavor.backend}")
     say("\n".join(inputs.describe(cfg)))

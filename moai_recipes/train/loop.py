@@ -37,6 +37,7 @@ from moai_recipes.train.out_of_memory import (
     injected_fault,
     is_out_of_memory,
     release_memory,
+    restart_smaller,
     smaller_plan,
 )
 from moai_recipes.train.parallel import all_reduce_gradients
@@ -197,7 +198,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             shapes = micro_batch_shapes(plan, samples, world.world_size) if meter.tracked else None
             with StepTimer(world.device) as timer, meter.step(state.model, state.optimizer, shapes):
                 result, changed = _step_within_memory(state, samples, choice, world, settings, step + 1, log,
-                                                      pad_id=inputs.tokenizer.pad_id)
+                                                      pad_id=inputs.tokenizer.pad_id, out=inputs.out)
                 if changed:  # an out-of-memory step ran again with a smaller plan: the run goes on with it
                     choice, plan = changed, changed.chosen.plan
                     about = {"flavor": choice.flavor, "plan": choice.chosen.as_dict()}
@@ -247,7 +248,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
 
 
 def _step_within_memory(state: TrainState, samples: list[dict], choice: PlanChoice, world: World,
-                        settings: LoopSettings, step: int, log: RunLog | None, *, pad_id: int):
+                        settings: LoopSettings, step: int, log: RunLog | None, *, pad_id: int, out: Path):
     """train_step on the plan's micro-batches of `samples`; after an out-of-memory error, the same global batch again
     with the next smaller plan (train/out_of_memory.py). Returns the result and the new choice (None: unchanged)."""
     changed = None
@@ -259,11 +260,14 @@ def _step_within_memory(state: TrainState, samples: list[dict], choice: PlanChoi
             return result, changed
         except StepOutOfMemory as oom:
             release_memory(state.optimizer)
-            smaller = smaller_plan(choice, plan, step=step, error=oom.error, world_size=world.world_size)
+            smaller = smaller_plan(choice, plan, step=step, error=oom.error)
+            change = {"step": step, "error": str(oom.error).splitlines()[0][:300], "from": plan.as_dict(),
+                      "to": smaller.plan.as_dict()}
+            if world.world_size > 1:  # the others wait inside a collective: start them all again, smaller
+                restart_smaller(out, change, micro_batch_size=smaller.plan.micro_batch_size)
             changed = choice = replace(choice, chosen=smaller)
             if log:
-                log.plan_changed(choice.as_dict(), {"step": step, "error": str(oom.error).splitlines()[0][:300],
-                                                    "from": plan.as_dict(), "to": smaller.plan.as_dict()})
+                log.plan_changed(choice.as_dict(), change)
 
 
 class StepTimer:

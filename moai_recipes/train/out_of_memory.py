@@ -8,24 +8,33 @@ fastest candidate of the plan's own choice that differs only in a smaller token 
 gradients stay those of the global batch (normalised by its target tokens, whatever the split), so the run
 continues exactly as planned; the log says so and plan.json records the change.
 
-On several processes a step cannot be redone together: a rank that ran out of memory has left the others
-waiting inside FSDP's collectives. There the run stops with a message that names the plan to force.
+On several processes a step cannot be redone in place: a rank that ran out of memory has left the others
+waiting inside FSDP's collectives. That rank leaves the smaller plan in the run folder (HINT) and exits with
+EXIT_OUT_OF_MEMORY; the launcher (ours, or torchrun with restarts) starts the processes again, they resume
+from the last checkpoint (or the first step) with the smaller plan forced, and redo the steps since then:
+the same global batches, the same losses. Without a launcher that restarts, the user runs the same command
+again and it does the same.
 
 `MOAI_FAULT_OOM_TOKENS=N` makes any micro-batch of more than N tokens run out of memory, as a device that
 size would: how the recovery is tested on the CPU (tests/test_out_of_memory.py).
 """
 
 import gc
+import json
 import os
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-from moai_recipes.errors import UserError
+from moai_recipes.errors import EXIT_OUT_OF_MEMORY, UserError
+from moai_recipes.files import write_json
 from moai_recipes.planner.plan import Plan
 from moai_recipes.planner.search import Candidate, PlanChoice
 
 FAULT_TOKENS = "MOAI_FAULT_OOM_TOKENS"
+HINT = ".out-of-memory.json"  # in the run folder: the smaller plan the restarted processes take, and the changes
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -49,19 +58,42 @@ def release_memory(optimizer: torch.optim.Optimizer) -> None:
         torch.cuda.empty_cache()
 
 
-def smaller_plan(choice: PlanChoice, plan: Plan, *, step: int, error: BaseException, world_size: int) -> Candidate:
-    """The fastest candidate that differs from `plan` only by a smaller token budget; a UserError when there is
-    none, or when several processes cannot redo the step together."""
+def smaller_plan(choice: PlanChoice, plan: Plan, *, step: int, error: BaseException) -> Candidate:
+    """The fastest candidate that differs from `plan` only by a smaller token budget; a UserError when none does."""
     smaller = [c for c in choice.candidates
                if replace(c.plan, micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.accumulation_steps) == plan
                and c.plan.token_budget < plan.token_budget]
     best = min(smaller, key=lambda c: c.time.total_s, default=None)
-    advice = (f"force a smaller plan, plan.micro_batch_size={best.plan.micro_batch_size}" if best else
-              "force more recomputation (plan.recompute=full) or a flavor with more memory per device")
-    if world_size > 1 or best is None:
-        why = (f"{world_size} processes cannot redo a step together (the others wait in FSDP's collectives)"
-               if world_size > 1 else "no smaller plan of the same kind exists")
+    if best is None:
         raise UserError(f"step {step}: out of memory with micro-batches of up to {plan.token_budget} tokens "
-                        f"({str(error).splitlines()[0][:200]}); {why}. Run the same command again with {advice}; "
-                        "resume=auto continues from the last checkpoint")
+                        f"({str(error).splitlines()[0][:200]}), and no smaller plan of the same kind exists. Run the "
+                        "same command again with more recomputation (plan.recompute=full) or a flavor with more "
+                        "memory per device; resume=auto continues from the last checkpoint")
     return best
+
+
+def read_hint(out: Path | None) -> dict | None:
+    """What an out-of-memory step of this run folder left for the processes that start again (None: nothing)."""
+    try:
+        return json.loads((Path(out) / HINT).read_text()) if out else None
+    except (OSError, ValueError):
+        return None
+
+
+def forced_plan(forced, out: Path | None) -> dict:
+    """The plan fields the user forced (plan.*), with the smaller micro-batch an out-of-memory step of this run
+    folder left, if any."""
+    forced = {k: v for k, v in dict(forced or {}).items() if v is not None}
+    hint = read_hint(out)
+    return {**forced, "micro_batch_size": hint["micro_batch_size"]} if hint else forced
+
+
+def restart_smaller(out: Path, change: dict, *, micro_batch_size: int) -> None:
+    """On several processes: leave the smaller plan for the restarted processes and end this one at once (the
+    others wait inside a collective that will never come; the launcher stops them)."""
+    earlier = (read_hint(out) or {}).get("changes", [])
+    write_json(out / HINT, {"micro_batch_size": micro_batch_size, "changes": [*earlier, change]})
+    print(f"Rank {os.environ.get('RANK', '0')}: step {change['step']} ran out of memory ({change['error']}); the "
+          f"processes start again with "
+          f"plan.micro_batch_size={micro_batch_size}, from the last checkpoint", file=sys.stderr, flush=True)
+    os._exit(EXIT_OUT_OF_MEMORY)

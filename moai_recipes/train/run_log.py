@@ -65,6 +65,7 @@ class RunLog:
 
         from moai_recipes.checkpoint.run_folder import write_config
         from moai_recipes.files import write_json
+        from moai_recipes.train.out_of_memory import read_hint
 
         out, resume_step = inputs.out, inputs.resume_step
         resolved = copy.deepcopy(cfg)
@@ -72,6 +73,9 @@ class RunLog:
         out.mkdir(parents=True, exist_ok=True)
         write_config(out, resolved)
         plan = choice.as_dict()
+        hint = read_hint(out)  # processes started again after an out-of-memory step: the plan's history
+        if hint:
+            plan["changes"] = hint["changes"]
         write_json(out / "plan.json", plan)
         kept = _truncate_jsonl(out / "metrics.jsonl", resume_step)
         _truncate_jsonl(out / "checkpoints.jsonl", resume_step)
