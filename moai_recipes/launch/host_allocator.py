@@ -6,12 +6,22 @@ A training step makes such tensors over and over (the logits of a 49K vocabulary
 on this machine writing a fresh 86 MiB tensor takes 27 ms against 5 ms for one in reused memory (4.8x slower;
 32 MiB: 10.4 ms against 1.6 ms). With mmap off and trimming off, freed memory stays in the process for the
 next step: its resident size stays at its peak, which a training process reaches anyway.
+Only where a step makes tensors that large: on the packing benchmark's 3M model (16 MiB at most), cpu-2
+measured 27.6 and 28.4 s without it against 32.3 and 29.9 s with it (40 steps), inside a noisy machine's
+spread but not a gain.
 """
 
 import ctypes
 import sys
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h
+MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's largest dynamic mmap threshold on 64-bit: larger blocks always fault in
+
+
+def keep_freed_memory_for(largest_tensor_bytes: int) -> bool:
+    """keep_freed_memory() where a step's largest tensor (the logits of a micro-batch) is above what glibc would
+    keep anyway."""
+    return largest_tensor_bytes > MMAP_THRESHOLD_MAX and keep_freed_memory()
 
 
 def keep_freed_memory() -> bool:

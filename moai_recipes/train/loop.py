@@ -22,6 +22,7 @@ from moai_recipes.checkpoint.steps import (
     save_checkpoint,
 )
 from moai_recipes.errors import UserError
+from moai_recipes.launch.host_allocator import keep_freed_memory_for
 from moai_recipes.launch.world import World
 from moai_recipes.planner.plan import Plan
 from moai_recipes.planner.search import PlanChoice
@@ -190,6 +191,8 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     save = lambda step: save_checkpoint(inputs.out, state, {"step": step, **batches.position(step), **about},
                                         world=world, keep=settings.checkpoint_keep)
     nonfinite = 0
+    if world.device.type == "cpu":  # the logits of a micro-batch, in fp32: the largest tensor of a step
+        keep_freed_memory_for(plan.token_budget * inputs.workload.spec.vocab_size * 4)
     meter, step_times = PeakMemory(world.device), []
     state.model.train()
     with _StopRequest() as stop:
