@@ -59,12 +59,12 @@ def _launch_or_train(train: Callable, module: str, argv: list[str], cfg: DictCon
             env.set_restart(starts)
             starts += 1
             code = relaunch(flavor, module, worker_argv)
-            if code == EXIT_OUT_OF_MEMORY and read_hint(Path(cfg.output_dir)):
+            hint = read_hint(Path(cfg.output_dir)) if code == EXIT_OUT_OF_MEMORY else None
+            if hint:
                 # A step ran out of memory on a rank: it left a smaller plan, which the processes take as they
                 # start again (train/out_of_memory.py). Each time smaller, so this ends; not a failure to count.
-                print(f"Starting the {flavor.num_devices} processes again with "
-                      f"plan.micro_batch_size={read_hint(Path(cfg.output_dir))['micro_batch_size']}, resuming from the "
-                      "last checkpoint (or the first step)", flush=True)
+                print(f"Starting the {flavor.num_devices} processes again with plan.micro_batch_size="
+                      f"{hint['micro_batch_size']}, resuming from the last checkpoint (or the first step)", flush=True)
                 continue
             if code not in (0, EXIT_USER_ERROR, EXIT_STOPPED) and run_finished(cfg):
                 # The folder held no finished run when we started (check_output_dir), so this launch

@@ -239,8 +239,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                 if stopping:
                     raise Stopped(done, path, stop.signame or "SIGTERM")
     if log and step_times:
-        measured = Measured(peak_bytes=int(steady_peak), shapes=meter.steady[1], step_times=step_times,
-                            host_peak_bytes=int(host_peak))
+        measured = Measured(peak_bytes=int(steady_peak), shapes=meter.steady[1], step_times=step_times)
         kind = "gpu" if world.device.type == "cuda" else "cpu"
         accuracy = compare(choice, inputs.workload, measured, kind)
         for line in accuracy.lines():

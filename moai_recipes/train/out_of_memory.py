@@ -83,9 +83,8 @@ def read_hint(out: Path | None) -> dict | None:
 def forced_plan(forced, out: Path | None) -> dict:
     """The plan fields the user forced (plan.*), with the smaller micro-batch an out-of-memory step of this run
     folder left, if any."""
-    forced = {k: v for k, v in dict(forced or {}).items() if v is not None}
     hint = read_hint(out)
-    return {**forced, "micro_batch_size": hint["micro_batch_size"]} if hint else forced
+    return {**dict(forced or {}), "micro_batch_size": hint["micro_batch_size"]} if hint else dict(forced or {})
 
 
 def restart_smaller(out: Path, change: dict, *, micro_batch_size: int) -> None:

@@ -28,7 +28,6 @@ class Measured:
     peak_bytes: int  # tensors, at most at once, in the steady measured step (PeakMemory.steady)
     shapes: list[tuple[int, int, int]]  # that step's micro-batches (train/micro_batches.micro_batch_shapes)
     step_times: list[float]  # every step this process ran, in order
-    host_peak_bytes: int  # the process's resident peak
 
 
 @dataclass(frozen=True)
