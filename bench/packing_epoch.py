@@ -21,7 +21,10 @@ tokenizer (its tokenizer.json; torchtune through bench/torchtune_components.py),
 order our seeded sampler visits them, fp32, AdamW, the cosine schedule, clipping. Before anything runs the
 script tokenises the file with both tools and refuses to go on unless they make the same tokens (the same
 count in total, sample by sample). What is measured: each process's wall time, start to exit (imports,
-loading, tokenising, the epoch, saving the model), the median over rounds with the spread; tokens/s is the
+loading, tokenising, the epoch, saving the model), the median over rounds with the spread. Before the rounds each
+job runs one untimed step, so that what a tool does once per machine is not in them (ours: measuring the CPU and
+tracing the layers for the planner, about 3 s, kept in MOAI_CACHE; torchtune: datasets' Arrow cache of the file);
+--no-warmup times cold first runs instead; tokens/s is the
 epoch's tokens over that time. Beside it, the steady training speed each tool logs per step (tokens/s,
 the median of the steps after the first two: start-up, loading and saving left out). --max-steps cuts the
 epoch short (ours max_steps, torchtune max_steps_per_epoch: a packed torchtune step holds other tokens than
@@ -151,6 +154,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, default=None, help="stop each job after this many steps (default: the epoch)")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="time the first runs on a cold machine too (default: one untimed step of each job first)")
     p.add_argument("--ours", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides for our jobs")
     p.add_argument("--workdir", type=Path, default=None)
     args = p.parse_args()
@@ -179,6 +184,16 @@ def main() -> int:
         names = {"all": ["ours-cpu", "torchtune", "torchtune-packed", "ours-cpu-2"], "ours": ["ours-cpu", "ours-cpu-2"],
                  "torchtune": ["ours-cpu", "torchtune", "torchtune-packed"],
                  "compile": ["ours-cpu", "ours-compiled"]}[args.only]
+        if args.warmup:  # what a first run on a machine pays once, kept out of the rounds for both tools
+            once = argparse.Namespace(**{**vars(args), "max_steps": 1})
+            for name in names:
+                out = work / f"{name}-warmup"
+                cmd, env, cwd = command(name, once, work=work, checkpoint=checkpoint, data=data, tt_data=tt_data, out=out)
+                rc, wall = run_logged(cmd, cwd=cwd, env=env, log=out.with_suffix(".log"), timeout=args.timeout)
+                if rc != 0:
+                    print(f"{name} failed (exit {rc}) warming up; its log: {out.with_suffix('.log')}")
+                    return 1
+                print(f"  warm-up {name:<17} {wall:6.1f} s (1 step, untimed)", flush=True)
         walls: dict[str, list[float]] = {n: [] for n in names}
         speeds: dict[str, list[float]] = {n: [] for n in names}
         firsts: dict[str, list[float]] = {n: [] for n in names}

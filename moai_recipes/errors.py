@@ -20,6 +20,15 @@ class UserError(Exception):
     """
 
 
+class Stopped(Exception):
+    """The run stopped at a step boundary on SIGTERM or SIGINT, after saving a checkpoint (exit EXIT_STOPPED)."""
+
+    def __init__(self, step: int, checkpoint, signame: str):
+        super().__init__(f"{signame}: stopped after step {step}; the state is saved in {checkpoint}. "
+                         "Run the same command again to resume (resume=auto)")
+        self.step, self.checkpoint = step, checkpoint
+
+
 EXIT_USER_ERROR = 2
 EXIT_STOPPED = 75
 EXIT_OUT_OF_MEMORY = 76  # a rank ran out of memory and left a smaller plan: start the processes again

@@ -14,8 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from moai_recipes.checkpoint.run_folder import check_output_dir
-from moai_recipes.checkpoint.steps import read_meta
+from moai_recipes.checkpoint.run_folder import check_output_dir, read_meta
 from moai_recipes.config.schema import DEFAULT_MODEL
 from moai_recipes.data.run_data import RunData, read_data
 from moai_recipes.data.tokenizer import Tokenizer

@@ -4,11 +4,11 @@
 `resume=never` refuses a folder that holds a run; `resume=PATH` continues from that checkpoint.
 """
 
+import json
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from moai_recipes.checkpoint.steps import complete_checkpoints
 from moai_recipes.errors import UserError
 from moai_recipes.files import write_text
 
@@ -17,6 +17,33 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "plan.json", "model", "adapter", "c
 # What may change between a run and its resumption: where and how it runs, not what it computes.
 RESUMABLE_CHANGES = ("flavor", "plan", "logger", "output_dir", "resume", "checkpoint_every", "checkpoint_keep",
                      "max_restarts", "skip_nonfinite_steps", "sample_max_new_tokens")
+STEP_PREFIX = "step-"  # checkpoints/step-000004: a complete step checkpoint (checkpoint/steps.py writes them)
+# The smaller plan the processes take when they start again after an out-of-memory step (train/out_of_memory.py).
+OUT_OF_MEMORY_HINT = ".out-of-memory.json"
+
+
+def checkpoint_dir(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"{STEP_PREFIX}{step:06d}"
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """Complete checkpoints of a run folder, oldest first (a crash mid-save leaves only a .tmp folder)."""
+    root = out / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and (p / "meta.json").exists())
+
+
+def read_meta(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / "meta.json").read_text())
+
+
+def read_hint(out: Path | None) -> dict | None:
+    """What an out-of-memory step of this run folder left for the processes that start again (None: nothing)."""
+    try:
+        return json.loads((Path(out) / OUT_OF_MEMORY_HINT).read_text()) if out else None
+    except (OSError, ValueError):
+        return None
 
 
 def check_output_dir(cfg: DictConfig, *, restarting: bool = False) -> tuple[Path, Path | None]:

@@ -29,19 +29,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-STEP_PREFIX = "step-"
-
-
-def checkpoint_dir(out: Path, step: int) -> Path:
-    return out / "checkpoints" / f"{STEP_PREFIX}{step:06d}"
-
-
-def complete_checkpoints(out: Path) -> list[Path]:
-    """Complete checkpoints of a run folder, oldest first (a crash mid-save leaves only a .tmp folder)."""
-    root = out / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and (p / "meta.json").exists())
+from moai_recipes.checkpoint.run_folder import (
+    checkpoint_dir,
+    complete_checkpoints,
+    read_meta,
+)
 
 
 @dataclass
@@ -51,10 +43,6 @@ class TrainState:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: object  # an LR scheduler: state_dict() and load_state_dict()
-
-
-def read_meta(path: Path) -> dict:
-    return json.loads((path / "meta.json").read_text())
 
 
 def _trainable_state(model: nn.Module, optimizer) -> dict:

@@ -3,51 +3,67 @@
 Both training recipes run through `run_recipe`, so the launch logic lives once. When the flavor
 needs several processes, a worker that dies (killed, out of memory) does not end the job: the
 processes are started again, up to `max_restarts` times, and resume from the last checkpoint.
+
+This module stays light: a process that only starts the workers reads the config and never imports
+the recipe (torch's models, torchtune, the data libraries: seconds that every run of several
+processes would otherwise pay once more before its workers start).
 """
 
+import importlib
 import sys
 from pathlib import Path
-from typing import Callable
 
 from omegaconf import DictConfig
 
-from moai_recipes.checkpoint.run_folder import check_output_dir, run_finished
+from moai_recipes.checkpoint.run_folder import check_output_dir, read_hint, run_finished
 from moai_recipes.config.compose import load_config
 from moai_recipes.config.user_settings import switched_flavor
-from moai_recipes.errors import EXIT_OUT_OF_MEMORY, EXIT_STOPPED, EXIT_USER_ERROR
+from moai_recipes.errors import (
+    EXIT_OUT_OF_MEMORY,
+    EXIT_STOPPED,
+    EXIT_USER_ERROR,
+    Stopped,
+    exit_on_user_error,
+)
 from moai_recipes.flavors import Flavor, resolve_flavor
 from moai_recipes.launch import env
 from moai_recipes.launch.elastic import needs_launch, relaunch
 from moai_recipes.launch.registry import registered
-from moai_recipes.launch.world import World, distributed
+from moai_recipes.launch.world import distributed
 from moai_recipes.models.sources import model_source, resolve_checkpoint_dir
-from moai_recipes.train.loop import Stopped
-from moai_recipes.train.out_of_memory import read_hint
+
+TRAINING_RECIPES = ("full_finetune", "lora_finetune")  # the recipes that run through run_recipe
 
 
-def run_recipe(train: Callable[[DictConfig, Flavor, World], None], argv: list[str] | None = None) -> int:
-    """Run `train(cfg, flavor, world)` on every process the flavor needs; return the exit code (errors.py).
+def run_recipe(module: str, argv: list[str] | None = None) -> int:
+    """Run the `train(cfg, flavor, world)` of the recipe module `module` (moai_recipes.recipes.full_finetune) on
+    every process the flavor needs; return the exit code (errors.py).
 
-    The recipe is the module that defines `train` (moai_recipes.recipes.full_finetune): its config is
-    configs/<its name>.yaml, and the processes a flavor launches run that module."""
+    The recipe's config is configs/<its last name>.yaml, and the processes a flavor launches run that module."""
     argv = sys.argv[1:] if argv is None else argv
-    module = recipe_module(train)
     recipe = module.rpartition(".")[2]
     # Read `moai switch`'s choice once: workers started (or restarted) later must not see a newer one.
     argv = [*argv, *switched_flavor(argv)]
     cfg = load_config(recipe, argv)
     flavor = resolve_flavor(**cfg.flavor)
     with registered(flavor):  # `moai smi` lists the run until it ends
-        return _launch_or_train(train, module, argv, cfg, flavor)
+        return _launch_or_train(module, argv, cfg, flavor)
 
 
-def recipe_module(train: Callable) -> str:
-    """The importable name of the recipe module that defines `train`, also when it runs as `python -m` (__main__)."""
-    spec = sys.modules[train.__module__].__spec__
-    return spec.name if spec is not None else train.__module__
+@exit_on_user_error
+def recipe_main(module: str, argv: list[str] | None = None) -> int:
+    """run_recipe as a command's entry point (python -m recipes.full_finetune, moai run full_finetune)."""
+    return run_recipe(module, argv)
 
 
-def _launch_or_train(train: Callable, module: str, argv: list[str], cfg: DictConfig, flavor: Flavor) -> int:
+def _train_function(module: str):
+    """The recipe's `train`; the module running as `python -m` (__main__) is not imported a second time."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return (main if spec is not None and spec.name == module else importlib.import_module(module)).train
+
+
+def _launch_or_train(module: str, argv: list[str], cfg: DictConfig, flavor: Flavor) -> int:
     if needs_launch(flavor):
         # The user never types torchrun: start the flavor's processes, each running this same
         # command, with what must not differ between them (the output folder, the checkpoint) pinned.
@@ -78,6 +94,7 @@ def _launch_or_train(train: Callable, module: str, argv: list[str], cfg: DictCon
             print(f"A worker failed (exit code {code}): restarting the {flavor.num_devices} processes, resuming from "
                   f"the last checkpoint (restart {attempt + 1} of max_restarts={cfg.max_restarts})", flush=True)
             attempt += 1
+    train = _train_function(module)
     with distributed(flavor) as world:
         try:
             train(cfg, flavor, world)

@@ -99,7 +99,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    return run_recipe(train, argv)
+    return run_recipe(__spec__.name, argv)  # this module's name, also when it runs as python -m
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ the flavor, the micro-batch size or the number of accumulation steps. The Plan a
 global batch splits into ranks and micro-batches.
 """
 
+import gc
 import math
 import signal
 import time
@@ -15,13 +16,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moai_recipes.checkpoint.steps import (
-    TrainState,
-    complete_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-)
-from moai_recipes.errors import UserError
+from moai_recipes.checkpoint.run_folder import complete_checkpoints
+from moai_recipes.checkpoint.steps import TrainState, load_checkpoint, save_checkpoint
+from moai_recipes.errors import Stopped, UserError
 from moai_recipes.launch.host_allocator import keep_freed_memory_for
 from moai_recipes.launch.world import World
 from moai_recipes.planner.plan import Plan
@@ -145,15 +142,6 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
                       target_tokens=int(global_targets), grad_norm=grad_norm, finite=finite)
 
 
-class Stopped(Exception):
-    """The run stopped at a step boundary on SIGTERM or SIGINT, after saving a checkpoint."""
-
-    def __init__(self, step: int, checkpoint: Path, signame: str):
-        super().__init__(f"{signame}: stopped after step {step}; the state is saved in {checkpoint}. "
-                         "Run the same command again to resume (resume=auto)")
-        self.step, self.checkpoint = step, checkpoint
-
-
 class _StopRequest:
     """Turns SIGTERM/SIGINT into a request honoured at the next step boundary (preemption, Ctrl-C)."""
 
@@ -194,6 +182,10 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     if world.device.type == "cpu":  # the logits of a micro-batch, in fp32: the largest tensor of a step
         keep_freed_memory_for(plan.token_budget * inputs.workload.spec.vocab_size * 4)
     meter, step_times = PeakMemory(world.device), []
+    # What exists now (the imports' half a million objects, the model) lives to the end of the process: out of
+    # the collector's reach, neither the full collections during training nor the one at exit walk it again
+    # (that last one took 1.0 s of a 3M model's run here; with it frozen, 0.02 s).
+    gc.freeze()
     state.model.train()
     with _StopRequest() as stop:
         for step in range(first, inputs.total_steps):

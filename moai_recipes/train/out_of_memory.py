@@ -9,7 +9,7 @@ gradients stay those of the global batch (normalised by its target tokens, whate
 continues exactly as planned; the log says so and plan.json records the change.
 
 On several processes a step cannot be redone in place: a rank that ran out of memory has left the others
-waiting inside FSDP's collectives. That rank leaves the smaller plan in the run folder (HINT) and exits with
+waiting inside FSDP's collectives. That rank leaves the smaller plan in the run folder (OUT_OF_MEMORY_HINT) and exits with
 EXIT_OUT_OF_MEMORY; the launcher (ours, or torchrun with restarts) starts the processes again, they resume
 from the last checkpoint (or the first step) with the smaller plan forced, and redo the steps since then:
 the same global batches, the same losses. Without a launcher that restarts, the user runs the same command
@@ -20,7 +20,6 @@ size would: how the recovery is tested on the CPU (tests/test_out_of_memory.py).
 """
 
 import gc
-import json
 import os
 import sys
 from dataclasses import replace
@@ -28,13 +27,13 @@ from pathlib import Path
 
 import torch
 
+from moai_recipes.checkpoint.run_folder import OUT_OF_MEMORY_HINT, read_hint
 from moai_recipes.errors import EXIT_OUT_OF_MEMORY, UserError
 from moai_recipes.files import write_json
 from moai_recipes.planner.plan import Plan
 from moai_recipes.planner.search import Candidate, PlanChoice
 
 FAULT_TOKENS = "MOAI_FAULT_OOM_TOKENS"
-HINT = ".out-of-memory.json"  # in the run folder: the smaller plan the restarted processes take, and the changes
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -72,14 +71,6 @@ def smaller_plan(choice: PlanChoice, plan: Plan, *, step: int, error: BaseExcept
     return best
 
 
-def read_hint(out: Path | None) -> dict | None:
-    """What an out-of-memory step of this run folder left for the processes that start again (None: nothing)."""
-    try:
-        return json.loads((Path(out) / HINT).read_text()) if out else None
-    except (OSError, ValueError):
-        return None
-
-
 def forced_plan(forced, out: Path | None) -> dict:
     """The plan fields the user forced (plan.*), with the smaller micro-batch an out-of-memory step of this run
     folder left, if any."""
@@ -91,7 +82,7 @@ def restart_smaller(out: Path, change: dict, *, micro_batch_size: int) -> None:
     """On several processes: leave the smaller plan for the restarted processes and end this one at once (the
     others wait inside a collective that will never come; the launcher stops them)."""
     earlier = (read_hint(out) or {}).get("changes", [])
-    write_json(out / HINT, {"micro_batch_size": micro_batch_size, "changes": [*earlier, change]})
+    write_json(out / OUT_OF_MEMORY_HINT, {"micro_batch_size": micro_batch_size, "changes": [*earlier, change]})
     print(f"Rank {os.environ.get('RANK', '0')}: step {change['step']} ran out of memory ({change['error']}); the "
           f"processes start again with "
           f"plan.micro_batch_size={micro_batch_size}, from the last checkpoint", file=sys.stderr, flush=True)

@@ -63,9 +63,8 @@ class RunLog:
 
         from omegaconf import OmegaConf
 
-        from moai_recipes.checkpoint.run_folder import write_config
+        from moai_recipes.checkpoint.run_folder import read_hint, write_config
         from moai_recipes.files import write_json
-        from moai_recipes.train.out_of_memory import read_hint
 
         out, resume_step = inputs.out, inputs.resume_step
         resolved = copy.deepcopy(cfg)
