@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from moai_recipes.planner import calibration
+from moai_recipes.planner.cpu_speed import speed_key
 from moai_recipes.planner.memory import predict_memory
 from moai_recipes.planner.search import choose_plan
 from moai_recipes.planner.timing import combine
@@ -23,6 +24,15 @@ def moai(*args, home):
     env = {**os.environ, "MOAI_HOME": str(home)}
     return subprocess.run([sys.executable, "-m", "moai_recipes.tools.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+def pin_cpu_speed(cache) -> None:
+    """This machine's measured speed, replaced by fixed figures in its cache file: the synthetic runs' terms, and
+    so how well they tell the scales apart, must not depend on how busy the machine was when it was measured (the
+    memory bandwidth measured 37 and 58 GB/s in two sessions here)."""
+    pinned = {"fp32_flops": 1.9e11, "bytes_per_s": 5.0e10, "bf16_flops": 4.2e11}
+    cache.mkdir(parents=True)
+    (cache / "cpu-speed.json").write_text(json.dumps({speed_key(threads): pinned for threads in (1, 2)}))
 
 
 def synthetic_runs() -> list[dict]:
@@ -62,6 +72,8 @@ def test_too_few_runs_is_a_user_error(tmp_path):
 def test_calibrate_recovers_the_machine_and_the_planner_uses_it(tmp_path, monkeypatch):
     home = tmp_path / "home"
     (home / "calibration").mkdir(parents=True)
+    monkeypatch.setenv("MOAI_CACHE", str(tmp_path / "cache"))
+    pin_cpu_speed(tmp_path / "cache")
     runs = synthetic_runs()
     (home / "calibration" / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs) + "{damaged\n")
     monkeypatch.setenv("MOAI_HOME", str(home))

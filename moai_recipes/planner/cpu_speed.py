@@ -34,7 +34,7 @@ def process_threads(num_processes: int) -> int:
 
 def cpu_speed(threads: int) -> CpuSpeed:
     """This machine's CPU with `threads` threads, measured once and cached."""
-    key = f"{_cpu_name()}|{os.cpu_count()}|{threads}|{torch.__version__}|2"  # |2: bf16 measured too
+    key = speed_key(threads)
     path = cache_dir() / "cpu-speed.json"
     try:
         known = json.loads(path.read_text())
@@ -50,6 +50,11 @@ def cpu_speed(threads: int) -> CpuSpeed:
         except OSError:
             pass
     return CpuSpeed(**known[key])
+
+
+def speed_key(threads: int) -> str:
+    """This machine's entry in the cache file (cpu-speed.json)."""
+    return f"{_cpu_name()}|{os.cpu_count()}|{threads}|{torch.__version__}|2"  # |2: bf16 measured too
 
 
 _APART = "import sys, json, dataclasses; from moai_recipes.planner.cpu_speed import _measure; " \
