@@ -4,12 +4,13 @@ from moai_recipes.data.batches import GlobalBatches
 from moai_recipes.planner.plan import Plan
 
 
-def plan(*, batch_size: int, num_devices: int, micro_batch_size: int = 1, packing: bool = False) -> Plan:
+def plan(*, batch_size: int, num_devices: int, micro_batch_size: int = 1, packing: bool = False,
+         attention_length: int = 0) -> Plan:
     per_device = -(-batch_size // num_devices)
     return Plan(batch_size=batch_size, num_devices=num_devices, max_seq_len=10, micro_batch_size=micro_batch_size,
                 accumulation_steps=-(-per_device // micro_batch_size), packing=packing, recompute="none", replicate=False,
                 reshard_after_forward=True, cpu_offload=False, chunked_loss=False, param_dtype="float32",
-                master_dtype="float32")
+                master_dtype="float32", attention_length=attention_length)
 
 
 def test_the_global_batch_is_the_same_set_whatever_the_world_size():
@@ -32,6 +33,16 @@ def test_ranks_get_balanced_tokens_not_balanced_counts():
     shares = [plan(batch_size=6, num_devices=2).rank_share(indices, lengths, r) for r in range(2)]
     assert shares == [[0], [1, 2, 3, 4, 5]]  # 100 tokens against 100, where halves by count were 130 against 80
     assert [sum(lengths[i] for i in s) for s in shares] == [100, 100]
+
+
+def test_a_long_document_weighs_its_attention_too():
+    # Tokens alone put 160 tokens against 120. Counting each document's attention (n x (1 + n / 40)), the
+    # 120-token document is 480 and each 40-token one 80: it goes alone against the other four (480 against 320,
+    # where the token split was 560 against 240).
+    indices, lengths = list(range(5)), [120, 40, 40, 40, 40]
+    by_tokens = [plan(batch_size=5, num_devices=2).rank_share(indices, lengths, r) for r in range(2)]
+    by_work = [plan(batch_size=5, num_devices=2, attention_length=40).rank_share(indices, lengths, r) for r in range(2)]
+    assert by_tokens == [[0, 4], [1, 2, 3]] and by_work == [[0], [1, 2, 3, 4]]
 
 
 def test_packed_micro_batches_fill_the_token_budget_in_order():

@@ -77,6 +77,9 @@ def test_every_chosen_plan_fits_and_is_the_fastest_that_does():
     assert choice.chosen.time.total_s == min(c.time.total_s for c in fitting)
     assert choice.chosen.memory.total <= choice.budget_bytes < 64 * GiB
     assert choice.chosen.plan.param_dtype == "bfloat16" and choice.chosen.plan.num_devices == 32
+    # Ranks are balanced by their documents' work: at 8B a document's attention costs as many FLOPs as the rest
+    # of its work at 26,624 tokens (6 x 218M weights a layer over 12 x 4096 query dimensions).
+    assert choice.chosen.plan.attention_length == spec.attention_length == 26624
 
 
 def test_replicas_where_memory_allows_and_fsdp2_where_it_does_not():

@@ -9,6 +9,7 @@ the recipe (torch's models, torchtune, the data libraries: seconds that every ru
 processes would otherwise pay once more before its workers start).
 """
 
+import gc
 import importlib
 import sys
 from pathlib import Path
@@ -70,6 +71,9 @@ def _launch_or_train(module: str, argv: list[str], cfg: DictConfig, flavor: Flav
         check_output_dir(cfg)
         checkpoint_dir = resolve_checkpoint_dir(**model_source(cfg))
         worker_argv = [*argv, f"output_dir={cfg.output_dir}", f"model.checkpoint_dir={checkpoint_dir}"]
+        # This process only waits now: what it holds (torch's modules) lives until it exits, when the last
+        # collection would walk it all for nothing (0.5 s after the workers end; train/loop.py does the same).
+        gc.freeze()
         attempt = starts = 0
         while True:
             env.set_restart(starts)

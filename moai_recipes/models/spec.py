@@ -48,6 +48,15 @@ class ModelSpec:
         embeddings = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layers * layer + d
 
+    @property
+    def attention_length(self) -> int:
+        """The length of a document whose attention costs as many FLOPs as the rest of its layers' work: per
+        token, 6 per weight of a layer (forward and backward); per pair of tokens, 12 per query dimension (the
+        scores and the weighted sum, forward and backward). A document of n tokens costs n x (1 + n / this)."""
+        d, q, kv = self.embed_dim, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        weights = 2 * d * q + 2 * d * kv + 3 * d * self.intermediate_dim
+        return max(1, round(6 * weights / (12 * q)))
+
 
 def _rope(config: Mapping) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) from either config.json layout."""

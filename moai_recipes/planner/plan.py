@@ -70,6 +70,9 @@ class Plan:
     param_dtype: str  # compute dtype of parameters in forward/backward
     master_dtype: str  # dtype of the sharded parameters, gradients and optimizer state
     compile: bool = False  # each layer's forward and backward compiled by torch.compile (train/parallel.py)
+    # Ranks are balanced by the work of their documents, n x (1 + n / attention_length) for n tokens: attention
+    # grows with the square of a document's length (ModelSpec.attention_length; 0: balanced by tokens alone).
+    attention_length: int = 0
 
     @staticmethod
     def device_share(batch_size: int, num_devices: int) -> int:
@@ -105,13 +108,15 @@ class Plan:
 
     def rank_share(self, indices: list[int], lengths: list[int], rank: int) -> list[int]:
         """Rank `rank`'s share of a step's global batch (dataset indices, with their lengths), in the global
-        batch's order. The ranks' tokens are balanced, not their sample counts: the slowest rank sets the step's
-        time. Longest first, each sample goes to the rank with the fewest tokens so far (ties: the lowest
-        rank), so every rank computes the same split. The shares together are exactly the global batch."""
-        loads, owner = [0] * self.num_devices, [0] * len(indices)
+        batch's order. The ranks' work is balanced, not their sample counts: the slowest rank sets the step's
+        time. A sample's work is its tokens, with its attention's (attention_length). Longest first, each sample
+        goes to the rank with the least work so far (ties: the lowest rank), so every rank computes the same
+        split. The shares together are exactly the global batch."""
+        work = [n * (1 + n / self.attention_length) if self.attention_length else n for n in lengths]
+        loads, owner = [0.0] * self.num_devices, [0] * len(indices)
         for pos in sorted(range(len(indices)), key=lambda p: (-lengths[p], p)):
             owner[pos] = min(range(self.num_devices), key=lambda r: (loads[r], r))
-            loads[owner[pos]] += lengths[pos]
+            loads[owner[pos]] += work[pos]
         return [i for i, r in zip(indices, owner) if r == rank]
 
     def micro_batches(self, lengths: list[int]) -> list[list[int]]:

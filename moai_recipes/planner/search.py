@@ -147,7 +147,7 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Cand
     for o in options:
         plan = Plan(batch_size=work.batch_size, num_devices=n, max_seq_len=work.seq_len,
                     accumulation_steps=math.ceil(per_device / o["micro_batch_size"]),
-                    param_dtype=compute, master_dtype="float32", **o)
+                    param_dtype=compute, master_dtype="float32", attention_length=work.spec.attention_length, **o)
         memory = predict_memory(plan, work, flavor.device.kind, traced_scale=scales.get(calibration.MEMORY, 1.0))
         time = predict_time(plan, work, flavor.device, scales=scales)
         host = predict_host_memory(plan, work, flavor.processes_per_node) if flavor.device.kind == "gpu" else None
