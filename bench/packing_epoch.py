@@ -1,12 +1,13 @@
 """One epoch of variable-length text against torchtune 0.6.1's own recipe, unpacked and packed, on the CPU.
 
-    python bench/packing_epoch.py                   # 800 samples, max_seq_len 1024, batch 8, 2 rounds (~10 min)
+    python bench/packing_epoch.py                   # 800 samples, max_seq_len 1024, batch 8, 3 rounds (~12 min)
     python bench/packing_epoch.py --samples 200 --rounds 1     # a quick look
     python bench/packing_epoch.py --only ours                  # ours cpu against ours cpu-2
     python bench/packing_epoch.py --model-size smollm2 --max-steps 6 --only torchtune --rounds 1   # SmolLM2's layers
     python bench/packing_epoch.py --only compile               # ours eager against ours with compiled layers
 
-docs/benchmarks.md records a run and what it means. The jobs, alternated (round 2 runs them in reverse):
+docs/packing.md records a run and what it means (docs/benchmarks.md points there). The jobs, alternated
+(round 2 runs them in reverse):
 
   ours-cpu          python -m recipes.full_finetune flavor=cpu     (the planner decides: packing, budget)
   ours-cpu-2        python -m recipes.full_finetune flavor=cpu-2   (2 processes, one core each)
@@ -147,7 +148,7 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step, ours and unpacked torchtune")
     p.add_argument("--packed-rows", type=int, default=2, help="rows of seq-len tokens per step, packed torchtune")
     p.add_argument("--model-size", default="small", help="bench/vs_torchtune.py MODEL_SIZES (default small, ~3M)")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--only", choices=("all", "ours", "torchtune", "compile"), default="all")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--lr", type=float, default=2e-5)
