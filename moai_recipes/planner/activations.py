@@ -20,7 +20,6 @@ import json
 import math
 import os
 import warnings
-import weakref
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from torch.utils.flop_counter import (
 from moai_recipes.files import cache_dir
 from moai_recipes.models.build import build_model
 from moai_recipes.models.spec import ModelSpec
+from moai_recipes.planner.live_storages import LiveStorages
 from moai_recipes.train.parallel import apply_recompute
 
 _VERSION = 5  # of what a trace measures: bump to ignore older cached traces
@@ -170,8 +170,8 @@ def _nbytes(tensors) -> int:
 class OpCounter(TorchDispatchMode):
     """What the operators dispatched under it cost.
 
-    Memory: bytes of the tensor storages they create that are still alive, the peak, and what was
-    alive at the peak (views share their base's storage, so each storage counts once, and views of
+    Memory (`storages`, the ledger a run's measurement keeps too: planner/live_storages.py): bytes of the
+    tensor storages they create that are still alive, the peak, and what was alive at the peak (views share their base's storage, so each storage counts once, and views of
     `existing` tensors, weights and inputs, count not at all). Compute: FLOPs of matmuls and
     attention. Traffic: bytes read and written by every other operator that moves data (views
     move none); on any device those run at memory speed.
@@ -179,10 +179,8 @@ class OpCounter(TorchDispatchMode):
 
     def __init__(self, existing=()):
         super().__init__()
-        self.current = self.peak = self.flops = self.attention_flops = self.traffic = self.ops = 0
-        self._live: dict[int, tuple[weakref.ref, int]] = {}
-        self._at_peak: list[weakref.ref] = []
-        self._existing = {id(t.untyped_storage()): t.untyped_storage() for t in existing}
+        self.flops = self.attention_flops = self.traffic = self.ops = 0
+        self.storages = LiveStorages(ignore=[t.untyped_storage() for t in existing], remember_peak=True)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -198,7 +196,7 @@ class OpCounter(TorchDispatchMode):
         elif self._moves_data(func, args, kwargs, outputs):
             self.traffic += _nbytes(tree_leaves((args, kwargs))) + _nbytes(outputs)
         for t in outputs:
-            self._track(t.untyped_storage())
+            self.storages.add(t.untyped_storage())
         return out
 
     @staticmethod
@@ -210,26 +208,11 @@ class OpCounter(TorchDispatchMode):
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         return not func.is_view and any(id(t.untyped_storage()) not in inputs for t in outputs)
 
-    def _track(self, storage) -> None:
-        key = id(storage)
-        if key in self._existing or (key in self._live and self._live[key][0]() is storage):
-            return
-        size = storage.nbytes()
-        self._live[key] = (weakref.ref(storage, lambda _, k=key, n=size: self._free(k, n)), size)
-        self.current += size
-        if self.current > self.peak:
-            self.peak = self.current
-            self._at_peak = [ref for ref, _ in self._live.values()]
-
-    def _free(self, key: int, size: int) -> None:
-        self._live.pop(key, None)
-        self.current -= size
-
     def bytes_at_peak(self, tensors) -> int:
         """How many of the peak's bytes belonged to `tensors` (say, the weight gradients)."""
-        alive = {id(ref()) for ref in self._at_peak if ref() is not None}
-        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
-        return sum(n for key, n in storages.items() if key in alive)
+        alive = self.storages.alive_at_peak()
+        sizes = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+        return sum(n for key, n in sizes.items() if key in alive)
 
 
 def _meta_model(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None):
@@ -274,10 +257,10 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
         count = OpCounter(existing=[*layer.parameters(), *layer.buffers(), x, grad_out])
         with count:
             y = layer(x, mask=docs, input_pos=position) if docs else layer(x)
-            retained = count.current
+            retained = count.storages.current
             y.backward(grad_out)
         grads_at_peak = count.bytes_at_peak([p.grad for p in layer.parameters() if p.grad is not None])
-    return LayerTrace(retained=retained, transient=max(0, count.peak - retained - grads_at_peak),
+    return LayerTrace(retained=retained, transient=max(0, count.storages.peak - retained - grads_at_peak),
                       grads_at_peak=grads_at_peak, flops=count.flops, traffic=count.traffic, ops=count.ops,
                       attention_flops=count.attention_flops)
 
@@ -309,4 +292,4 @@ def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked
             loss.backward()
         # The weights' gradients are the memory model's (the output projection's lives on with the root's).
         grads = count.bytes_at_peak([p.grad for p in model.parameters() if p.grad is not None])
-    return HeadTrace(peak=count.peak - grads, flops=count.flops, traffic=count.traffic, ops=count.ops)
+    return HeadTrace(peak=count.storages.peak - grads, flops=count.flops, traffic=count.traffic, ops=count.ops)

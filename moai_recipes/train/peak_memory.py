@@ -10,7 +10,6 @@ The process's resident peak (`host_peak_bytes`) is reported beside it: what the 
 
 import contextlib
 import resource
-import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -19,6 +18,8 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass,
 )
 from torch.utils._pytree import tree_map_only
+
+from moai_recipes.planner.live_storages import LiveStorages
 
 # Steps of a process whose tensors are followed on the CPU: the first makes the optimizer state, the second
 # is a step as every later one runs it.
@@ -40,7 +41,8 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
 
 
 class TensorBytes(TorchDispatchMode):
-    """While active: the bytes of every tensor storage alive (`current`) and the most at once (`peak`).
+    """While active: the bytes of every tensor storage alive and the most at once (`storages`, the same ledger
+    the planner's layer traces count with: planner/live_storages.py).
 
     A storage is counted when an operator returns it (or when `add` is called on a tensor made earlier),
     resized when FSDP2 frees or refills a gathered parameter in place (UntypedStorage.resize_ does not go
@@ -51,23 +53,13 @@ class TensorBytes(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.current = self.peak = 0
-        self._known: dict[int, tuple[weakref.ref, list[int]]] = {}  # id(storage) -> (ref, [bytes])
+        self.storages = LiveStorages()
         self._resize = torch.UntypedStorage.resize_
 
     def add(self, t: torch.Tensor) -> None:
         for st in _storages(t):
-            if st.device.type == "meta":
-                continue
-            entry = self._known.get(id(st))
-            if entry is not None and entry[0]() is st:
-                self._resized(entry[1], st.nbytes())
-                continue
-            size = [st.nbytes()]
-            key = id(st)
-            self._known[key] = (weakref.ref(st, lambda _, key=key, size=size: self._freed(key, size)), size)
-            self.current += size[0]
-        self.peak = max(self.peak, self.current)
+            if st.device.type != "meta":
+                self.storages.add(st)
 
     def add_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Count what exists before the mode sees it made: parameters, buffers, gradients, optimizer state."""
@@ -79,23 +71,12 @@ class TensorBytes(TorchDispatchMode):
             for state in optimizer.state.values():
                 tree_map_only(torch.Tensor, self.add, state)
 
-    def _freed(self, key: int, size: list[int]) -> None:
-        self.current -= size[0]
-        self._known.pop(key, None)
-
-    def _resized(self, size: list[int], nbytes: int) -> None:
-        self.current += nbytes - size[0]
-        size[0] = nbytes
-        self.peak = max(self.peak, self.current)
-
     def __enter__(self):
-        resize, mode = self._resize, self
+        resize, storages = self._resize, self.storages
 
         def resize_(st, n):
             resize(st, n)
-            entry = mode._known.get(id(st))
-            if entry is not None and entry[0]() is st:
-                mode._resized(entry[1], st.nbytes())
+            storages.resized(st)
 
         torch.UntypedStorage.resize_ = resize_
         return super().__enter__()
@@ -155,7 +136,7 @@ class _Step:
             torch.cuda.reset_peak_memory_stats(self.meter.device)
         else:
             self.tracker.add_state(self.model, self.optimizer)
-            self.tracker.peak = self.tracker.current
+            self.tracker.storages.reset_peak()
             self.tracker.__enter__()
         return self
 
@@ -164,6 +145,6 @@ class _Step:
             peak = torch.cuda.max_memory_allocated(self.meter.device)
         else:
             self.tracker.__exit__(*exc)
-            peak = self.tracker.peak
+            peak = self.tracker.storages.peak
         self.meter.peaks.append(int(peak))
         self.meter.shapes.append(self.shapes)
