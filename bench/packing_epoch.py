@@ -22,11 +22,10 @@ tokenizer (its tokenizer.json; torchtune through bench/torchtune_components.py),
 order our seeded sampler visits them, fp32, AdamW, the cosine schedule, clipping. Before anything runs the
 script tokenises the file with both tools and refuses to go on unless they make the same tokens (the same
 count in total, sample by sample). What is measured: each process's wall time, start to exit (imports,
-loading, tokenising, the epoch, saving the model), the median over rounds with the spread. Before the rounds each
-job runs one untimed step, so that what a tool does once per machine is not in them (ours: measuring the CPU and
-tracing the layers for the planner, about 3 s, kept in MOAI_CACHE; torchtune: datasets' Arrow cache of the file);
---no-warmup times cold first runs instead; tokens/s is the
-epoch's tokens over that time. Beside it, the steady training speed each tool logs per step (tokens/s,
+loading, tokenising, the epoch, saving the model), the median over rounds with the spread; tokens/s is the
+epoch's tokens over that time. Before the rounds each job runs one untimed step, so that what a tool does once
+per machine is not in them (ours: measuring the CPU and tracing the layers for the planner, about 3 s, kept in
+MOAI_CACHE; torchtune: datasets' Arrow cache of the file); --no-warmup times cold first runs instead. Beside it, the steady training speed each tool logs per step (tokens/s,
 the median of the steps after the first two: start-up, loading and saving left out). --max-steps cuts the
 epoch short (ours max_steps, torchtune max_steps_per_epoch: a packed torchtune step holds other tokens than
 ours, so compare tokens/s there, not walls). Exit 1 if a job fails.

@@ -33,8 +33,6 @@ from moai_recipes.launch.registry import registered
 from moai_recipes.launch.world import distributed
 from moai_recipes.models.sources import model_source, resolve_checkpoint_dir
 
-TRAINING_RECIPES = ("full_finetune", "lora_finetune")  # the recipes that run through run_recipe
-
 
 def run_recipe(module: str, argv: list[str] | None = None) -> int:
     """Run the `train(cfg, flavor, world)` of the recipe module `module` (moai_recipes.recipes.full_finetune) on

@@ -171,9 +171,9 @@ class OpCounter(TorchDispatchMode):
     """What the operators dispatched under it cost.
 
     Memory (`storages`, the ledger a run's measurement keeps too: planner/live_storages.py): bytes of the
-    tensor storages they create that are still alive, the peak, and what was alive at the peak (views share their base's storage, so each storage counts once, and views of
-    `existing` tensors, weights and inputs, count not at all). Compute: FLOPs of matmuls and
-    attention. Traffic: bytes read and written by every other operator that moves data (views
+    tensor storages they create that are still alive, the peak, and what was alive at the peak (views
+    share their base's storage, so each storage counts once, and views of `existing` tensors, weights
+    and inputs, count not at all). Compute: FLOPs of matmuls and attention. Traffic: bytes read and written by every other operator that moves data (views
     move none); on any device those run at memory speed.
     """
 

@@ -7,7 +7,9 @@ A training recipe starts through launch/entry.py, which imports the recipe only 
 import importlib
 import sys
 
-from moai_recipes.launch.entry import TRAINING_RECIPES, recipe_main
+from moai_recipes.launch.entry import recipe_main
+
+TRAINING_RECIPES = ("full_finetune", "lora_finetune")  # whose `train` launch/entry.run_recipe runs
 
 if __name__ == "__main__":
     recipe, args = sys.argv[1], sys.argv[2:]

@@ -17,9 +17,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from moai_recipes.checkpoint.steps import TrainState
-from moai_recipes.errors import exit_on_user_error
 from moai_recipes.flavors import Flavor
-from moai_recipes.launch.entry import run_recipe
+from moai_recipes.launch.entry import recipe_main
 from moai_recipes.launch.world import World, decided_by_main
 from moai_recipes.models.build import build_model
 from moai_recipes.models.hf_format import load_weights, save_weights
@@ -78,9 +77,8 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     dist.barrier()
 
 
-@exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    return run_recipe(__spec__.name, argv)  # this module's name, also when it runs as python -m
+    return recipe_main(__spec__.name, argv)  # this module's name, also when it runs as python -m
 
 
 if __name__ == "__main__":

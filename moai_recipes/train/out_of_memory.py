@@ -9,8 +9,8 @@ gradients stay those of the global batch (normalised by its target tokens, whate
 continues exactly as planned; the log says so and plan.json records the change.
 
 On several processes a step cannot be redone in place: a rank that ran out of memory has left the others
-waiting inside FSDP's collectives. That rank leaves the smaller plan in the run folder (OUT_OF_MEMORY_HINT) and exits with
-EXIT_OUT_OF_MEMORY; the launcher (ours, or torchrun with restarts) starts the processes again, they resume
+waiting inside FSDP's collectives. That rank leaves the smaller plan in the run folder (OUT_OF_MEMORY_HINT)
+and exits with EXIT_OUT_OF_MEMORY; the launcher (ours, or torchrun with restarts) starts the processes again, they resume
 from the last checkpoint (or the first step) with the smaller plan forced, and redo the steps since then:
 the same global batches, the same losses. Without a launcher that restarts, the user runs the same command
 again and it does the same.
@@ -84,6 +84,6 @@ def restart_smaller(out: Path, change: dict, *, micro_batch_size: int) -> None:
     earlier = (read_hint(out) or {}).get("changes", [])
     write_json(out / OUT_OF_MEMORY_HINT, {"micro_batch_size": micro_batch_size, "changes": [*earlier, change]})
     print(f"Rank {os.environ.get('RANK', '0')}: step {change['step']} ran out of memory ({change['error']}); the "
-          f"processes start again with "
-          f"plan.micro_batch_size={micro_batch_size}, from the last checkpoint", file=sys.stderr, flush=True)
+          f"processes start again with plan.micro_batch_size={micro_batch_size}, from the last checkpoint",
+          file=sys.stderr, flush=True)
     os._exit(EXIT_OUT_OF_MEMORY)
