@@ -41,8 +41,9 @@ from moai_recipes.planner.memory import SLACK, predict_memory
 from moai_recipes.planner.plan import Plan, Workload
 from moai_recipes.planner.search import SAFETY_MARGIN, choose_plan
 from moai_recipes.planner.timing import predict_time
-from moai_recipes.train.loss import token_loss_sum
-from moai_recipes.train.parallel import apply_recompute, shard_model
+from moai_recipes.models.loss import token_loss_sum
+from moai_recipes.models.recompute import apply_recompute
+from moai_recipes.train.parallel import shard_model
 
 BASE = ModelSpec(family="llama", vocab_size=2048, num_layers=4, num_heads=8, num_kv_heads=4, embed_dim=256,
                  intermediate_dim=704, head_dim=32, max_position_embeddings=4096, rope_base=10000.0, norm_eps=1e-5,

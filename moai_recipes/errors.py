@@ -5,12 +5,16 @@ Exit codes of every recipe and of `moai`:
     2   a mistake of the user (the message says what to fix); running it again changes nothing
     75  stopped on a signal (SIGTERM, SIGINT) after saving its state: run the same command to resume
         (EX_TEMPFAIL of sysexits.h; a scheduler requeues it)
-    other: a failure (a crash, a dead worker after max_restarts)
+    76  a worker ran out of memory and left a smaller plan: its launcher starts the processes again (ours does,
+        torchrun does with --max-restarts; otherwise run the same command again)
+    130 interrupted (Ctrl-C) before a step had begun, nothing to save
+    1 or other: a failure (a crash, a dead worker after max_restarts)
 """
 
 import functools
-import os
 import sys
+
+from moai_recipes import env
 
 
 class UserError(Exception):
@@ -29,9 +33,17 @@ class Stopped(Exception):
         self.step, self.checkpoint = step, checkpoint
 
 
+class RestartSmaller(Exception):
+    """On several processes, a step ran out of memory and this rank left a smaller plan in the run folder
+    (train/out_of_memory.py): the process ends at once with EXIT_OUT_OF_MEMORY and its launcher starts them all
+    again (launch/worker.py)."""
+
+
 EXIT_USER_ERROR = 2
 EXIT_STOPPED = 75
 EXIT_OUT_OF_MEMORY = 76  # a rank ran out of memory and left a smaller plan: start the processes again
+EXIT_INTERRUPTED = 130  # Ctrl-C outside a training loop (inside one, the run saves and exits EXIT_STOPPED)
+EXIT_FAILURE = 1
 
 
 def exit_on_user_error(main):
@@ -43,11 +55,11 @@ def exit_on_user_error(main):
             return main(*args, **kwargs)
         except UserError as e:
             # Every worker of a launched group hits the same mistake: one message is enough.
-            if os.environ.get("RANK", "0") == "0":
+            if env.rank() == 0:
                 print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr, flush=True)
-            sys.exit(130)
+            sys.exit(EXIT_INTERRUPTED)
 
     return wrapper

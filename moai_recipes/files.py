@@ -5,11 +5,13 @@ import json
 import os
 from pathlib import Path
 
+from moai_recipes import env
+
 
 def cache_dir() -> Path:
     """The cache of this machine (MOAI_CACHE, else ~/.cache/moai-recipes): the tiny checkpoint, converted models,
     the CPU's measured speed, the planner's layer traces."""
-    return Path(os.environ.get("MOAI_CACHE") or Path.home() / ".cache" / "moai-recipes")
+    return env.cache_dir()
 
 
 def write_text(path: Path, text: str) -> None:

@@ -176,23 +176,25 @@ def test_smi_counts_the_memory_of_the_workers_a_run_launched():
         launcher.wait()
 
 
-# A launcher whose workers register as a recipe's do (run_recipe enters `registered` in every process).
+# A launcher whose workers register as a recipe's do (launch/entry.py registers the job, launch/worker.py each
+# worker of it, with the job id and the launcher's pid the job file gives them).
 REGISTERING_LAUNCHER = """
 import os, subprocess, sys, time
 from moai_recipes.flavors import resolve_flavor
-from moai_recipes.launch import env
-from moai_recipes.launch.registry import registered
+from moai_recipes.launch.registry import new_job_id, registered
 worker = '''
-import time
+import sys, time
 from moai_recipes.flavors import resolve_flavor
 from moai_recipes.launch.registry import registered
-with registered(resolve_flavor(name="cpu-2", device="cpu", memory_gb=None, processes=2, device_memory_gb=None)):
+flavor = resolve_flavor(name="cpu-2", device="cpu", memory_gb=None, processes=2, device_memory_gb=None)
+with registered(flavor, job_id=sys.argv[1], launcher=int(sys.argv[2])):
     print("up", flush=True)
     time.sleep(120)
 '''
-env.set_launcher(os.getpid())  # as elastic.relaunch announces itself to the workers it starts
-with registered(resolve_flavor(name="cpu-2", device="cpu", memory_gb=None, processes=2, device_memory_gb=None)):
-    workers = [subprocess.Popen([sys.executable, "-c", worker], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+job = new_job_id()
+with registered(resolve_flavor(name="cpu-2", device="cpu", memory_gb=None, processes=2, device_memory_gb=None), job_id=job):
+    workers = [subprocess.Popen([sys.executable, "-c", worker, job, str(os.getpid())], stdout=subprocess.PIPE, text=True)
+               for _ in range(2)]
     [w.stdout.readline() for w in workers]
     print(*[w.pid for w in workers], flush=True)
     time.sleep(120)

@@ -5,7 +5,9 @@ import pytest
 from moai_recipes.config.compose import load_config
 from moai_recipes.errors import UserError
 from moai_recipes.flavors import resolve_flavor
-from moai_recipes.launch.elastic import needs_launch
+from moai_recipes.env import GivenWorld
+from moai_recipes.launch.elastic import check_capacity
+from moai_recipes.launch.entry import check_world
 
 
 def flavor(*overrides):
@@ -53,21 +55,17 @@ def test_cpu_flavors_run_processes_with_gloo(name, n):
     assert flavor(f"flavor={name}", "flavor.device_memory_gb=0.5").device_memory_gb == 0.5
 
 
-def test_a_flavor_this_machine_cannot_provide_is_a_clear_error(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
+def test_a_flavor_this_machine_cannot_provide_is_a_clear_error():
     with pytest.raises(UserError) as e:
-        needs_launch(flavor("flavor=4xlarge"))
+        check_capacity(flavor("flavor=4xlarge"))
     msg = str(e.value)
     assert "32 mi250 devices" in msg and "recipes.plan" in msg and "torchrun" in msg
 
 
-def test_a_world_of_the_wrong_size_is_refused(monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "3")
+def test_a_world_of_the_wrong_size_is_refused():
     with pytest.raises(UserError, match="3 processes"):
-        needs_launch(flavor("flavor=cpu-2"))
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert needs_launch(flavor("flavor=cpu-2")) is False
+        check_world(flavor("flavor=cpu-2"), GivenWorld(rank=0, world_size=3, local_rank=0, init_method="env://"))
+    check_world(flavor("flavor=cpu-2"), GivenWorld(rank=0, world_size=2, local_rank=0, init_method="env://"))
 
 
 def test_unknown_device_is_refused():

@@ -127,14 +127,14 @@ def test_bf16_compute_follows_fp32_and_its_peak_is_planned(tmp_path):
     ("qwen3", "cpu-2", {"tie": True}),
 ])
 def test_lr_zero_returns_the_input_weights_bit_for_bit(tmp_path, family, flavor, options, instruct_file):
-    ckpt = make_hf_checkpoint(tmp_path / "in", family, **options)
+    hf = make_hf_checkpoint(tmp_path / "in", family, **options)
     out = tmp_path / "run"
-    r = run_recipe(f"model.checkpoint_dir={ckpt}", f"flavor={flavor}", "dataset=instruct", f"dataset.path={instruct_file}",
+    r = run_recipe(f"model.checkpoint_dir={hf}", f"flavor={flavor}", "dataset=instruct", f"dataset.path={instruct_file}",
                    "optimizer.lr=0", "max_steps=1", "batch_size=4", "logger=stdout", f"output_dir={out}")
     assert r.returncode == 0, r.stdout + r.stderr
     model_dir = out / "model"
-    assert sorted(p.name for p in model_dir.iterdir()) == sorted(p.name for p in ckpt.iterdir())
-    before, after = tensors(ckpt), tensors(model_dir)
+    assert sorted(p.name for p in model_dir.iterdir()) == sorted(p.name for p in hf.iterdir())
+    before, after = tensors(hf), tensors(model_dir)
     assert before.keys() == after.keys()
     for name in before:
         assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name
@@ -153,11 +153,11 @@ def test_an_earlier_run_is_never_overwritten(tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["model.checkpoint_dir=/nonexistent/ckpt"], ["model.checkpoint_dir", "/nonexistent/ckpt"]),
+    (["model.checkpoint_dir=/nonexistent/hf"], ["model.checkpoint_dir", "/nonexistent/hf"]),
     (["dataset=instruct"], ["dataset.path"]),
     (["dataset=instruct", "dataset.path=/nonexistent.jsonl"], ["/nonexistent.jsonl"]),
     (["flavor=4xlarge"], ["recipes.plan", "mi250"]),
-    (["flavor=cpu-2", "model.checkpoint_dir=/nonexistent/ckpt"], ["/nonexistent/ckpt"]),
+    (["flavor=cpu-2", "model.checkpoint_dir=/nonexistent/hf"], ["/nonexistent/hf"]),
     (["model=llama3_8b"], ["model.checkpoint_dir", "meta-llama"]),
     (["plan.micro_batch_size=99"], ["plan.micro_batch_size=99"]),
 ])
@@ -171,7 +171,7 @@ def test_user_mistakes_exit_2_with_one_clear_message(tmp_path, args, words):
 
 
 def test_a_checkpoint_of_another_family_is_refused_alike_by_training_validate_and_plan(tmp_path, hf_checkpoints):
-    """One reader of a run (run_inputs.py): what one of them refuses, all refuse, with the same message."""
+    """One reader of a run (inputs.py): what one of them refuses, all refuse, with the same message."""
     args = ["model=mistral", f"model.checkpoint_dir={hf_checkpoints['qwen2']}"]
     said = {"full_finetune": run_recipe("logger=stdout", f"output_dir={tmp_path / 'run'}", *args),
             "cpu-2": run_recipe("logger=stdout", f"output_dir={tmp_path / 'run'}", "flavor=cpu-2", *args),

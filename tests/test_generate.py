@@ -146,7 +146,7 @@ def test_sampling_is_reproducible_and_its_limits_are_greedy(runs):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["model.checkpoint_dir=/nonexistent/ckpt"], ["model.checkpoint_dir=/nonexistent/ckpt", "not a folder"]),
+    (["model.checkpoint_dir=/nonexistent/hf"], ["model.checkpoint_dir=/nonexistent/hf", "not a folder"]),
     (["temperature=-1"], ["temperature=-1", ">= 0"]),
     (["top_p=1.5"], ["top_p=1.5", "(0, 1]"]),
     (["top_k=0"], ["top_k=0"]),
@@ -242,17 +242,17 @@ def test_device_map_keeps_the_order_and_every_budget(strategy):
 
 def _reference_and_dispatched(folder: Path, placement_for):
     from moai_recipes.models.build import build_model, init_buffers
-    from moai_recipes.models.hf_format import HFCheckpoint, load_weights
+    from moai_recipes.models.hf_format import HFFolder, load_weights
 
-    ckpt = HFCheckpoint.open(folder)
+    hf = HFFolder.open(folder)
     with torch.device("meta"):
-        reference, model = build_model(ckpt.spec, max_seq_len=64), build_model(ckpt.spec, max_seq_len=64)
+        reference, model = build_model(hf.spec, max_seq_len=64), build_model(hf.spec, max_seq_len=64)
     reference.to_empty(device="cpu")
     init_buffers(reference, device="cpu")
-    load_weights(reference, ckpt)
+    load_weights(reference, hf)
     placement = placement_for(list(decoder_blocks(model)))
     dispatch(model, placement, main=torch.device(placement["tok_embeddings"]))
-    load_weights(model, ckpt)
+    load_weights(model, hf)
     return reference.eval(), model.eval(), placement
 
 

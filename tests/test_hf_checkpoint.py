@@ -22,7 +22,7 @@ from moai_recipes.errors import UserError
 from moai_recipes.models.build import build_model, init_buffers
 from moai_recipes.models.hf_format import (
     INDEX,
-    HFCheckpoint,
+    HFFolder,
     load_weights,
     save_weights,
 )
@@ -64,13 +64,13 @@ def checkpoints(hf_checkpoints, tmp_path_factory):
     }
 
 
-def tune_model(ckpt: HFCheckpoint) -> torch.nn.Module:
+def tune_model(hf: HFFolder) -> torch.nn.Module:
     """The recipe's order: build on meta, give memory, recompute RoPE, load."""
     with torch.device("meta"):
-        model = build_model(ckpt.spec, max_seq_len=SEQ)
+        model = build_model(hf.spec, max_seq_len=SEQ)
     model.to_empty(device="cpu")
     init_buffers(model, device="cpu")
-    load_weights(model, ckpt)
+    load_weights(model, hf)
     return model.eval()
 
 
@@ -80,14 +80,14 @@ def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens).logits
 
 
-def tokens_for(ckpt: HFCheckpoint) -> torch.Tensor:
-    return torch.randint(0, ckpt.spec.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+def tokens_for(hf: HFFolder) -> torch.Tensor:
+    return torch.randint(0, hf.spec.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
 
 
 def assert_same_checkpoint(a: Path, b: Path) -> None:
     """Same files, tensor names per file, dtypes, shapes, bit-identical tensors, same other files."""
     assert sorted(p.name for p in a.iterdir() if p.is_file()) == sorted(p.name for p in b.iterdir())
-    ca, cb = HFCheckpoint.open(a), HFCheckpoint.open(b)
+    ca, cb = HFFolder.open(a), HFFolder.open(b)
     assert {f: sorted(n) for f, n in ca.files.items()} == {f: sorted(n) for f, n in cb.files.items()}
     assert ca.dtypes == cb.dtypes and ca.shapes == cb.shapes
     for fname, names in ca.files.items():
@@ -109,24 +109,24 @@ CASES = ["llama", "mistral", "qwen2_tied", "qwen2_tied_lm_head", "llama_sharded"
 @pytest.mark.parametrize("case", CASES)
 def test_load_matches_transformers_and_save_mirrors_input(case, checkpoints, tmp_path):
     folder = checkpoints[case]
-    ckpt = HFCheckpoint.open(folder)
-    model = tune_model(ckpt)
-    tokens = tokens_for(ckpt)
+    hf = HFFolder.open(folder)
+    model = tune_model(hf)
+    tokens = tokens_for(hf)
     with torch.no_grad():
         logits = model(tokens)
     torch.testing.assert_close(logits, hf_logits(folder, tokens), atol=1e-4, rtol=0)
 
-    save_weights(model, ckpt, tmp_path / "out", rank=0)
+    save_weights(model, hf, tmp_path / "out", rank=0)
     assert_same_checkpoint(folder, tmp_path / "out")
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the temporary folder was renamed
     torch.testing.assert_close(hf_logits(tmp_path / "out", tokens), logits, atol=1e-4, rtol=0)
 
 
 def test_input_description(checkpoints):
-    ckpt = HFCheckpoint.open(checkpoints["llama_sharded"])
-    assert len(ckpt.files) > 1 and sum(map(len, ckpt.files.values())) == len(ckpt.shapes) == 21
-    assert ckpt.shapes["model.layers.0.self_attn.k_proj.weight"] == (32, 64)
-    assert set(HFCheckpoint.open(checkpoints["mistral_bf16"]).dtypes.values()) == {torch.bfloat16}
+    hf = HFFolder.open(checkpoints["llama_sharded"])
+    assert len(hf.files) > 1 and sum(map(len, hf.files.values())) == len(hf.shapes) == 21
+    assert hf.shapes["model.layers.0.self_attn.k_proj.weight"] == (32, 64)
+    assert set(HFFolder.open(checkpoints["mistral_bf16"]).dtypes.values()) == {torch.bfloat16}
 
 
 def test_save_copies_extras_but_not_other_weights_or_subfolders(checkpoints, tmp_path):
@@ -135,66 +135,66 @@ def test_save_copies_extras_but_not_other_weights_or_subfolders(checkpoints, tmp
     (folder / "pytorch_model.bin").write_bytes(b"stale")
     (folder / "original").mkdir()
     (folder / "original" / "consolidated.00.pth").write_bytes(b"meta format")
-    ckpt = HFCheckpoint.open(folder)
-    save_weights(tune_model(ckpt), ckpt, tmp_path / "out", rank=0)
+    hf = HFFolder.open(folder)
+    save_weights(tune_model(hf), hf, tmp_path / "out", rank=0)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
         "tokenizer.json", "tokenizer_config.json"]
     with pytest.raises(FileExistsError):
-        save_weights(tune_model(ckpt), ckpt, tmp_path / "out", rank=0)
+        save_weights(tune_model(hf), hf, tmp_path / "out", rank=0)
 
 
 def test_malformed_inputs_are_user_errors(checkpoints, tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        HFCheckpoint.open(tmp_path / "nowhere")
+        HFFolder.open(tmp_path / "nowhere")
 
     no_config = shutil.copytree(checkpoints["mistral"], tmp_path / "no_config")
     (no_config / "config.json").unlink()
     with pytest.raises(UserError, match="no config.json"):
-        HFCheckpoint.open(no_config)
+        HFFolder.open(no_config)
 
     no_weights = shutil.copytree(checkpoints["mistral"], tmp_path / "no_weights")
     (no_weights / "model.safetensors").unlink()
     with pytest.raises(UserError, match="no \\*.safetensors"):
-        HFCheckpoint.open(no_weights)
+        HFFolder.open(no_weights)
 
     missing_file = shutil.copytree(checkpoints["llama_sharded"], tmp_path / "missing_file")
     (missing_file / "model-00002-of-00006.safetensors").unlink()
     with pytest.raises(UserError, match="model-00002-of-00006.safetensors, missing"):
-        HFCheckpoint.open(missing_file)
+        HFFolder.open(missing_file)
 
     int_weights = shutil.copytree(checkpoints["mistral"], tmp_path / "int_weights")
     tensors = load_file(int_weights / "model.safetensors")
     tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int8)
     save_file(tensors, int_weights / "model.safetensors")
     with pytest.raises(UserError, match="model.norm.weight is I8"):
-        HFCheckpoint.open(int_weights)
+        HFFolder.open(int_weights)
 
     unknown = shutil.copytree(checkpoints["mistral"], tmp_path / "unknown")
     save_file({**load_file(unknown / "model.safetensors"), "vision_tower.weight": torch.zeros(2)},
               unknown / "model.safetensors")
     with pytest.raises(UserError, match="vision_tower.weight is not part of a mistral model"):
-        HFCheckpoint.open(unknown)
+        HFFolder.open(unknown)
 
 
 def test_weights_that_do_not_fit_config_json_are_user_errors(checkpoints, tmp_path):
     wrong_shape = shutil.copytree(checkpoints["llama"], tmp_path / "wrong_shape")
     config = json.loads((wrong_shape / "config.json").read_text())
     (wrong_shape / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
-    ckpt = HFCheckpoint.open(wrong_shape)
+    hf = HFFolder.open(wrong_shape)
     with pytest.raises(UserError, match=r"mlp.down_proj.weight has shape \[64, 160\] but its config.json needs "
                                         r"\[64, 96\]"):
-        tune_model(ckpt)
+        tune_model(hf)
 
     more_layers = shutil.copytree(checkpoints["llama"], tmp_path / "more_layers")
     (more_layers / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     with pytest.raises(UserError, match="no weights for layers.2"):
-        tune_model(HFCheckpoint.open(more_layers))
+        tune_model(HFFolder.open(more_layers))
 
     fewer_layers = shutil.copytree(checkpoints["llama"], tmp_path / "fewer_layers")
     (fewer_layers / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
     with pytest.raises(UserError, match="model.layers.1.* has no place"):
-        tune_model(HFCheckpoint.open(fewer_layers))
+        tune_model(HFFolder.open(fewer_layers))
 
 
 # ---- two processes, gloo, FSDP2 -------------------------------------------------------------
@@ -220,18 +220,18 @@ def _sharded_worker(rank: int, world_size: int, rendezvous: str, jobs: list[tupl
     try:
         mesh = init_device_mesh("cpu", (world_size,))
         for folder, out_dir, logits_file in jobs:
-            ckpt = HFCheckpoint.open(folder)
+            hf = HFFolder.open(folder)
             with torch.device("meta"):
-                model = build_model(ckpt.spec, max_seq_len=SEQ)
+                model = build_model(hf.spec, max_seq_len=SEQ)
             shard_model(model, mesh=mesh, param_dtype=torch.float32)
             model.to_empty(device="cpu")
             init_buffers(model, device="cpu")
-            load_weights(model, ckpt)
+            load_weights(model, hf)
             with torch.no_grad():
-                logits = model.eval()(tokens_for(ckpt))
+                logits = model.eval()(tokens_for(hf))
             if rank == 0:
                 torch.save(logits, logits_file)
-            save_weights(model, ckpt, Path(out_dir), rank=rank)
+            save_weights(model, hf, Path(out_dir), rank=rank)
         dist.barrier()  # rank 0 writes last: both are done before either tears gloo down
     finally:
         dist.destroy_process_group()
@@ -249,7 +249,7 @@ def test_fsdp2_two_processes_load_and_save(checkpoints, tmp_path):
                        start_method="spawn")
     for case, (folder, out_dir, logits_file) in zip(cases, jobs):
         assert_same_checkpoint(Path(folder), Path(out_dir))
-        tokens = tokens_for(HFCheckpoint.open(folder))
+        tokens = tokens_for(HFFolder.open(folder))
         torch.testing.assert_close(torch.load(logits_file), hf_logits(Path(folder), tokens), atol=1e-4, rtol=0)
 
 
@@ -306,18 +306,18 @@ def _export_memory_worker(rank: int, world_size: int, rendezvous: str, jobs: lis
     try:
         mesh = init_device_mesh("cpu", (world_size,))
         for folder, out_dir, peaks_file in jobs:
-            ckpt = HFCheckpoint.open(folder)
+            hf = HFFolder.open(folder)
             with torch.device("meta"):
-                model = build_model(ckpt.spec, max_seq_len=SEQ)
+                model = build_model(hf.spec, max_seq_len=SEQ)
             shard_model(model, mesh=mesh, param_dtype=torch.float32)
             model.to_empty(device="cpu")
             init_buffers(model, device="cpu")
-            load_weights(model, ckpt)
+            load_weights(model, hf)
             tracker = MemTracker()
             tracker.track_external(model)  # the shards exist already: their views (to_local) are not new memory
             before = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
             with tracker:
-                save_weights(model, ckpt, Path(out_dir), rank=rank)
+                save_weights(model, hf, Path(out_dir), rank=rank)
             peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
             Path(f"{peaks_file}.{rank}").write_text(str(peak - before))
         dist.barrier()  # rank 0 writes last: both are done before either tears gloo down
@@ -344,12 +344,12 @@ def test_fsdp2_export_holds_at_most_one_input_file_and_one_tensor_per_rank(tmp_p
     peaks = {}
     for (name, folder), (_, out_dir, peaks_file) in zip(layouts.items(), jobs):
         assert_same_checkpoint(folder, Path(out_dir))
-        ckpt = HFCheckpoint.open(folder)
-        nbytes = {n: math.prod(s) * 4 for n, s in ckpt.shapes.items()}  # fp32 in the files and in the model
-        files = {f: sum(nbytes[n] for n in names) for f, names in ckpt.files.items()}
+        hf = HFFolder.open(folder)
+        nbytes = {n: math.prod(s) * 4 for n, s in hf.shapes.items()}  # fp32 in the files and in the model
+        files = {f: sum(nbytes[n] for n in names) for f, names in hf.files.items()}
         largest_file, largest_tensor, model_bytes = max(files.values()), max(nbytes.values()), sum(nbytes.values())
         # A file's kept tensors plus the whole weight being gathered and converted, for the worst file.
-        bound = max(files[f] + max(nbytes[n] for n in names) for f, names in ckpt.files.items())
+        bound = max(files[f] + max(nbytes[n] for n in names) for f, names in hf.files.items())
         rank0, rank1 = (int(Path(f"{peaks_file}.{r}").read_text()) for r in range(2))
         print(f"{name}: peak rank 0 {rank0} B, rank 1 {rank1} B; largest file {largest_file} B, largest tensor "
               f"{largest_tensor} B, bound {bound} B, whole model {model_bytes} B")

@@ -112,7 +112,7 @@ def test_validation_settings_that_cannot_work_are_refused(overrides, expected):
 
 
 def test_chat_rows_with_a_system_turn_several_turns_and_the_templates_tool_role(tiny_dir, tmp_path):
-    folder = tmp_path / "ckpt"
+    folder = tmp_path / "hf"
     shutil.copytree(tiny_dir, folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE_WITH_TOOLS}))

@@ -1,5 +1,6 @@
-"""The layout's rules (docs/architecture.md), checked: every module imports on its own, the library below the
-recipes never imports a recipe or the entry point, no public function takes more than six parameters.
+"""The layout's rules (docs/architecture.md), checked: every module imports on its own, packages import one way
+(a layer never imports one above it), environment variables are named in env.py only, no public function takes
+more than six parameters.
 Run: python -m pytest tests/test_layout.py -q
 """
 
@@ -35,21 +36,56 @@ print("\\n".join(failed))
 
 
 def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, at its top or inside a function (`from moai_recipes import env` included)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
     return names
 
 
-def test_the_library_never_imports_a_recipe_or_the_entry_point():
+# Bottom to top (docs/architecture.md): a module imports from its own layer and those below it, never above.
+LAYERS = [
+    ("env", "errors", "files", "flavors"),
+    ("config",),
+    ("models",),
+    ("data",),
+    ("planner", "inference"),
+    ("checkpoint",),
+    ("inputs", "train"),
+    ("recipes",),
+    ("launch",),
+    ("tools",),
+]
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "moai_recipes" or len(parts) < 2 or parts[1] == "__init__":
+        return None
+    return next(i for i, names in enumerate(LAYERS) if parts[1] in names)
+
+
+def test_packages_depend_one_way():
+    upward = []
     for path in PACKAGE.rglob("*.py"):
-        if path.parent.name == "recipes":
-            continue
-        bad = {m for m in _imports(path) if m.startswith(("moai_recipes.recipes", "recipes")) or m == "moai_recipes.launch.entry"}
-        assert not bad, (path, bad)
+        here = _layer(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        for name in _imports(path):
+            there = _layer(name)
+            if here is not None and there is not None and there > here:
+                upward.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not upward, upward
+    assert {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir() if not p.name.startswith("_")
+            and (p.suffix == ".py" or (p / "__init__.py").exists())} == {n for names in LAYERS for n in names}
+
+
+def test_environment_variables_are_named_in_env_py_only():
+    readers = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
+               if p.name != "env.py" and ("os.environ" in p.read_text() or "getenv" in p.read_text())]
+    assert not readers, readers
 
 
 def test_no_public_function_takes_more_than_six_parameters():

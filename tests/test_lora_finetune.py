@@ -34,15 +34,15 @@ def test_peft_loads_the_adapter_and_it_matches_the_merged_model(tmp_path, data_f
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
-    ckpt = make_hf_checkpoint(tmp_path / "base", family, tie=tie)
+    hf = make_hf_checkpoint(tmp_path / "base", family, tie=tie)
     out = tmp_path / "run"
-    r = lora(f"model.checkpoint_dir={ckpt}", f"flavor={flavor}", "dataset=instruct", f"dataset.path={data_file}",
+    r = lora(f"model.checkpoint_dir={hf}", f"flavor={flavor}", "dataset=instruct", f"dataset.path={data_file}",
              "max_steps=3", "batch_size=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "logger=stdout",
              "lora.attn_modules=[q_proj,k_proj,v_proj,output_proj]", "lora.apply_to_mlp=true", "lora.rank=4",
              f"lora.apply_to_output={str(output).lower()}", f"output_dir={out}")
     assert r.returncode == 0, r.stdout + r.stderr
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert config["r"] == 4 and config["lora_alpha"] == 16.0 and config["base_model_name_or_path"] == str(ckpt)
+    assert config["r"] == 4 and config["lora_alpha"] == 16.0 and config["base_model_name_or_path"] == str(hf)
     assert config["lora_dropout"] == 0.0
     assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                              "down_proj", *(["lm_head"] if output else [])}
@@ -51,7 +51,7 @@ def test_peft_loads_the_adapter_and_it_matches_the_merged_model(tmp_path, data_f
     assert ("base_model.model.lm_head.lora_B.weight" in names) == output
 
     tokens = torch.randint(0, 300, (2, 12))
-    base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     with torch.no_grad():
         base_logits = base(tokens).logits
         peft_logits = PeftModel.from_pretrained(base, out / "adapter")(tokens).logits
@@ -65,7 +65,7 @@ def test_peft_loads_the_adapter_and_it_matches_the_merged_model(tmp_path, data_f
     # Only the adapters trained (at lr 1e-2 with weight decay): every weight no adapter touches is the base's
     # bit for bit in the merged model, and every adapted one moved.
     adapted = {n.removeprefix("base_model.model.").replace(".lora_A", "") for n in names if ".lora_A." in n}
-    before, merged = tensors(ckpt), tensors(out / "model")
+    before, merged = tensors(hf), tensors(out / "model")
     assert before.keys() == merged.keys() and adapted <= before.keys()
     for name in before:
         assert torch.equal(before[name], merged[name]) == (name not in adapted), name
@@ -152,25 +152,25 @@ def test_qlora_keeps_every_layer_linear_in_nf4(tmp_path, family):
     from torchao.dtypes.nf4tensor import NF4Tensor
 
     from moai_recipes.models.build import build_model, init_buffers, nf4_weights
-    from moai_recipes.models.hf_format import HFCheckpoint, full_tensor, load_weights
+    from moai_recipes.models.hf_format import HFFolder, full_tensor, load_weights
     from moai_recipes.models.lora import NF4_BLOCK
 
-    ckpt = HFCheckpoint.open(make_hf_checkpoint(tmp_path / family, family, **QLORA_DIMS))
-    opts = _qlora_options(ckpt.spec, world_size=2)
-    assert all(r * c % (2 * NF4_BLOCK) == 0 for (r, c), _ in nf4_weights(ckpt.spec, opts).values())
+    hf = HFFolder.open(make_hf_checkpoint(tmp_path / family, family, **QLORA_DIMS))
+    opts = _qlora_options(hf.spec, world_size=2)
+    assert all(r * c % (2 * NF4_BLOCK) == 0 for (r, c), _ in nf4_weights(hf.spec, opts).values())
     with torch.device("meta"):
-        model = build_model(ckpt.spec, max_seq_len=64, lora=opts.builder_kwargs(), quantize_base=True)
+        model = build_model(hf.spec, max_seq_len=64, lora=opts.builder_kwargs(), quantize_base=True)
     nf4 = {n for n, p in model.named_parameters() if isinstance(p, NF4Tensor)}
-    assert nf4 == {f"layers.{i}.{m}.weight" for i in range(2) for m in nf4_weights(ckpt.spec, opts)}
+    assert nf4 == {f"layers.{i}.{m}.weight" for i in range(2) for m in nf4_weights(hf.spec, opts)}
     assert "layers.0.mlp.w1.weight" in nf4 and "layers.0.attn.k_proj.weight" in nf4  # adapted or not
 
     model.to_empty(device="cpu")
     init_buffers(model, device="cpu")
-    load_weights(model, ckpt, allow_missing=(".lora_a.", ".lora_b."))
+    load_weights(model, hf, allow_missing=(".lora_a.", ".lora_b."))
     w = model.layers[0].attn.v_proj.weight
     stored = sum(getattr(w, name).nbytes for name in w.__tensor_flatten__()[0])
     assert isinstance(w, NF4Tensor) and stored * 8 / w.numel() < 4.2  # 4-bit codes and their scales
-    original = load_file(ckpt.folder / "model.safetensors")["model.layers.0.self_attn.v_proj.weight"]
+    original = load_file(hf.folder / "model.safetensors")["model.layers.0.self_attn.v_proj.weight"]
     error = (full_tensor(w) - original).norm() / original.norm()
     assert 0 < error < 0.1, error
     assert isinstance(model.state_dict()["layers.0.attn.v_proj.weight"], NF4Tensor)  # no dequantizing hook
@@ -196,8 +196,8 @@ def test_qlora_trains_alike_on_cpu_and_cpu_2_and_peft_loads_its_adapter(tmp_path
     from torchao.dtypes.nf4tensor import to_nf4
     from transformers import AutoModelForCausalLM
 
-    ckpt = make_hf_checkpoint(tmp_path / "base", "llama", **QLORA_DIMS)
-    common = [f"model.checkpoint_dir={ckpt}", "dataset=instruct", f"dataset.path={data_file}", "max_steps=3",
+    hf = make_hf_checkpoint(tmp_path / "base", "llama", **QLORA_DIMS)
+    common = [f"model.checkpoint_dir={hf}", "dataset=instruct", f"dataset.path={data_file}", "max_steps=3",
               "batch_size=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "logger=stdout",
               "lora.quantize_base=true", "lora.attn_modules=[q_proj,k_proj,v_proj,output_proj]",
               "lora.apply_to_mlp=true", "lora.rank=4", "sample_max_new_tokens=0"]
@@ -219,7 +219,7 @@ def test_qlora_trains_alike_on_cpu_and_cpu_2_and_peft_loads_its_adapter(tmp_path
     # layout is the same as in torchtune's: q/k rows move within a head, and a head, 64 x 256 values, is
     # exactly one block of scales.)
     def base(dequantized_nf4: bool):
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if dequantized_nf4 and ".layers." in name and name.endswith("proj.weight"):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from moai_recipes.train.loss import (
+from moai_recipes.models.loss import (
     CHUNK_TOKENS,
     IGNORE_INDEX,
     chunked_cross_entropy_sum,

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from moai_recipes.launch.world import free_port
+from moai_recipes.train.world import free_port
 from tests.conftest import ROOT
 from tests.test_full_finetune import metrics, run_recipe
 

@@ -44,7 +44,7 @@ def test_the_traced_layer_keeps_what_a_real_layer_keeps(recompute):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from moai_recipes.models.build import build_model, init_buffers
-    from moai_recipes.train.parallel import apply_recompute
+    from moai_recipes.models.recompute import apply_recompute
 
     _, spec, _ = setup("model=qwen2_5_0_5b")
     spec = dataclasses.replace(spec, num_layers=1, embed_dim=256, num_heads=4, num_kv_heads=2, head_dim=64,

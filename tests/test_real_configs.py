@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from moai_recipes.inference.device_map import setup_caches
 from moai_recipes.inference.sampling import Sampling, complete
 from moai_recipes.models.build import build_model, init_buffers
-from moai_recipes.models.hf_format import HFCheckpoint, load_weights, save_weights
+from moai_recipes.models.hf_format import HFFolder, load_weights, save_weights
 from moai_recipes.models.lora import (
     LoraOptions,
     freeze_base,
@@ -81,11 +81,11 @@ def real(request, tmp_path_factory):
 
 
 def ours(folder, *, lora: LoraOptions | None = None):
-    ckpt = HFCheckpoint.open(folder)
-    model = build_model(ckpt.spec, max_seq_len=64, lora=lora.builder_kwargs() if lora else None)
+    hf = HFFolder.open(folder)
+    model = build_model(hf.spec, max_seq_len=64, lora=lora.builder_kwargs() if lora else None)
     init_buffers(model, device="cpu")
-    load_weights(model, ckpt, allow_missing=("lora_a", "lora_b"))
-    return ckpt, model.eval()
+    load_weights(model, hf, allow_missing=("lora_a", "lora_b"))
+    return hf, model.eval()
 
 
 def tokens(seed: int = 1) -> torch.Tensor:
@@ -109,8 +109,8 @@ def test_logits_equal_transformers(real):
 
 def test_loading_then_saving_gives_the_same_files_bit_for_bit(real, tmp_path):
     _, _, folder = real
-    ckpt, model = ours(folder)
-    save_weights(model, ckpt, tmp_path / "out", rank=0)
+    hf, model = ours(folder)
+    save_weights(model, hf, tmp_path / "out", rank=0)
     for f in folder.glob("*.safetensors"):
         before, after = load_file(f), load_file(tmp_path / "out" / f.name)
         assert before.keys() == after.keys()
@@ -126,7 +126,7 @@ def test_a_lora_adapter_loads_in_peft_with_equal_logits(real, tmp_path):
     opts = LoraOptions(attn_modules=("q_proj", "k_proj", "v_proj", "output_proj"), apply_to_mlp=True,
                        apply_to_output=not reference.config.tie_word_embeddings, rank=4, alpha=8.0, dropout=0.0,
                        quantize_base=False)
-    ckpt, model = ours(folder, lora=opts)
+    hf, model = ours(folder, lora=opts)
     freeze_base(model)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():  # trained-looking adapters: B is not zero
@@ -158,10 +158,10 @@ def test_greedy_generation_equals_transformers(real):
 def test_a_tokenizer_of_another_model_is_refused_naming_its_file(tmp_path):
     from moai_recipes.errors import UserError
     from moai_recipes.models.tiny import demo_texts, write_tokenizer
-    from moai_recipes.run_inputs import checked_tokenizer
+    from moai_recipes.inputs import checked_tokenizer
     from tests.conftest import make_hf_checkpoint
 
     folder = make_hf_checkpoint(tmp_path / "other", "llama")
     write_tokenizer(folder, demo_texts() * 3, vocab_size=1024)  # another model's, larger tokenizer
     with pytest.raises(UserError, match="tokenizer.json has .* tokens, but config.json's vocab_size is .* another model"):
-        checked_tokenizer(HFCheckpoint.open(folder))
+        checked_tokenizer(HFFolder.open(folder))

@@ -4,13 +4,14 @@
 `resume=never` refuses a folder that holds a run; `resume=PATH` continues from that checkpoint.
 """
 
+import copy
 import json
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from moai_recipes.errors import UserError
-from moai_recipes.files import write_text
+from moai_recipes.files import write_json, write_text
 
 # What marks a folder as holding an earlier run.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "plan.json", "model", "adapter", "checkpoints")
@@ -81,11 +82,11 @@ def run_finished(cfg: DictConfig) -> bool:
 
 
 def _given_checkpoint(path: str) -> Path:
-    ckpt = Path(path).expanduser().resolve()
-    if not (ckpt / "meta.json").exists():
+    hf = Path(path).expanduser().resolve()
+    if not (hf / "meta.json").exists():
         raise UserError(f"resume={path} is not a complete checkpoint folder (one of output_dir/checkpoints/step-*); "
                         "use resume=auto to take the newest one of output_dir")
-    return ckpt
+    return hf
 
 
 def _identity(cfg: dict) -> dict:
@@ -114,3 +115,35 @@ def _diff(a, b, prefix: str = "") -> list[str]:
 
 def write_config(out: Path, cfg: DictConfig) -> None:
     write_text(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def start_run_folder(out: Path, cfg: DictConfig, *, model_dir: Path, plan: dict, hint: dict | None,
+                     resume_step: int) -> tuple[DictConfig, list[dict]]:
+    """Write a starting run's config.yaml (with the model folder its weights came from: the tiny default's, a Hub
+    download's) and plan.json (with the changes earlier out-of-memory steps made, `hint`); keep the metrics of the
+    steps a resumed run's checkpoint covers and drop the later ones (they are about to run again). Returns the
+    resolved config and the kept metrics rows."""
+    resolved = copy.deepcopy(cfg)
+    resolved.model.checkpoint_dir = str(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_config(out, resolved)
+    write_json(out / "plan.json", {**plan, "changes": hint["changes"]} if hint else plan)
+    kept = _truncate_jsonl(out / "metrics.jsonl", resume_step)
+    _truncate_jsonl(out / "checkpoints.jsonl", resume_step)
+    return resolved, kept
+
+
+def record_plan_change(out: Path, plan: dict, change: dict) -> None:
+    """plan.json after the plan changed mid-run (train/out_of_memory.py): the new plan, and every change so far."""
+    path = out / "plan.json"
+    changes = json.loads(path.read_text()).get("changes", []) if path.exists() else []
+    write_json(path, {**plan, "changes": [*changes, change]})
+
+
+def _truncate_jsonl(path: Path, last_step: int) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [r for r in rows if r["step"] <= last_step]
+    write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return kept

@@ -96,3 +96,11 @@ def load_checkpoint(path: Path, state: TrainState, world) -> dict:
         if states["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(states["cuda"])
     return read_meta(path)
+
+
+def resume(path: Path, state: TrainState, batches, world) -> dict:
+    """Restore the checkpoint at `path` and move `batches` (data.batches or data.stream) to the step after it;
+    returns its meta."""
+    meta = load_checkpoint(path, state, world)
+    batches.resume(meta["step"], meta)
+    return meta

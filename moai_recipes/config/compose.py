@@ -147,6 +147,14 @@ def load_config(recipe: str, argv: list[str] | None = None) -> DictConfig:
     return cfg
 
 
+def resolved_config(recipe: str, values: dict) -> DictConfig:
+    """A config composed and resolved before (a launcher's, for its workers: launch/worker.py), typed again by the
+    recipe's schema so that it reads as load_config's did."""
+    cfg = OmegaConf.merge(OmegaConf.structured(SCHEMAS[recipe]), values)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
 def _switched_flavor(overrides: list[str], config_file: Path) -> list[str]:
     """The flavor chosen with `moai switch` for a config with a flavor group, unless the command line picks one."""
     switched = switched_flavor(overrides)

@@ -5,9 +5,9 @@ They live in `settings.json` under `moai_home()`: `$MOAI_HOME` if set, else
 """
 
 import json
-import os
 from pathlib import Path
 
+from moai_recipes import env
 from moai_recipes.errors import UserError
 from moai_recipes.files import write_json
 
@@ -16,9 +16,7 @@ SETTINGS = "settings.json"
 
 def moai_home() -> Path:
     """The folder of this user's settings and of the registry of running recipes."""
-    if os.environ.get("MOAI_HOME"):
-        return Path(os.environ["MOAI_HOME"]).expanduser()
-    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config").expanduser() / "moai-recipes"
+    return env.moai_home()
 
 
 def _read() -> dict:

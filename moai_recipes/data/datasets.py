@@ -28,7 +28,7 @@ from moai_recipes.data.token_cache import (
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
 from moai_recipes.models.tiny import DEMO_DATA
-from moai_recipes.train.loss import IGNORE_INDEX
+from moai_recipes.models.loss import IGNORE_INDEX
 
 COLUMNS = {"instruct": ("instruction", "input", "output"), "chat": ("messages",), "text": ("text",)}
 KINDS = ("demo", "instruct", "chat", "text")

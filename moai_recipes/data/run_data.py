@@ -1,6 +1,6 @@
 """A run's data as its config names it: the training samples, the validation samples, the global batches.
 
-read_inputs (run_inputs.py) calls read_data for the recipes, `moai validate` and recipes.plan alike.
+read_inputs (inputs.py) calls read_data for the recipes, `moai validate` and recipes.plan alike.
 """
 
 import math

@@ -1,43 +1,28 @@
-"""Start a flavor's processes on this machine with torch.distributed's elastic launcher.
+"""Start a flavor's processes on this machine with torch.distributed's elastic launcher (the engine behind
+torchrun), each on the worker entry (launch/worker.py) with the job file the launcher wrote.
 
-The user never types torchrun. Under torchrun or SLURM a recipe joins the world it is given; when
-the flavor needs several processes on this machine it starts them itself with the elastic
-launcher (the engine behind torchrun), each running the same command; with one process it just runs.
+The user never types torchrun. Under torchrun or SLURM a recipe joins the world it is given instead
+(launch/entry.py).
 """
 
 import logging
-import os
 import sys
 import uuid
+from pathlib import Path
 
 from moai_recipes.errors import (
+    EXIT_FAILURE,
     EXIT_OUT_OF_MEMORY,
     EXIT_STOPPED,
     EXIT_USER_ERROR,
     UserError,
 )
 from moai_recipes.flavors import Flavor, local_capacity
-from moai_recipes.launch import env
-from moai_recipes.launch.world import free_port, in_launched_world
+from moai_recipes.train.world import free_port
 
 
-def needs_launch(flavor: Flavor) -> bool:
-    """True when this process must start the flavor's processes itself."""
-    if in_launched_world():
-        given = int(os.environ["WORLD_SIZE"])
-        if given != flavor.num_devices:
-            raise UserError(f"flavor {flavor.name} has {flavor.num_devices} devices but the launcher started "
-                            f"{given} processes; start {flavor.num_devices} (torchrun --nproc_per_node ...) or pick a "
-                            f"flavor of {given} devices")
-        return False
-    if flavor.num_devices == 1:
-        _check_capacity(flavor)
-        return False
-    _check_capacity(flavor)
-    return True
-
-
-def _check_capacity(flavor: Flavor) -> None:
+def check_capacity(flavor: Flavor) -> None:
+    """A UserError when this machine lacks the GPUs the flavor's processes need."""
     have = local_capacity(flavor)
     if flavor.device.kind == "gpu" and have < flavor.num_devices:
         what = f"{have} GPU{'s' if have != 1 else ''}" if have else "no GPU"
@@ -48,22 +33,20 @@ def _check_capacity(flavor: Flavor) -> None:
             f"to train on this machine's CPU use flavor=cpu, cpu-2 or cpu-4")
 
 
-def relaunch(flavor: Flavor, module: str, argv: list[str]) -> int:
-    """Run `python -m module argv` on the flavor's processes with the elastic launcher; return the exit code."""
+def start_workers(flavor: Flavor, job_file: Path) -> int:
+    """Run `python -m moai_recipes.launch.worker job_file` on the flavor's processes until they end; return the
+    group's exit code (errors.py)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    n = flavor.num_devices
-    env.set_launcher(os.getpid())  # the workers stop with us (world.stop_with_launcher)
-    # Each worker gets its share of the cores, as torchrun would, instead of oversubscribing them.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"moai-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-                          rdzv_configs={"is_host": True}, max_restarts=0, monitor_interval=0.1)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=flavor.num_devices,
+                          run_id=f"moai-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"is_host": True}, max_restarts=0,
+                          monitor_interval=0.1)
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-u", "-m", module, *argv)
+        elastic_launch(config, entrypoint=sys.executable)("-u", "-m", "moai_recipes.launch.worker", str(job_file))
     except SignalException:
         # The launcher was interrupted too: the workers got the signal, saved and stopped.
         return EXIT_STOPPED
@@ -76,5 +59,5 @@ def relaunch(flavor: Flavor, module: str, argv: list[str]) -> int:
         if codes == [EXIT_STOPPED]:  # every worker saved and stopped on a signal (a scheduler's preemption)
             return EXIT_STOPPED
         print(f"error: worker process failed with exit code {codes} (see its output above)", file=sys.stderr)
-        return 1
+        return EXIT_FAILURE
     return 0

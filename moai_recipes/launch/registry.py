@@ -4,7 +4,7 @@ A run is one file, `<moai_home>/runs/<host>-<pid>.json`, written when the recipe
 when it ends, normally or by an exception (a user error, Ctrl-C, a crash in Python). A run killed
 outright (kill -9, the kernel's OOM killer) cannot remove its file: `running()` drops the files of
 this machine's processes that are gone (a home shared by several nodes holds theirs too). The
-workers a recipe launches inherit its job id (launch/env.py) and register as its workers: while their launcher
+workers a recipe launches get its job id in their job file (launch/worker.py) and register as its workers: while their launcher
 lives, smi counts them in its process tree (one row per job); a launcher killed outright can leave
 them running, and then they are listed on their own, so that what still trains stays in sight.
 Test: `python -m pytest tests/test_cli.py -q`.
@@ -24,7 +24,6 @@ import psutil
 from moai_recipes.config.user_settings import moai_home
 from moai_recipes.files import write_json
 from moai_recipes.flavors import Flavor
-from moai_recipes.launch import env
 
 
 @dataclass(frozen=True)
@@ -44,9 +43,12 @@ def runs_dir() -> Path:
     return moai_home() / "runs"
 
 
-def _register(flavor: Flavor, launcher: int | None) -> Path | None:
+def new_job_id() -> str:
+    return str(100000 + secrets.randbelow(900000))
+
+
+def _register(flavor: Flavor, job_id: str, launcher: int | None) -> Path | None:
     me = psutil.Process()
-    job_id = env.job()[0] if launcher else str(100000 + secrets.randbelow(900000))
     run = Run(job_id=job_id, host=socket.gethostname(), pid=me.pid, create_time=me.create_time(),
               command=shlex.join(["python", *sys.orig_argv[1:]]), flavor=flavor.name, device_kind=flavor.device.kind,
               total_memory_gb=flavor.total_memory_gb, launcher=launcher)
@@ -56,23 +58,18 @@ def _register(flavor: Flavor, launcher: int | None) -> Path | None:
     except OSError as e:  # a read-only home must not stop a training run
         print(f"warning: cannot register the run in {path.parent} ({e}); `moai smi` will not list it", file=sys.stderr)
         return None
-    if launcher is None:  # inherited by the workers we launch (with the launcher's pid, set by elastic.relaunch)
-        env.set_job(run.job_id)
     return path
 
 
 @contextmanager
-def registered(flavor: Flavor):
-    """List this process in `moai smi` while the block runs: as a job, or as a worker of the listed job that
-    started it (smi shows a worker on its own only once that job's process is gone)."""
-    job, launcher = env.job()
-    path = None if job and launcher is None else _register(flavor, launcher)
+def registered(flavor: Flavor, *, job_id: str, launcher: int | None = None):
+    """List this process in `moai smi` while the block runs: as the job `job_id`, or as a worker of that job, whose
+    listed process is `launcher` (smi shows a worker on its own only once that process is gone)."""
+    path = _register(flavor, job_id, launcher)
     try:
         yield
     finally:
         if path is not None:
-            if launcher is None:
-                env.clear_job()
             path.unlink(missing_ok=True)
 
 

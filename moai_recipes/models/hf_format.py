@@ -26,12 +26,12 @@ from moai_recipes.models.spec import ModelSpec, read_spec
 INDEX = "model.safetensors.index.json"
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # Weights in other formats are never copied: a stale pytorch_model.bin beside the new weights would mislead.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".index.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".hf", ".gguf", ".index.json")
 _TIED_OUTPUT = "output.weight"  # torchtune's name for lm_head.weight; absent from tied models
 
 
 @dataclass
-class HFCheckpoint:
+class HFFolder:
     """An input checkpoint folder, described from its headers without loading weights."""
 
     folder: Path
@@ -41,7 +41,7 @@ class HFCheckpoint:
     shapes: dict[str, tuple]
 
     @classmethod
-    def open(cls, folder: str | Path) -> "HFCheckpoint":
+    def open(cls, folder: str | Path) -> "HFFolder":
         folder = Path(folder)
         spec = read_spec(folder)  # also says when the folder or config.json is missing
         files, dtypes, shapes = _weight_map(folder), {}, {}
@@ -57,9 +57,9 @@ class HFCheckpoint:
                         raise UserError(f"{fname}: {name} is {sl.get_dtype()}; only float32, bfloat16 and float16 "
                                         "checkpoints are supported (not quantized ones)")
                     dtypes[name], shapes[name] = _DTYPES[sl.get_dtype()], tuple(sl.get_shape())
-        ckpt = cls(folder=folder, spec=spec, files=files, dtypes=dtypes, shapes=shapes)
-        tune_names(ckpt)  # a tensor no converter knows is a UserError now, not halfway through loading
-        return ckpt
+        hf = cls(folder=folder, spec=spec, files=files, dtypes=dtypes, shapes=shapes)
+        tune_names(hf)  # a tensor no converter knows is a UserError now, not halfway through loading
+        return hf
 
 
 def _open(path: Path):
@@ -114,21 +114,21 @@ _TUNE_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias|scale)")
 _NOT_WEIGHTS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  # old transformers' buffers
 
 
-def tune_name(hf: str) -> str | None:
+def tune_name(hf_name: str) -> str | None:
     """Our parameter name for a Hugging Face tensor name; None for a buffer that is not a weight; KeyError for a
     name no supported model has."""
-    if hf in _TOP_NAMES:
-        return _TOP_NAMES[hf]
-    if _NOT_WEIGHTS.fullmatch(hf):
+    if hf_name in _TOP_NAMES:
+        return _TOP_NAMES[hf_name]
+    if _NOT_WEIGHTS.fullmatch(hf_name):
         return None
-    m = _LAYER.fullmatch(hf)
+    m = _LAYER.fullmatch(hf_name)
     if m:
         layer, module, kind = m.groups()
         if module in _LAYER_NAMES:
             return f"layers.{layer}.{_LAYER_NAMES[module]}.{kind}"
         if module in _LAYER_NORMS and kind == "weight":
             return f"layers.{layer}.{_LAYER_NORMS[module]}.scale"
-    raise KeyError(hf)
+    raise KeyError(hf_name)
 
 
 _HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
@@ -150,35 +150,35 @@ def hf_name(tune: str) -> str:
     raise KeyError(tune)
 
 
-def tune_names(ckpt: HFCheckpoint) -> dict[str, str | None]:
+def tune_names(hf: HFFolder) -> dict[str, str | None]:
     """Hugging Face tensor name -> our parameter name (None: not a weight, e.g. rotary inv_freq)."""
     names = {}
-    for hf_names in ckpt.files.values():
-        for hf in hf_names:
+    for hf_names in hf.files.values():
+        for hf_name in hf_names:
             try:
-                names[hf] = tune_name(hf)
+                names[hf_name] = tune_name(hf_name)
             except KeyError:
-                raise UserError(f"{ckpt.folder}: tensor {hf} is not part of a {ckpt.spec.family} model; the weights "
+                raise UserError(f"{hf.folder}: tensor {hf_name} is not part of a {hf.spec.family} model; the weights "
                                 "and config.json do not belong together") from None
     return names
 
 
-def _check_matches(model: torch.nn.Module, ckpt: HFCheckpoint, names: dict[str, str | None],
+def _check_matches(model: torch.nn.Module, hf: HFFolder, names: dict[str, str | None],
                    allow_missing: tuple[str, ...]) -> None:
     """UserError unless the checkpoint has exactly the model's parameters, with their shapes."""
     params = dict(model.named_parameters())
-    for hf, tune in names.items():
-        if tune is None or (tune == _TIED_OUTPUT and ckpt.spec.tie_word_embeddings):
+    for hf_name, tune in names.items():
+        if tune is None or (tune == _TIED_OUTPUT and hf.spec.tie_word_embeddings):
             continue
         if tune not in params:
-            raise UserError(f"{ckpt.folder}: tensor {hf} has no place in the model its config.json describes; "
+            raise UserError(f"{hf.folder}: tensor {hf_name} has no place in the model its config.json describes; "
                             "the weights and config.json do not belong together")
-        if ckpt.shapes[hf] != tuple(params[tune].shape):
-            raise UserError(f"{ckpt.folder}: tensor {hf} has shape {list(ckpt.shapes[hf])} but its config.json "
+        if hf.shapes[hf_name] != tuple(params[tune].shape):
+            raise UserError(f"{hf.folder}: tensor {hf_name} has shape {list(hf.shapes[hf_name])} but its config.json "
                             f"needs {list(params[tune].shape)}; the weights and config.json do not belong together")
     missing = set(params) - set(names.values()) - {p for p in params if any(s in p for s in allow_missing)}
     if missing:
-        raise UserError(f"{ckpt.folder} has no weights for {', '.join(sorted(missing)[:4])}; the weights are "
+        raise UserError(f"{hf.folder} has no weights for {', '.join(sorted(missing)[:4])}; the weights are "
                         "incomplete or do not belong to its config.json")
 
 
@@ -215,20 +215,20 @@ def _copy_full_into_nf4(param: torch.Tensor, local: torch.Tensor, full: torch.Te
     local.scaler_mean, local.nf4 = quantized.scaler_mean, quantized.nf4
 
 
-def load_weights(model: torch.nn.Module, ckpt: HFCheckpoint, *, allow_missing: tuple[str, ...] = ()) -> None:
+def load_weights(model: torch.nn.Module, hf: HFFolder, *, allow_missing: tuple[str, ...] = ()) -> None:
     """Copy the checkpoint into `model` (plain or FSDP2-sharded), one tensor at a time.
 
     Every rank reads the files. `allow_missing` names substrings of parameters the checkpoint cannot
     hold (LoRA adapters: ("lora_a", "lora_b")); all other parameters must be in it.
     """
-    names = tune_names(ckpt)
-    _check_matches(model, ckpt, names, allow_missing)  # before reading any weight
+    names = tune_names(hf)
+    _check_matches(model, hf, names, allow_missing)  # before reading any weight
     params = dict(model.named_parameters())
-    for fname, hf_names in ckpt.files.items():
-        with _open(ckpt.folder / fname) as f:
-            for hf in hf_names:
-                if names[hf] in params:  # skips rotary inv_freq and the tied lm_head
-                    copy_full_into(params[names[hf]], f.get_tensor(hf))
+    for fname, hf_names in hf.files.items():
+        with _open(hf.folder / fname) as f:
+            for hf_name in hf_names:
+                if names[hf_name] in params:  # skips rotary inv_freq and the tied lm_head
+                    copy_full_into(params[names[hf_name]], f.get_tensor(hf_name))
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -250,9 +250,9 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor().cpu()
 
 
-def save_weights(model: torch.nn.Module, ckpt: HFCheckpoint, out_dir: Path, *, rank: int,
+def save_weights(model: torch.nn.Module, hf: HFFolder, out_dir: Path, *, rank: int,
                  transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
-    """Write `model` to `out_dir` laid out exactly as `ckpt`: files, tensor names, dtypes, index, other files.
+    """Write `model` to `out_dir` laid out exactly as `hf`: files, tensor names, dtypes, index, other files.
 
     Every rank must call it (gathering sharded parameters is a collective); only rank 0 writes,
     into a temporary sibling folder renamed to `out_dir` at the end. Raises FileExistsError if
@@ -262,15 +262,15 @@ def save_weights(model: torch.nn.Module, ckpt: HFCheckpoint, out_dir: Path, *, r
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists")
-    names, params = tune_names(ckpt), dict(model.named_parameters())
+    names, params = tune_names(hf), dict(model.named_parameters())
     tmp = None
     if rank == 0:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        total_size = sum(_save_file(params, ckpt, names, fname, tmp, transform) for fname in ckpt.files)
+        total_size = sum(_save_file(params, hf, names, fname, tmp, transform) for fname in hf.files)
         if rank == 0:
-            _write_index_and_extras(ckpt, tmp, total_size)
+            _write_index_and_extras(hf, tmp, total_size)
             os.rename(tmp, out_dir)
     except BaseException:
         if tmp is not None:
@@ -278,17 +278,17 @@ def save_weights(model: torch.nn.Module, ckpt: HFCheckpoint, out_dir: Path, *, r
         raise
 
 
-def _save_file(params: dict, ckpt: HFCheckpoint, names: dict, fname: str, tmp: Path | None, transform) -> int:
+def _save_file(params: dict, hf: HFFolder, names: dict, fname: str, tmp: Path | None, transform) -> int:
     """Gather, convert and (if `tmp`, i.e. on rank 0) write one input file's tensors; returns its byte size."""
     tensors, size = {}, 0
-    with _open(ckpt.folder / fname) as f:
-        for hf in ckpt.files[fname]:  # the same order on every rank: full_tensor() is a collective
+    with _open(hf.folder / fname) as f:
+        for hf_name in hf.files[fname]:  # the same order on every rank: full_tensor() is a collective
             # A tensor that is not a weight of the model (rotary inv_freq) is copied as it was.
-            tensor = f.get_tensor(hf) if names[hf] is None else _export_tensor(params, ckpt, names[hf], transform)
-            assert tuple(tensor.shape) == ckpt.shapes[hf], (hf, tensor.shape, ckpt.shapes[hf])
-            size += tensor.numel() * ckpt.dtypes[hf].itemsize
+            tensor = f.get_tensor(hf_name) if names[hf_name] is None else _export_tensor(params, hf, names[hf_name], transform)
+            assert tuple(tensor.shape) == hf.shapes[hf_name], (hf_name, tensor.shape, hf.shapes[hf_name])
+            size += tensor.numel() * hf.dtypes[hf_name].itemsize
             if tmp is not None:
-                tensors[hf] = tensor.to(ckpt.dtypes[hf]).contiguous()
+                tensors[hf_name] = tensor.to(hf.dtypes[hf_name]).contiguous()
             del tensor  # on every rank, before the next gather: only the file's kept tensors stay
         metadata = {**(f.metadata() or {}), "format": "pt"}
     if tmp is not None:
@@ -296,20 +296,20 @@ def _save_file(params: dict, ckpt: HFCheckpoint, names: dict, fname: str, tmp: P
     return size
 
 
-def _export_tensor(params: dict, ckpt: HFCheckpoint, tune: str, transform) -> torch.Tensor:
+def _export_tensor(params: dict, hf: HFFolder, tune: str, transform) -> torch.Tensor:
     """One whole weight, gathered and transformed; its intermediates die on return."""
-    source = "tok_embeddings.weight" if tune == _TIED_OUTPUT and ckpt.spec.tie_word_embeddings else tune
+    source = "tok_embeddings.weight" if tune == _TIED_OUTPUT and hf.spec.tie_word_embeddings else tune
     whole = full_tensor(params[source])
     return whole if transform is None else transform(source, whole)
 
 
-def _write_index_and_extras(ckpt: HFCheckpoint, tmp: Path, total_size: int) -> None:
-    index = ckpt.folder / INDEX
+def _write_index_and_extras(hf: HFFolder, tmp: Path, total_size: int) -> None:
+    index = hf.folder / INDEX
     if index.exists():
         data = json.loads(index.read_text())
         data.setdefault("metadata", {})["total_size"] = total_size
         (tmp / INDEX).write_text(json.dumps(data, indent=2) + "\n")
     # config.json, generation_config.json, tokenizer files...: everything but weights and subfolders.
-    for path in sorted(ckpt.folder.iterdir()):
+    for path in sorted(hf.folder.iterdir()):
         if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(path, tmp / path.name)

@@ -17,8 +17,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from moai_recipes.errors import UserError
-from moai_recipes.models.hf_format import HFCheckpoint, tune_name
-from moai_recipes.models.sources import resolve_checkpoint_dir
+from moai_recipes.models.hf_format import HFFolder, tune_name
+from moai_recipes.models.sources import resolve_model_dir
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # PEFT's wrapper around the Hugging Face model
@@ -80,22 +80,22 @@ class PeftAdapter:
             return Path(base).expanduser().resolve()
         if self.base_on_hub:
             try:
-                return resolve_checkpoint_dir(name=base, checkpoint_dir=None, hf_repo=base, download=download)
+                return resolve_model_dir(name=base, checkpoint_dir=None, hf_repo=base, download=download)
             except UserError as e:  # "model=NAME: could not get ..." would name a model= the user never typed
                 raise UserError(f"{self.folder / CONFIG} names the base model {base}: "
                                 f"{str(e).partition(': ')[2]}") from None
         raise UserError(f"{self.folder / CONFIG} names the base model {base!r}, which is not a folder here; "
                         "set model.checkpoint_dir=DIR to the base model's folder")
 
-    def check_base(self, ckpt: HFCheckpoint) -> None:
-        """UserError unless every adapted module is a weight of `ckpt` with the adapter's shapes."""
+    def check_base(self, hf: HFFolder) -> None:
+        """UserError unless every adapted module is a weight of `hf` with the adapter's shapes."""
         for module, (a, b) in self.weights.items():
-            shape = ckpt.shapes.get(f"{module}.weight")
+            shape = hf.shapes.get(f"{module}.weight")
             if shape != (b.shape[0], a.shape[1]):
                 found = f"has shape {list(shape)}" if shape else "has no such weight"
                 raise UserError(
                     f"the adapter {self.folder} was trained for another base model: it adapts {module} as a "
-                    f"{b.shape[0]}x{a.shape[1]} matrix, but {ckpt.folder} {found}. Set model.checkpoint_dir to the "
+                    f"{b.shape[0]}x{a.shape[1]} matrix, but {hf.folder} {found}. Set model.checkpoint_dir to the "
                     f"base it was trained on (its adapter_config.json names {self.base_model!r})")
 
 

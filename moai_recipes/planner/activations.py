@@ -34,9 +34,15 @@ from torch.utils.flop_counter import (
 
 from moai_recipes.files import cache_dir
 from moai_recipes.models.build import build_model
+from moai_recipes.models.loss import (
+    CHUNK_TOKENS,
+    IGNORE_INDEX,
+    chunked_cross_entropy_sum,
+    cross_entropy_sum,
+)
 from moai_recipes.models.spec import ModelSpec
 from moai_recipes.planner.live_storages import LiveStorages
-from moai_recipes.train.parallel import apply_recompute
+from moai_recipes.models.recompute import apply_recompute
 
 _VERSION = 5  # of what a trace measures: bump to ignore older cached traces
 
@@ -92,8 +98,6 @@ def trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked:
         return _cached(HeadTrace, ("head", spec, sequences, seq_len, chunked, dtype, lora),
                        lambda: _trace_head(spec, micro_batch_size=sequences, seq_len=seq_len, chunked=chunked,
                                            dtype=dtype, lora=lora))
-
-    from moai_recipes.train.loss import CHUNK_TOKENS
 
     # Two micro-batches to extrapolate from: for the chunked loss, ones that run whole chunks, two of
     # them at least (each chunk also adds the output projection's gradient to its sum, so a partial
@@ -270,12 +274,6 @@ def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked
     """The decoder's last steps as loss.token_loss_sum runs them: torchtune's unembed (norm, output,
     float) and the loss, or the chunked norm, output and loss."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from moai_recipes.train.loss import (
-        IGNORE_INDEX,
-        chunked_cross_entropy_sum,
-        cross_entropy_sum,
-    )
 
     model = _meta_model(spec, seq_len=seq_len, recompute="none", dtype=dtype, lora=lora)
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():

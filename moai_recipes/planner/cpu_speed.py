@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from moai_recipes import env
 from moai_recipes.files import cache_dir
 
 
@@ -27,9 +28,9 @@ class CpuSpeed:
 
 
 def process_threads(num_processes: int) -> int:
-    """The intra-op threads of one process of a CPU flavor: what launch.relaunch gives each worker."""
-    given = os.environ.get("OMP_NUM_THREADS")
-    return int(given) if given and given.isdigit() else max(1, (os.cpu_count() or 1) // num_processes)
+    """The intra-op threads of one of `num_processes` processes on this machine: the user's OMP_NUM_THREADS (as
+    torchrun honours it), else an equal share of the cores. What train/process.py gives each training process."""
+    return env.omp_threads() or max(1, (os.cpu_count() or 1) // num_processes)
 
 
 def cpu_speed(threads: int) -> CpuSpeed:

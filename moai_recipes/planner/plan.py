@@ -66,7 +66,7 @@ class Plan:
     replicate: bool  # several processes each hold the whole model, gradients summed once a step (no FSDP2)
     reshard_after_forward: bool
     cpu_offload: bool
-    chunked_loss: bool  # the output projection and the loss in chunks of tokens (train/loss.py)
+    chunked_loss: bool  # the output projection and the loss in chunks of tokens (models/loss.py)
     param_dtype: str  # compute dtype of parameters in forward/backward
     master_dtype: str  # dtype of the sharded parameters, gradients and optimizer state
     compile: bool = False  # each layer's forward and backward compiled by torch.compile (train/parallel.py)

@@ -32,7 +32,7 @@ from moai_recipes.models.build import build_model
 from moai_recipes.models.hf_format import load_weights
 from moai_recipes.models.peft_adapter import merge_adapter
 from moai_recipes.models.spec import check_context
-from moai_recipes.run_inputs import read_generate_inputs
+from moai_recipes.inputs import read_generate_inputs
 
 RECIPE = "generate"
 
@@ -45,8 +45,8 @@ def generate(cfg: DictConfig, *, prompt: str | None) -> tuple[Tokenizer, list[in
     if not prompt:
         raise UserError('prompt="..." is required: the text to answer (chat=true) or to continue (chat=false)')
     inputs = read_generate_inputs(cfg)
-    sampling, ckpt, tokenizer, adapter = inputs.sampling, inputs.ckpt, inputs.tokenizer, inputs.adapter
-    spec = ckpt.spec
+    sampling, hf, tokenizer, adapter = inputs.sampling, inputs.hf, inputs.tokenizer, inputs.adapter
+    spec = hf.spec
     ids = prompt_ids(tokenizer, prompt, chat=cfg.chat)
     max_seq_len = len(ids) + sampling.max_new_tokens
     if max_seq_len > spec.max_position_embeddings:
@@ -66,12 +66,12 @@ def generate(cfg: DictConfig, *, prompt: str | None) -> tuple[Tokenizer, list[in
     placement = place_blocks(block_sizes(model, dtype=dtype, per_layer_extra=cache), free_memory(cap_bytes=cap),
                              cfg.device_map)
     dispatch(model, placement, main=main_device)
-    load_weights(model, ckpt)
+    load_weights(model, hf)
     if adapter:
         merge_adapter(model, adapter)
     model.eval()
     setup_caches(model, placement, dtype=dtype, max_seq_len=max_seq_len)
-    say(f"Model {ckpt.folder}: {spec.family}, {spec.num_params() / 1e6:.1f}M parameters in {str(dtype)[6:]}"
+    say(f"Model {hf.folder}: {spec.family}, {spec.num_params() / 1e6:.1f}M parameters in {str(dtype)[6:]}"
         + (f"; adapter {adapter.folder} merged (r={adapter.rank}, alpha={adapter.alpha:g})" if adapter else ""))
     say(f"Device map ({cfg.device_map}): {describe(placement)}")
 

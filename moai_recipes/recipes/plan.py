@@ -18,7 +18,7 @@ from moai_recipes.errors import exit_on_user_error
 from moai_recipes.files import write_json
 from moai_recipes.flavors import resolve_flavor
 from moai_recipes.planner.search import GiB, choose_plan
-from moai_recipes.run_inputs import read_inputs
+from moai_recipes.inputs import read_inputs
 
 
 @exit_on_user_error

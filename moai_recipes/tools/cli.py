@@ -105,15 +105,14 @@ def calibrate(args) -> int:
 
 
 def run(recipe: str | None, args: list[str]) -> int:
-    """`python -m moai_recipes.recipes RECIPE ARGS`: the installed recipe, from any folder (the processes a
-    flavor launches run its module)."""
+    """`python -m moai_recipes.launch RECIPE ARGS`: the installed recipe, from any folder."""
     from moai_recipes.tools.config_files import recipes
 
     if recipe not in recipes():
         raise UserError(f"{'no recipe ' + repr(recipe) if recipe else 'name a recipe'}: valid recipes are "
                         f"{', '.join(recipes())} (moai ls shows their configs)")
     sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "moai_recipes.recipes", recipe, *args])
+    os.execv(sys.executable, [sys.executable, "-m", "moai_recipes.launch", recipe, *args])
 
 
 def parser() -> argparse.ArgumentParser:

@@ -147,11 +147,11 @@ def validate(config: str, overrides: list[str]) -> Iterator[str]:
 
 
 def _check_inputs(recipe: str, cfg) -> Iterator[str]:
-    """What `recipe` reads before it starts, read as the recipe reads it (run_inputs) without downloading or
+    """What `recipe` reads before it starts, read as the recipe reads it (inputs.py) without downloading or
     writing anything; a line per thing read."""
     # Imported only now: torch and torchtune take seconds, which a mistake in the config need not wait for.
     from moai_recipes.flavors import resolve_flavor
-    from moai_recipes.run_inputs import read_generate_inputs, read_inputs
+    from moai_recipes.inputs import read_generate_inputs, read_inputs
 
     if recipe == "generate":  # what recipes.generate checks before it reads a weight (the prompt comes when it runs)
         yield from read_generate_inputs(cfg, dry=True).describe(cfg)

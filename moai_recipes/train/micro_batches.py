@@ -7,10 +7,10 @@ the shares into micro-batches; the training step and the validation loss both ru
 import torch
 
 from moai_recipes.data.datasets import collate
-from moai_recipes.launch.world import World
+from moai_recipes.train.world import World
 from moai_recipes.models.attention import Documents
 from moai_recipes.planner.plan import Plan
-from moai_recipes.train.loss import IGNORE_INDEX
+from moai_recipes.models.loss import IGNORE_INDEX
 
 # An empty micro-batch still runs forward and backward (FSDP's collectives must match on every rank).
 _EMPTY = {"tokens": None, "labels": [IGNORE_INDEX]}

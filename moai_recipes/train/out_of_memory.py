@@ -10,30 +10,37 @@ continues exactly as planned; the log says so and plan.json records the change.
 
 On several processes a step cannot be redone in place: a rank that ran out of memory has left the others
 waiting inside FSDP's collectives. That rank leaves the smaller plan in the run folder (OUT_OF_MEMORY_HINT)
-and exits with EXIT_OUT_OF_MEMORY; the launcher (ours, or torchrun with restarts) starts the processes again, they resume
+and raises RestartSmaller, on which its process exits with EXIT_OUT_OF_MEMORY (launch/worker.py); the launcher (ours, or torchrun with restarts) starts the processes again, they resume
 from the last checkpoint (or the first step) with the smaller plan forced, and redo the steps since then:
 the same global batches, the same losses. Without a launcher that restarts, the user runs the same command
 again and it does the same.
 
 `MOAI_FAULT_OOM_TOKENS=N` makes any micro-batch of more than N tokens run out of memory, as a device that
-size would: how the recovery is tested on the CPU (tests/test_out_of_memory.py).
+size would: how the recovery is tested on the CPU (tests/test_out_of_memory.py). train/process.py reads it once.
 """
 
 import gc
-import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from moai_recipes.checkpoint.run_folder import OUT_OF_MEMORY_HINT, read_hint
-from moai_recipes.errors import EXIT_OUT_OF_MEMORY, UserError
+from moai_recipes import env
+from moai_recipes.checkpoint.run_folder import OUT_OF_MEMORY_HINT
+from moai_recipes.errors import RestartSmaller, UserError
 from moai_recipes.files import write_json
 from moai_recipes.planner.plan import Plan
 from moai_recipes.planner.search import Candidate, PlanChoice
+from moai_recipes.train.run_log import RunLog
+from moai_recipes.train.world import World
 
-FAULT_TOKENS = "MOAI_FAULT_OOM_TOKENS"
+
+class StepOutOfMemory(Exception):
+    """A step's forward or backward ran out of memory before anything was applied."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -42,11 +49,10 @@ def is_out_of_memory(error: BaseException) -> bool:
         isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
 
 
-def injected_fault(tokens: int) -> None:
-    """Raise an out-of-memory error for a micro-batch larger than MOAI_FAULT_OOM_TOKENS (unset: never)."""
-    limit = os.environ.get(FAULT_TOKENS)
-    if limit and tokens > int(limit):
-        raise torch.OutOfMemoryError(f"{FAULT_TOKENS}={limit}: a micro-batch of {tokens} tokens is out of memory")
+def injected_fault(tokens: int, limit: int | None) -> None:
+    """Raise an out-of-memory error for a micro-batch of more than `limit` tokens (MOAI_FAULT_OOM_TOKENS; None: never)."""
+    if limit is not None and tokens > limit:
+        raise torch.OutOfMemoryError(f"{env.FAULT_OOM_TOKENS}={limit}: a micro-batch of {tokens} tokens is out of memory")
 
 
 def release_memory(optimizer: torch.optim.Optimizer) -> None:
@@ -71,19 +77,42 @@ def smaller_plan(choice: PlanChoice, plan: Plan, *, step: int, error: BaseExcept
     return best
 
 
-def forced_plan(forced, out: Path | None) -> dict:
+def forced_plan(forced, hint: dict | None) -> dict:
     """The plan fields the user forced (plan.*), with the smaller micro-batch an out-of-memory step of this run
-    folder left, if any."""
-    hint = read_hint(out)
+    left (`hint`, RunInputs.out_of_memory_hint), if any."""
     return {**dict(forced or {}), "micro_batch_size": hint["micro_batch_size"]} if hint else dict(forced or {})
 
 
-def restart_smaller(out: Path, change: dict, *, micro_batch_size: int) -> None:
-    """On several processes: leave the smaller plan for the restarted processes and end this one at once (the
-    others wait inside a collective that will never come; the launcher stops them)."""
-    earlier = (read_hint(out) or {}).get("changes", [])
-    write_json(out / OUT_OF_MEMORY_HINT, {"micro_batch_size": micro_batch_size, "changes": [*earlier, change]})
-    print(f"Rank {os.environ.get('RANK', '0')}: step {change['step']} ran out of memory ({change['error']}); the "
-          f"processes start again with plan.micro_batch_size={micro_batch_size}, from the last checkpoint",
-          file=sys.stderr, flush=True)
-    os._exit(EXIT_OUT_OF_MEMORY)
+class SmallerOnOutOfMemory:
+    """Runs each step as the plan says and, after an out-of-memory error, the same global batch again with the next
+    smaller plan; `choice` is the plan the run goes on with. On several processes the processes start again
+    instead (RestartSmaller), leaving the smaller plan in the run folder for them."""
+
+    def __init__(self, choice: PlanChoice, *, world: World, out: Path, hint: dict | None, log: RunLog | None):
+        self.choice, self.world, self.out, self.log = choice, world, out, log
+        self._earlier = (hint or {}).get("changes", [])  # this run's earlier restarts, kept in the hint
+
+    @property
+    def plan(self) -> Plan:
+        return self.choice.chosen.plan
+
+    def run(self, step_fn, *, step: int, optimizer: torch.optim.Optimizer):
+        """`step_fn(plan)` (a step that raises StepOutOfMemory before it applies anything), redone smaller until it
+        fits; a UserError when no smaller plan of the same kind exists."""
+        while True:
+            try:
+                return step_fn(self.plan)
+            except StepOutOfMemory as oom:
+                release_memory(optimizer)
+                smaller = smaller_plan(self.choice, self.plan, step=step, error=oom.error)
+                change = {"step": step, "error": str(oom.error).splitlines()[0][:300], "from": self.plan.as_dict(),
+                          "to": smaller.plan.as_dict()}
+                if self.world.world_size > 1:  # the others wait inside a collective: start them all again, smaller
+                    mbs = smaller.plan.micro_batch_size
+                    write_json(self.out / OUT_OF_MEMORY_HINT, {"micro_batch_size": mbs,
+                                                               "changes": [*self._earlier, change]})
+                    raise RestartSmaller(f"step {step} ran out of memory ({change['error']}); the processes start "
+                                         f"again with plan.micro_batch_size={mbs}, from the last checkpoint")
+                self.choice = replace(self.choice, chosen=smaller)
+                if self.log:
+                    self.log.plan_changed(self.choice.as_dict(), change)

@@ -7,8 +7,6 @@ layer's parameters are all-gathered just in time.
 FSDP2 is applied only where it does something (Plan.sharded): one fp32 process keeps a plain module.
 """
 
-from functools import partial
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -16,66 +14,18 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
 
-from moai_recipes.config.schema import Recompute
-from moai_recipes.launch.world import World
+from moai_recipes.train.world import World
 from moai_recipes.models.attention import keep_attention_eager
 from moai_recipes.models.build import init_buffers, is_nf4
+from moai_recipes.models.recompute import apply_recompute
 from moai_recipes.planner.plan import Plan
-
-# Selective recompute keeps what is expensive to redo (matmuls, attention) and recomputes the
-# cheap, memory-hungry pointwise ops (norms, SiLU, residual adds) in the backward pass.
-_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-}
-if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-    _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
-
-
-def _selective_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def apply_recompute(layers: nn.ModuleList, policy: str) -> None:
-    """Recompute each layer's activations in the backward pass (`full` or `selective`).
-
-    Only the layer's `forward` is checkpointed, not the module call: FSDP2's hooks (all-gather,
-    reshard, input casts) then stay outside the recomputed region, as with torchtitan's
-    checkpoint wrapper inside `fully_shard`. Selective recompute replays the region's ops
-    against what it saved, so hooks inside it would be replayed too and break it. Patching
-    `forward` in place keeps parameter names (and the checkpoint conversion) the same.
-    """
-    policy = Recompute(policy)
-    if policy == Recompute.none:
-        return
-    # Full recomputation passes no context_fn at all: torch.compile (plan.compile) traces checkpoint only
-    # with its own default.
-    options = (dict(context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
-               if policy == Recompute.selective else {})
-    for layer in layers:
-        layer.forward = _checkpointed(layer.forward, options)
-
-
-def _checkpointed(forward, options: dict):
-    def recomputed_forward(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
-    return recomputed_forward
 
 
 def apply_compile(layers: nn.ModuleList) -> None:
     """torch.compile each layer's `forward` (plan.compile), as torchtitan compiles each block.
 
-    The forward, not the module: FSDP2's hooks stay outside the graph (as with recomputation above) and the
+    The forward, not the module: FSDP2's hooks stay outside the graph (as with recomputation, models/recompute.py) and the
     parameter names stay the same (torch.compile(module) would prefix them with `_orig_mod.`). Every layer
     runs the same code, so one graph serves them all; `dynamic` because a micro-batch's tokens change from
     step to step (packed rows, padded rows of the longest sample). Packed attention stays eager

@@ -108,5 +108,16 @@ def record(choice: PlanChoice, work: Workload, measured: Measured, accuracy: Acc
                                              measured_peak_bytes=measured.peak_bytes))
 
 
+def report_accuracy(choice: PlanChoice, measured: Measured, *, work: Workload, model_name: str, device_kind: str,
+                    log) -> None:
+    """At the end of a run, on the main process: the measured against the predicted in the log and W&B's summary,
+    and this run's line of the machine's calibration record."""
+    accuracy = compare(choice, work, measured, device_kind)
+    for line in accuracy.lines():
+        log.info(line)
+    log.summary(**accuracy.as_dict())
+    record(choice, work, measured, accuracy, model_name=model_name, device_kind=device_kind)
+
+
 def _size(shape: tuple[int, int]) -> tuple[int, tuple[int, int]]:
     return shape[0] * shape[1], shape

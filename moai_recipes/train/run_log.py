@@ -8,29 +8,54 @@ import json
 import netrc
 import os
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 from tqdm import tqdm
 
+from moai_recipes import env
+
 METRIC_KEYS = ("step", "loss", "lr", "tokens", "tokens_per_sec", "step_time_s", "grad_norm", "peak_memory_bytes")
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step as the log records it: a row of metrics.jsonl, a W&B point, the step line."""
+
+    step: int
+    loss: float  # mean over the global batch's target tokens
+    lr: float
+    tokens: int  # processed, padding excluded, global
+    tokens_per_sec: float
+    step_time_s: float
+    grad_norm: float
+    peak_memory_bytes: int  # tensors, the most at once on any rank (measured steps; 0 when not measured)
+    host_peak_bytes: int  # resident memory, the most of any process so far
+    target_tokens: int
+    skipped: bool  # not applied: its loss or gradient was not finite
+    eval_loss: float | None = None  # the validation loss, where measured after this step
+    eval_time_s: float | None = None
+
+    def row(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 def wandb_logged_in() -> bool:
     """True when W&B has credentials: WANDB_API_KEY, or a netrc entry for its host (what `wandb login` writes)."""
-    if os.environ.get("WANDB_API_KEY"):
+    key, url, netrc_path = env.wandb_credentials()
+    if key:
         return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
     try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+        return netrc.netrc(netrc_path).authenticators(urlparse(url).hostname) is not None
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
         return False
 
 
 def wandb_mode(mode: str) -> str:
     """`auto`: online when logged in, offline otherwise; an explicit WANDB_MODE in the environment wins."""
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
+    if env.wandb_mode():
+        return env.wandb_mode()
     if mode != "auto":
         return mode
     return "online" if wandb_logged_in() else "offline"
@@ -52,37 +77,19 @@ class RunLog:
 
     @classmethod
     def start(cls, cfg, inputs, choice) -> "RunLog":
-        """Create the run's folder (inputs.out) with its resolved config.yaml and plan.json (`choice`, a
-        planner.PlanChoice), and the log.
-
-        config.yaml records the checkpoint folder the weights came from (the tiny default's, a Hub
-        download's). A resumed run keeps the metrics of the steps its checkpoint covers and drops the
-        later ones (they are about to be run again).
-        """
-        import copy
-
+        """The log of a run whose folder (inputs.out) run_folder.start_run_folder has just written (config.yaml,
+        plan.json, the metrics a resumed run keeps)."""
         from omegaconf import OmegaConf
 
-        from moai_recipes.checkpoint.run_folder import read_hint, write_config
-        from moai_recipes.files import write_json
+        from moai_recipes.checkpoint.run_folder import start_run_folder
 
-        out, resume_step = inputs.out, inputs.resume_step
-        resolved = copy.deepcopy(cfg)
-        resolved.model.checkpoint_dir = str(inputs.ckpt.folder)
-        out.mkdir(parents=True, exist_ok=True)
-        write_config(out, resolved)
-        plan = choice.as_dict()
-        hint = read_hint(out)  # processes started again after an out-of-memory step: the plan's history
-        if hint:
-            plan["changes"] = hint["changes"]
-        write_json(out / "plan.json", plan)
-        kept = _truncate_jsonl(out / "metrics.jsonl", resume_step)
-        _truncate_jsonl(out / "checkpoints.jsonl", resume_step)
-        log = cls(out, total_steps=inputs.total_steps, config=OmegaConf.to_container(resolved, resolve=True,
-                                                                                    enum_to_str=True),
-                  plan=plan, tracker=OmegaConf.to_container(cfg.logger, enum_to_str=True))
+        resolved, kept = start_run_folder(inputs.out, cfg, model_dir=inputs.hf.folder, plan=choice.as_dict(),
+                                          hint=inputs.out_of_memory_hint, resume_step=inputs.resume_step)
+        log = cls(inputs.out, total_steps=inputs.total_steps, plan=choice.as_dict(),
+                  config=OmegaConf.to_container(resolved, resolve=True, enum_to_str=True),
+                  tracker=OmegaConf.to_container(cfg.logger, enum_to_str=True))
         log.rows = kept
-        log._bar.update(resume_step)
+        log._bar.update(inputs.resume_step)
         return log
 
     def checkpoint(self, *, step: int, path: Path, seconds: float, size: int) -> None:
@@ -100,22 +107,20 @@ class RunLog:
 
     def plan_changed(self, plan: dict, change: dict) -> None:
         """The plan changed mid-run (an out-of-memory step redone smaller): say so, and record it in plan.json."""
-        from moai_recipes.files import write_json
+        from moai_recipes.checkpoint.run_folder import record_plan_change
 
         before, after = change["from"], change["to"]
         self.info(f"Step {change['step']} ran out of memory with micro-batches of up to "
                   f"{before['micro_batch_size'] * before['max_seq_len']} tokens ({change['error']}); it runs again, "
                   f"the same global batch, with micro_batch_size {after['micro_batch_size']} "
                   f"({after['micro_batch_size'] * after['max_seq_len']} tokens), and so does the rest of the run")
-        path = self.output_dir / "plan.json"
-        changes = json.loads(path.read_text()).get("changes", []) if path.exists() else []
-        write_json(path, {**plan, "changes": [*changes, change]})
+        record_plan_change(self.output_dir, plan, change)
 
     def info(self, text: str) -> None:
         self._bar.write(text, file=sys.stdout) if not self._bar.disable else print(text, flush=True)
 
-    def step(self, **m) -> None:
-        assert set(m) >= set(METRIC_KEYS), set(METRIC_KEYS) - set(m)
+    def step(self, metrics: StepMetrics) -> None:
+        m = metrics.row()
         self.rows.append(m)
         self._jsonl.write(json.dumps(m) + "\n")
         self.info(f"[Step {m['step']}/{self.total_steps}] | Loss: {m['loss']:.8g} | Duration: {m['step_time_s']:.2f} | "
@@ -139,17 +144,6 @@ class RunLog:
             self._wandb.finish()
             if self._wandb.settings.mode == "offline":
                 self.info(f"W&B run saved offline; upload it with: wandb sync {self._wandb.dir.rsplit('/files', 1)[0]}")
-
-
-def _truncate_jsonl(path: Path, last_step: int) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    kept = [r for r in rows if r["step"] <= last_step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    os.replace(tmp, path)
-    return kept
 
 
 def _start_wandb(output_dir: Path, *, config: dict, plan: dict, tracker: dict):

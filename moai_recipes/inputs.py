@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from moai_recipes.checkpoint.run_folder import check_output_dir, read_meta
+from moai_recipes.checkpoint.run_folder import check_output_dir, read_hint, read_meta
 from moai_recipes.config.schema import DEFAULT_MODEL
 from moai_recipes.data.run_data import RunData, read_data
 from moai_recipes.data.tokenizer import Tokenizer
@@ -22,11 +22,10 @@ from moai_recipes.errors import UserError
 from moai_recipes.flavors import Flavor
 from moai_recipes.inference.device_map import check_device_map
 from moai_recipes.inference.sampling import Sampling, sampling_options
-from moai_recipes.launch import env
-from moai_recipes.models.hf_format import HFCheckpoint
+from moai_recipes.models.hf_format import HFFolder
 from moai_recipes.models.lora import LoraOptions, lora_options
 from moai_recipes.models.peft_adapter import PeftAdapter
-from moai_recipes.models.sources import model_source, resolve_checkpoint_dir
+from moai_recipes.models.sources import model_source, resolve_model_dir
 from moai_recipes.models.spec import (
     ModelSpec,
     check_context,
@@ -38,12 +37,12 @@ from moai_recipes.planner.plan import Workload
 
 @dataclass
 class RunInputs:
-    """A training run's inputs, checked. In a dry read of a model only on the Hub, `ckpt`, `tokenizer` and
+    """A training run's inputs, checked. In a dry read of a model only on the Hub, `hf`, `tokenizer` and
     `data` are None (nothing to read them from yet)."""
 
     model_name: str
     spec: ModelSpec
-    ckpt: HFCheckpoint | None
+    hf: HFFolder | None
     tokenizer: Tokenizer | None
     lora: LoraOptions | None  # the LoRA recipe's (and a LoRA plan's) adapters
     data: RunData | None
@@ -51,6 +50,7 @@ class RunInputs:
     out: Path | None  # the run folder (None: not checked, as for a plan)
     resume_from: Path | None  # a complete checkpoint to continue from
     workload: Workload  # what the planner plans: this model, this batch, these sequences
+    out_of_memory_hint: dict | None = None  # the smaller plan an out-of-memory step of this run left (restarts)
 
     @property
     def batches(self):
@@ -67,10 +67,10 @@ class RunInputs:
     def describe(self, cfg: DictConfig) -> list[str]:
         """What was read, a line each, as a run prints it before its plan and `moai validate` after its checks."""
         spec = self.spec
-        where = f"from {self.ckpt.folder}" if self.ckpt else f"on the Hugging Face Hub ({cfg.model.hf_repo})"
+        where = f"from {self.hf.folder}" if self.hf else f"on the Hugging Face Hub ({cfg.model.hf_repo})"
         lines = [f"Model {self.model_name} {where}: {spec.family}, {spec.num_params() / 1e6:,.1f}M parameters"
-                 + (f" in {len(self.ckpt.files)} safetensors file(s), tokenizer of {self.tokenizer.vocab_size} tokens"
-                    if self.ckpt else "; the first run downloads it (not checked here: model.checkpoint_dir=DIR "
+                 + (f" in {len(self.hf.files)} safetensors file(s), tokenizer of {self.tokenizer.vocab_size} tokens"
+                    if self.hf else "; the first run downloads it (not checked here: model.checkpoint_dir=DIR "
                     "checks a local copy)")]
         if self.lora:
             o = self.lora
@@ -85,29 +85,31 @@ class RunInputs:
         return lines
 
 
-def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: bool = True) -> RunInputs:
+def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: bool = True,
+                restarting: bool = False) -> RunInputs:
     """Check the output folder (unless `output` is false), describe the checkpoint, read the tokenizer and
-    the LoRA settings, tokenise the data. `dry`: download nothing, wait for no other process."""
+    the LoRA settings, tokenise the data. `dry`: download nothing, wait for no other process. `restarting`: the
+    processes of this very run started again (by our launcher or torchrun), which may find their own folder
+    without a checkpoint."""
     out = resume_from = None
     if output:
-        # Restarted workers of this very run (by us or by torchrun) may find their own folder without a checkpoint.
-        out, resume_from = check_output_dir(cfg, restarting=not dry and env.restart_count() > 0)
+        out, resume_from = check_output_dir(cfg, restarting=not dry and restarting)
         if not dry and dist.is_initialized():
             dist.barrier()  # every rank has checked before rank 0 writes anything
     m = cfg.model
-    folder = resolve_checkpoint_dir(**model_source(cfg), download=not dry)
-    ckpt = HFCheckpoint.open(folder) if folder else None
+    folder = resolve_model_dir(**model_source(cfg), download=not dry)
+    hf = HFFolder.open(folder) if folder else None
     # A checkpoint folder's config.json is the truth. A model name (model=mistral) also promises a family,
     # which the folder must be of; the default, the tiny demo model, promises none: a folder given without
     # naming a model is taken for what its config.json says.
     named = spec_from_hf_config(m.architecture)
-    if ckpt is None:
+    if hf is None:
         spec = named
     else:
-        spec = ckpt.spec if m.name == DEFAULT_MODEL else same_family(ckpt.spec, named, ckpt.folder)
+        spec = hf.spec if m.name == DEFAULT_MODEL else same_family(hf.spec, named, hf.folder)
     check_context(spec, cfg.max_seq_len, what=f"max_seq_len={cfg.max_seq_len}",
                   fix=f"use max_seq_len={spec.sliding_window} or less")
-    tokenizer = checked_tokenizer(ckpt) if ckpt else None
+    tokenizer = checked_tokenizer(hf) if hf else None
     lora = None
     if "lora" in cfg and cfg.get("method", "lora") == "lora":
         lora = lora_options(cfg.lora, spec=spec, world_size=flavor.num_devices)
@@ -118,9 +120,9 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     workload = Workload(spec=spec, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, lora=lora, dtype=cfg.dtype,
                         lengths=data.lengths if data is not None else None,
                         steps=data.total_steps if data is not None else cfg.max_steps)
-    return RunInputs(model_name=m.name, spec=spec, ckpt=ckpt, tokenizer=tokenizer, lora=lora, data=data,
+    return RunInputs(model_name=m.name, spec=spec, hf=hf, tokenizer=tokenizer, lora=lora, data=data,
                      total_steps=data.total_steps if data else None, out=out, resume_from=resume_from,
-                     workload=workload)
+                     workload=workload, out_of_memory_hint=read_hint(out))
 
 
 @dataclass
@@ -128,7 +130,7 @@ class GenerateInputs:
     """What recipes.generate reads before a weight: its sampling settings, the checkpoint, the adapter."""
 
     sampling: Sampling
-    ckpt: HFCheckpoint | None  # None: a dry read of a model (or an adapter's base) only on the Hub
+    hf: HFFolder | None  # None: a dry read of a model (or an adapter's base) only on the Hub
     tokenizer: Tokenizer | None
     adapter: PeftAdapter | None
 
@@ -138,14 +140,14 @@ class GenerateInputs:
                                                     + (f", top_k {s.top_k}" if s.top_k else ""))
         lines = [f"Sampling: {how}, up to {s.max_new_tokens} new tokens; device_map {cfg.device_map}"]
         a = self.adapter
-        if self.ckpt is None:
+        if self.hf is None:
             what = (f"Adapter {a.folder}: r={a.rank} on the base {a.base_model}, which" if a else
                     f"Model {cfg.model.name} ({cfg.model.hf_repo}), which")
             return lines + [f"{what} the first run downloads from the Hugging Face Hub (not checked here; "
                             "model.checkpoint_dir=DIR checks a local copy)"]
-        spec = self.ckpt.spec
-        lines.append(f"Model from {self.ckpt.folder}: {spec.family}, {spec.num_params() / 1e6:.1f}M parameters in "
-                     f"{len(self.ckpt.files)} safetensors file(s), tokenizer of {self.tokenizer.vocab_size} tokens")
+        spec = self.hf.spec
+        lines.append(f"Model from {self.hf.folder}: {spec.family}, {spec.num_params() / 1e6:.1f}M parameters in "
+                     f"{len(self.hf.files)} safetensors file(s), tokenizer of {self.tokenizer.vocab_size} tokens")
         if a:
             lines.append(f"Adapter {a.folder}: r={a.rank}, alpha={a.alpha:g} on {len(a.weights)} weights of this base")
         return lines
@@ -163,21 +165,21 @@ def read_generate_inputs(cfg: DictConfig, *, dry: bool = False) -> GenerateInput
     if adapter and not m.checkpoint_dir:
         folder = adapter.base_model_dir(download=not dry)
     else:
-        folder = resolve_checkpoint_dir(**model_source(cfg), download=not dry)
+        folder = resolve_model_dir(**model_source(cfg), download=not dry)
     if folder is None:  # a dry read of a model only on the Hub
-        return GenerateInputs(sampling=sampling, ckpt=None, tokenizer=None, adapter=adapter)
-    ckpt = HFCheckpoint.open(folder)
+        return GenerateInputs(sampling=sampling, hf=None, tokenizer=None, adapter=adapter)
+    hf = HFFolder.open(folder)
     if adapter:
-        adapter.check_base(ckpt)
-    return GenerateInputs(sampling=sampling, ckpt=ckpt, tokenizer=checked_tokenizer(ckpt), adapter=adapter)
+        adapter.check_base(hf)
+    return GenerateInputs(sampling=sampling, hf=hf, tokenizer=checked_tokenizer(hf), adapter=adapter)
 
 
-def checked_tokenizer(ckpt: HFCheckpoint) -> Tokenizer:
+def checked_tokenizer(hf: HFFolder) -> Tokenizer:
     """The checkpoint's tokenizer, refused when it has ids the model's embedding has no row for (a tokenizer
     of another model). Fewer is common: embeddings are padded to a round size."""
-    tokenizer = Tokenizer.from_checkpoint(ckpt.folder)
-    if tokenizer.vocab_size > ckpt.spec.vocab_size:
-        raise UserError(f"{ckpt.folder / 'tokenizer.json'} has {tokenizer.vocab_size} tokens, but config.json's "
-                        f"vocab_size is {ckpt.spec.vocab_size}: the tokenizer belongs to another model. Put the "
+    tokenizer = Tokenizer.from_checkpoint(hf.folder)
+    if tokenizer.vocab_size > hf.spec.vocab_size:
+        raise UserError(f"{hf.folder / 'tokenizer.json'} has {tokenizer.vocab_size} tokens, but config.json's "
+                        f"vocab_size is {hf.spec.vocab_size}: the tokenizer belongs to another model. Put the "
                         "model's own tokenizer files in the folder")
     return tokenizer

@@ -1,0 +1,16 @@
+"""`python -m moai_recipes.launch RECIPE [KEY=VALUE ...]`: what `moai run RECIPE` runs, from any folder.
+
+A training recipe goes through launch/entry.py (compose once, train here or start the workers); the others
+(plan, generate) are one process and run their own main.
+"""
+
+import importlib
+import sys
+
+from moai_recipes.launch.entry import TRAINING_RECIPES, main
+
+if __name__ == "__main__":
+    recipe, args = sys.argv[1], sys.argv[2:]
+    if recipe in TRAINING_RECIPES:
+        sys.exit(main(recipe, args))
+    sys.exit(importlib.import_module(f"moai_recipes.recipes.{recipe}").main(args))

@@ -1,0 +1,83 @@
+"""A training process: join the world and call the recipe's `train(cfg, flavor, world)`.
+
+    python -m moai_recipes.launch.worker JOB_FILE
+
+is what the elastic launcher starts on each of a flavor's processes (launch/entry.py): it reads the job the
+launcher wrote (the recipe, its resolved config, the flavor) and never composes the config again. A recipe
+that trains in the process that composed its config (one process, or one of torchrun's or SLURM's) calls
+`run` directly.
+"""
+
+import importlib
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from moai_recipes import env
+from moai_recipes.config.compose import resolved_config
+from moai_recipes.errors import EXIT_OUT_OF_MEMORY, EXIT_STOPPED, RestartSmaller, Stopped, exit_on_user_error
+from moai_recipes.files import write_json
+from moai_recipes.flavors import Device, Flavor
+from moai_recipes.launch.registry import registered
+from moai_recipes.train.world import join_world, stop_with_launcher
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a training process runs: everything its launcher decided, so that no process decides it again."""
+
+    recipe: str  # full_finetune, lora_finetune: moai_recipes.recipes.<recipe>.train
+    cfg: DictConfig  # composed, validated, output_dir and model.checkpoint_dir pinned
+    flavor: Flavor
+    job_id: str  # the `moai smi` job
+    launcher: int | None = None  # the pid of our launcher, which the workers stop with
+    restarts: int = 0  # how many times the launcher has started the processes again
+
+    def write(self, path: Path) -> None:
+        write_json(path, {"recipe": self.recipe, "flavor": asdict(self.flavor), "job_id": self.job_id,
+                          "launcher": self.launcher, "restarts": self.restarts,
+                          "cfg": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)})
+
+    @classmethod
+    def read(cls, path: Path) -> "Job":
+        d = json.loads(Path(path).read_text())
+        flavor = Flavor(**{**d["flavor"], "device": Device(**d["flavor"]["device"])})
+        return cls(recipe=d["recipe"], cfg=resolved_config(d["recipe"], d["cfg"]), flavor=flavor, job_id=d["job_id"],
+                   launcher=d["launcher"], restarts=d["restarts"])
+
+
+def run(job: Job, given: env.GivenWorld | None) -> int:
+    """Train `job` in the `given` world (None: a world of one); the exit code (errors.py)."""
+    if job.launcher is not None:  # first: a launcher killed while we import must not leave us training
+        stop_with_launcher(job.launcher)
+    train = importlib.import_module(f"moai_recipes.recipes.{job.recipe}").train
+    restarts = max(job.restarts, env.restart_count())  # ours, or torchrun's
+    with join_world(job.flavor, given, restarts=restarts) as world:
+        try:
+            train(job.cfg, job.flavor, world)
+        except Stopped as e:
+            if world.is_main:
+                print(e, flush=True)
+            return EXIT_STOPPED
+        except RestartSmaller as e:
+            # The other ranks wait inside a collective that will never come: leave at once, without the process
+            # group's teardown, and let the launcher (ours, or torchrun) start them all again with the smaller plan.
+            print(f"Rank {world.rank}: {e}", file=sys.stderr, flush=True)
+            os._exit(EXIT_OUT_OF_MEMORY)
+    return 0
+
+
+@exit_on_user_error
+def main(argv: list[str]) -> int:
+    (path,) = argv
+    job = Job.read(Path(path))
+    with registered(job.flavor, job_id=job.job_id, launcher=job.launcher):
+        return run(job, env.given_world())
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

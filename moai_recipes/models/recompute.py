@@ -1,0 +1,60 @@
+"""Recompute a layer's activations in the backward pass instead of keeping them (plan.recompute).
+
+Here, beside the model, because both the training run (train/parallel.py) and the planner's layer traces
+(planner/activations.py) wrap layers with it: the planner counts what training will keep.
+"""
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from moai_recipes.config.schema import Recompute
+
+# Selective recompute keeps what is expensive to redo (matmuls, attention) and recomputes the
+# cheap, memory-hungry pointwise ops (norms, SiLU, residual adds) in the backward pass.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_recompute(layers: nn.ModuleList, policy: str) -> None:
+    """Recompute each layer's activations in the backward pass (`full` or `selective`).
+
+    Only the layer's `forward` is checkpointed, not the module call: FSDP2's hooks (all-gather,
+    reshard, input casts) then stay outside the recomputed region, as with torchtitan's
+    checkpoint wrapper inside `fully_shard`. Selective recompute replays the region's ops
+    against what it saved, so hooks inside it would be replayed too and break it. Patching
+    `forward` in place keeps parameter names (and the checkpoint conversion) the same.
+    """
+    policy = Recompute(policy)
+    if policy == Recompute.none:
+        return
+    # Full recomputation passes no context_fn at all: torch.compile (plan.compile) traces checkpoint only
+    # with its own default.
+    options = (dict(context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+               if policy == Recompute.selective else {})
+    for layer in layers:
+        layer.forward = _checkpointed(layer.forward, options)
+
+
+def _checkpointed(forward, options: dict):
+    def recomputed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
+    return recomputed_forward

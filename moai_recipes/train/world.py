@@ -1,0 +1,92 @@
+"""The world a training process runs in: the one torchrun, SLURM or our launcher gave it, or a world of one.
+
+`join_world(flavor)` initialises the process group (gloo on the CPU, NCCL/RCCL on GPUs) and a device mesh and
+yields a `World`; launch/ starts the processes when the flavor needs several.
+"""
+
+import os
+import signal
+import socket
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from moai_recipes import env
+from moai_recipes.flavors import Flavor
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    restarts: int = 0  # how many times a launcher has started this world again (after a dead worker, out of memory)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def decided_by_main(world: World, decide):
+    """`decide()` run on the main process only, its result handed to every process.
+
+    For what every rank must agree on but that depends on a measurement (the plan: its step times use
+    this machine's measured speed, and ranks measuring at once would disagree and then deadlock in
+    FSDP's collectives). A UserError on the main process ends the group: the launcher stops the others.
+    """
+    box = [decide() if world.is_main else None]
+    if world.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def stop_with_launcher(launcher_pid: int) -> None:
+    """In a worker our launcher started: receive SIGTERM when the launcher dies, even by kill -9.
+
+    Otherwise the workers of a killed launcher train on unseen, and the same command run again would
+    put a second group in the same folder. SIGTERM is what a scheduler's preemption sends: the run
+    saves a checkpoint at the next step boundary and stops (train/loop.py). Linux only.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != launcher_pid:  # it died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+@contextmanager
+def join_world(flavor: Flavor, given: env.GivenWorld | None, *, restarts: int = 0):
+    """Initialise the process group of the `given` world (None: a world of one; gloo on CPU, NCCL/RCCL on GPUs)
+    and a 1-D mesh; tear it down after. `restarts`: how many times its launcher has started it again."""
+    if given is None:
+        given = env.GivenWorld(rank=0, world_size=1, local_rank=0, init_method=f"tcp://127.0.0.1:{free_port()}")
+    if flavor.device.kind == "gpu":
+        device = torch.device("cuda", given.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend=flavor.backend, init_method=given.init_method, rank=given.rank,
+                            world_size=given.world_size, timeout=timedelta(minutes=30),
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        mesh = init_device_mesh(device.type, (given.world_size,))
+        yield World(rank=given.rank, world_size=given.world_size, local_rank=given.local_rank, device=device, mesh=mesh,
+                    restarts=restarts)
+    finally:
+        dist.destroy_process_group()
