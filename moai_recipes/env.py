@@ -13,6 +13,7 @@ MOAI_HOME = "MOAI_HOME"  # the user's settings and the registry of running recip
 XDG_CONFIG_HOME = "XDG_CONFIG_HOME"  # where MOAI_HOME is when unset
 MOAI_CACHE = "MOAI_CACHE"  # this machine's caches (the tiny checkpoint, converted models, CPU speed, traces)
 FAULT_OOM_TOKENS = "MOAI_FAULT_OOM_TOKENS"  # test hook: a micro-batch of more tokens runs out of memory
+FAULT_STEP_DELAY = "MOAI_FAULT_STEP_DELAY"  # test hook: seconds each step waits first, as on a slower machine
 OMP_NUM_THREADS = "OMP_NUM_THREADS"  # a user's choice of threads per process, honoured as torchrun does
 # The world a launcher gives a process (torchrun, our elastic launch) and the process group's rendezvous.
 RANK, WORLD_SIZE, LOCAL_RANK = "RANK", "WORLD_SIZE", "LOCAL_RANK"
@@ -46,6 +47,12 @@ def fault_oom_tokens() -> int | None:
     """MOAI_FAULT_OOM_TOKENS: micro-batches of more tokens fail as out of memory (None: never)."""
     value = _get(FAULT_OOM_TOKENS)
     return int(value) if value else None
+
+
+def fault_step_delay() -> float:
+    """MOAI_FAULT_STEP_DELAY: seconds each step waits before it runs (0: none), so that a test can signal a run
+    mid-way whatever the machine's speed."""
+    return float(_get(FAULT_STEP_DELAY) or 0)
 
 
 def omp_threads() -> int | None:

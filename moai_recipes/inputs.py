@@ -14,9 +14,9 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from moai_recipes.checkpoint.run_folder import check_output_dir, read_hint, read_meta
+from moai_recipes.checkpoint.output_dir import check_output_dir, read_hint, read_meta
 from moai_recipes.config.schema import DEFAULT_MODEL
-from moai_recipes.data.run_data import RunData, read_data
+from moai_recipes.data.training_data import RunData, read_data
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
 from moai_recipes.flavors import Flavor
@@ -26,12 +26,7 @@ from moai_recipes.models.hf_format import HFFolder
 from moai_recipes.models.lora import LoraOptions, lora_options
 from moai_recipes.models.peft_adapter import PeftAdapter
 from moai_recipes.models.sources import model_source, resolve_model_dir
-from moai_recipes.models.spec import (
-    ModelSpec,
-    check_context,
-    same_family,
-    spec_from_hf_config,
-)
+from moai_recipes.models.spec import ModelSpec, check_context, spec_for
 from moai_recipes.planner.plan import Workload
 
 
@@ -99,14 +94,8 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     m = cfg.model
     folder = resolve_model_dir(**model_source(cfg), download=not dry)
     hf = HFFolder.open(folder) if folder else None
-    # A checkpoint folder's config.json is the truth. A model name (model=mistral) also promises a family,
-    # which the folder must be of; the default, the tiny demo model, promises none: a folder given without
-    # naming a model is taken for what its config.json says.
-    named = spec_from_hf_config(m.architecture)
-    if hf is None:
-        spec = named
-    else:
-        spec = hf.spec if m.name == DEFAULT_MODEL else same_family(hf.spec, named, hf.folder)
+    spec = spec_for(architecture=m.architecture, checkpoint_dir=hf.folder if hf else None,
+                    any_family=m.name == DEFAULT_MODEL)
     check_context(spec, cfg.max_seq_len, what=f"max_seq_len={cfg.max_seq_len}",
                   fix=f"use max_seq_len={spec.sliding_window} or less")
     tokenizer = checked_tokenizer(hf) if hf else None

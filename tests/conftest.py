@@ -6,6 +6,7 @@ and the weights are a seeded random initialisation written by `save_pretrained`.
 
 import json
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -15,49 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # torchtune's wheel ships a top-level `recipes` that raises on import: ours must come first.
 sys.path.insert(0, str(ROOT))
 
-from moai_recipes.models.tiny import demo_texts, write_tokenizer  # noqa: E402
+from moai_recipes.models.tiny import demo_texts  # noqa: E402
+from tests.helpers import make_hf_checkpoint  # noqa: E402
 
 FAMILIES = ("llama", "mistral", "qwen2")
-
-
-def make_hf_checkpoint(folder: Path, family: str = "llama", *, tie: bool = False, max_shard_size: str | None = None,
-                       dtype: str = "float32", num_layers: int = 2, hidden: int = 64, intermediate: int | None = None,
-                       seed: int = 0) -> Path:
-    """Write a tiny Hugging Face checkpoint of `family` with transformers' own save_pretrained."""
-    import torch
-    import transformers
-
-    folder = Path(folder)
-    vocab = write_tokenizer(folder, demo_texts(), vocab_size=384)
-    ids = {t["content"]: t["id"] for t in json.loads((folder / "tokenizer.json").read_text())["added_tokens"]}
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden + 32,
-                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=256, rms_norm_eps=1e-5,
-                  bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|end_of_text|>"],
-                  pad_token_id=ids["<|pad|>"], tie_word_embeddings=tie)
-    if family == "llama":
-        cfg = transformers.LlamaConfig(rope_theta=500000.0, **common)
-        cls = transformers.LlamaForCausalLM
-    elif family == "mistral":
-        cfg = transformers.MistralConfig(rope_theta=10000.0, sliding_window=None, **common)
-        cls = transformers.MistralForCausalLM
-    elif family == "qwen2":
-        cfg = transformers.Qwen2Config(rope_theta=1000000.0, **common)
-        cls = transformers.Qwen2ForCausalLM
-    elif family == "qwen3":  # per-head q/k norm, and a head_dim that is not hidden / heads
-        cfg = transformers.Qwen3Config(rope_theta=1000000.0, head_dim=hidden // 2, **common)
-        cls = transformers.Qwen3ForCausalLM
-    else:
-        raise ValueError(family)
-    torch.manual_seed(seed)
-    model = cls(cfg).to(getattr(torch, dtype))
-    with torch.no_grad():  # norms start at ones; perturb them so a wrong mapping cannot hide
-        for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(folder, **kwargs)
-    return folder
 
 
 @pytest.fixture(scope="session")
@@ -80,6 +42,19 @@ def tok(tiny_dir):
     from moai_recipes.data.tokenizer import Tokenizer
 
     return Tokenizer.from_checkpoint(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def varied_file(tmp_path_factory):
+    """Plain text whose samples spread from a few words to the whole max_seq_len, with a long tail."""
+    words = " ".join(demo_texts()).split()
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("data") / "varied.jsonl"
+    with open(path, "w") as f:
+        for _ in range(48):
+            n = min(int(rng.lognormvariate(3.0, 0.9)) + 2, 200)
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(n))}) + "\n")
+    return path
 
 
 @pytest.fixture(autouse=True)

@@ -13,8 +13,7 @@ from moai_recipes.planner.cpu_speed import speed_key
 from moai_recipes.planner.memory import predict_memory
 from moai_recipes.planner.search import choose_plan
 from moai_recipes.planner.timing import combine
-from tests.conftest import ROOT
-from tests.test_planner import setup
+from tests.helpers import ROOT, setup
 
 TRUE_SCALES = {"matmul": 1.6, "memory": 0.7, "dispatch": 1.3, "parameters": 2.0}
 TRUE_MEMORY = 1.12

@@ -1,6 +1,9 @@
 """Nothing lost: step checkpoints, exact resume, a dead worker, another flavor, non-finite steps.
 
-Real processes and real signals. Run: pytest tests/test_checkpoints.py  (about three minutes)
+Real processes and real signals; the runs of several processes under both layouts a flavor can have, FSDP2 shards
+and plain replicas (plan.json says which ran). A run that is signalled mid-way waits MOAI_FAULT_STEP_DELAY before
+each step, so that it is still running when the signal comes, however fast the machine. Run: pytest
+tests/test_checkpoints.py  (about three minutes)
 """
 
 import json
@@ -16,8 +19,7 @@ import pytest
 import torch
 
 from moai_recipes.errors import EXIT_STOPPED
-from tests.conftest import ROOT
-from tests.test_full_finetune import metrics, run_recipe, tensors
+from tests.helpers import ROOT, layout, metrics, run_recipe, tensors
 
 pytestmark = pytest.mark.slow
 
@@ -25,10 +27,19 @@ COMMON = ["logger=stdout", "epochs=2", "batch_size=8", "max_steps=12", "optimize
           "checkpoint_every=2", "sample_max_new_tokens=0"]
 
 
-def start(*args):
-    env = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1"}
+LAYOUTS = {"sharded": "plan.replicate=false", "replicated": "plan.replicate=true"}
+SLOW = {"MOAI_FAULT_STEP_DELAY": "0.25"}  # the remaining steps outlast any signal's way to the workers
+
+
+def start(*args, stdout=subprocess.PIPE):
+    env = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", **SLOW}
     return subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *COMMON, *map(str, args)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True)
+
+
+def workers_of(proc) -> list[psutil.Process]:
+    return [p for p in psutil.Process(proc.pid).children(recursive=True)
+            if "moai_recipes.launch.worker" in " ".join(p.cmdline())]
 
 
 def wait_for_step(out: Path, step: int, proc, timeout=300):
@@ -42,12 +53,25 @@ def wait_for_step(out: Path, step: int, proc, timeout=300):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted run every other run must reproduce."""
-    out = tmp_path_factory.mktemp("ref") / "run"
-    r = run_recipe(*COMMON, "flavor=cpu-2", f"output_dir={out}")
-    assert r.returncode == 0, r.stdout + r.stderr
-    return out
+def references(tmp_path_factory):
+    """The uninterrupted runs on cpu-2 every other run must reproduce: {layout: run folder}, made on first use."""
+    made = {}
+
+    def reference(kind: str) -> Path:
+        if kind not in made:
+            out = tmp_path_factory.mktemp(f"ref-{kind}") / "run"
+            r = run_recipe(*COMMON, "flavor=cpu-2", LAYOUTS[kind], f"output_dir={out}")
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert layout(out) == kind
+            made[kind] = out
+        return made[kind]
+
+    return reference
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references("replicated")
 
 
 def losses(out: Path) -> list[float]:
@@ -69,9 +93,11 @@ def test_checkpoints_are_complete_rotated_and_costed(reference):
         assert folder.name in kept and row["bytes"] == sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path, reference):
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path, references, kind):
+    reference = references(kind)
     out = tmp_path / "run"
-    proc = start("flavor=cpu-2", f"output_dir={out}")
+    proc = start("flavor=cpu-2", LAYOUTS[kind], f"output_dir={out}")
     wait_for_step(out, 4, proc)
     proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler's preemption would
     log = proc.communicate(timeout=120)[0]
@@ -80,40 +106,44 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path, reference)
     stopped_at = len(metrics(out))
     assert 4 <= stopped_at < 12 and not (out / "model").exists()
 
-    r = run_recipe(*COMMON, "flavor=cpu-2", f"output_dir={out}")
+    r = run_recipe(*COMMON, "flavor=cpu-2", LAYOUTS[kind], f"output_dir={out}")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"continuing at step {stopped_at + 1}" in r.stdout
+    assert f"continuing at step {stopped_at + 1}" in r.stdout and layout(out) == kind
     assert losses(out) == losses(reference)
     ref, got = tensors(reference / "model"), tensors(out / "model")
     assert all(torch.equal(ref[k], got[k]) for k in ref)
 
 
-def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tmp_path, reference):
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tmp_path, references):
+    reference = references("sharded")
     out = tmp_path / "run"
-    proc = start("flavor=cpu-2", f"output_dir={out}")
+    proc = start("flavor=cpu-2", LAYOUTS["sharded"], f"output_dir={out}")
     wait_for_step(out, 5, proc)
-    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "recipes.full_finetune" in " ".join(p.cmdline())]
+    workers = workers_of(proc)
     assert len(workers) == 2
     workers[1].kill()  # kill -9 of one worker
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, log
-    assert "restarting the 2 processes" in log and "Resumed from" in log
+    assert "restarting the 2 processes" in log and "Resumed from" in log and layout(out) == "sharded"
     assert losses(out) == losses(reference)
     ref, got = tensors(reference / "model"), tensors(out / "model")
     assert all(torch.equal(ref[k], got[k]) for k in ref)
 
 
-# A checkpoint crosses from one process to several and from two to four (as planned on each: plain replicas or
-# FSDP2 shards; the checkpoint is the same distributed checkpoint either way).
-@pytest.mark.parametrize("saved_on, resumed_on", [("cpu-2", "cpu-4"), ("cpu", "cpu-2")])
-def test_a_run_checkpointed_on_one_flavor_resumes_on_another(tmp_path, reference, saved_on, resumed_on):
+# A checkpoint crosses from one process to several and from two to four, and between FSDP2 shards and plain
+# replicas: the checkpoint is the same distributed checkpoint either way.
+@pytest.mark.parametrize("saved_on, saved_as, resumed_on, resumed_as", [("cpu-2", "sharded", "cpu-4", "replicated"),
+                                                                       ("cpu", "single", "cpu-2", "sharded")])
+def test_a_run_checkpointed_on_one_flavor_resumes_on_another(tmp_path, reference, saved_on, saved_as, resumed_on,
+                                                             resumed_as):
     out = tmp_path / "run"
-    proc = start(f"flavor={saved_on}", f"output_dir={out}")
+    proc = start(f"flavor={saved_on}", *([LAYOUTS[saved_as]] if saved_as in LAYOUTS else []), f"output_dir={out}")
     wait_for_step(out, 3, proc)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == EXIT_STOPPED
-    r = run_recipe(*COMMON, f"flavor={resumed_on}", f"output_dir={out}")
+    assert proc.wait(timeout=120) == EXIT_STOPPED and layout(out) == saved_as
+    r = run_recipe(*COMMON, f"flavor={resumed_on}", LAYOUTS[resumed_as], f"output_dir={out}")
     assert r.returncode == 0, r.stdout + r.stderr
+    assert layout(out) == resumed_as
     processes = {"cpu": 1, "cpu-2": 2, "cpu-4": 4}[saved_on]
     assert f"saved on {saved_on} with {processes} process(es)" in r.stdout
     for a, b in zip(losses(reference), losses(out), strict=True):
@@ -174,13 +204,10 @@ def test_a_killed_launcher_takes_its_workers_down_with_a_checkpoint(tmp_path, re
     """kill -9 of the launcher (no signal handler runs there): its workers must not train on unseen; they
     stop as if preempted, saving the step they reached, and the same command finishes the run exactly."""
     out = tmp_path / "run"
-    env = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1"}
     with open(tmp_path / "log", "w") as log:  # a file, not a pipe: nobody reads it once the launcher is gone
-        proc = subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *COMMON, "flavor=cpu-2",
-                                 f"output_dir={out}"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = start("flavor=cpu-2", f"output_dir={out}", stdout=log)
         wait_for_step(out, 3, proc)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "recipes.full_finetune" in " ".join(p.cmdline())]
+        workers = workers_of(proc)
         assert len(workers) == 2
         proc.kill()
         proc.wait()
@@ -190,4 +217,5 @@ def test_a_killed_launcher_takes_its_workers_down_with_a_checkpoint(tmp_path, re
     assert done < 12 and int(sorted((out / "checkpoints").glob("step-*"))[-1].name[5:]) == done
     r = run_recipe(*COMMON, "flavor=cpu-2", f"output_dir={out}")
     assert r.returncode == 0 and f"continuing at step {done + 1}" in r.stdout, r.stdout + r.stderr
+    assert layout(out) == layout(reference) == "replicated"
     assert losses(out) == losses(reference)

@@ -142,8 +142,8 @@ def test_interactive_switch_in_a_terminal(home):
 
 def test_registration_ends_with_the_run_even_when_it_fails():
     flavor = resolve_flavor(name="cpu", device="cpu", memory_gb=None, processes=1, device_memory_gb=None)
-    with pytest.raises(RuntimeError), registered(flavor):
-        assert [r.pid for r in running()] == [os.getpid()] and os.environ["MOAI_JOB_ID"]
+    with pytest.raises(RuntimeError), registered(flavor, job_id="123456"):
+        assert [(r.pid, r.job_id) for r in running()] == [(os.getpid(), "123456")]
         raise RuntimeError("a crash in the training loop")
     assert running() == [] and not list(runs_dir().glob("*.json")) and "MOAI_JOB_ID" not in os.environ
 
@@ -152,10 +152,10 @@ def test_registration_ends_with_the_run_even_when_it_fails():
 LAUNCHER = """
 import subprocess, sys, time
 from moai_recipes.flavors import resolve_flavor
-from moai_recipes.launch.registry import registered
-worker = "import os, time; assert os.environ['MOAI_JOB_ID']; x = bytes([1]) * (200 * 2**20); print('up', flush=True); time.sleep(120)"
+from moai_recipes.launch.registry import new_job_id, registered
+worker = "import time; x = bytes([1]) * (200 * 2**20); print('up', flush=True); time.sleep(120)"
 flavor = resolve_flavor(name="cpu-2", device="cpu", memory_gb=None, processes=2, device_memory_gb=None)
-with registered(flavor):
+with registered(flavor, job_id=new_job_id()):
     workers = [subprocess.Popen([sys.executable, "-c", worker], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     [w.stdout.readline() for w in workers]
     print("ready", flush=True)

@@ -13,7 +13,7 @@ from moai_recipes.config.compose import (
     recipe_groups,
 )
 from moai_recipes.errors import UserError
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 RECIPES = [p.stem for p in CONFIG_DIR.glob("*.yaml")]
 

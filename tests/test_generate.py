@@ -27,8 +27,8 @@ from moai_recipes.inference.device_map import (
     setup_caches,
 )
 from moai_recipes.models.tiny import DEMO_DATA
-from tests.conftest import make_hf_checkpoint
-from tests.test_full_finetune import run_recipe
+from tests.helpers import make_hf_checkpoint
+from tests.helpers import run_recipe
 
 FRANCE, COW = "What is the capital of France?", "What sound does a cow make?"
 

@@ -19,7 +19,7 @@ from moai_recipes.data.hf_datasets import HFSplit
 from moai_recipes.data.stream import StreamedBatches
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
-from tests.test_full_finetune import metrics, run_recipe
+from tests.helpers import layout, metrics, run_recipe
 
 ROWS = [{"instruction": f"What is {i} plus {i}?", "input": "", "output": f"{i} plus {i} is {2 * i}."}
         for i in range(30)]
@@ -215,7 +215,8 @@ def test_training_from_a_hub_id_in_the_datasets_cache_offline_with_a_validation_
     out = tmp_path / "run"
     r = run_recipe("logger=stdout", "dataset=instruct", "dataset.source=acme/arith", "dataset.val_split=test",
                    "eval_every=2", "batch_size=8", "max_steps=3", "sample_max_new_tokens=0", f"output_dir={out}",
-                   env={"HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache)})
+                   env={"HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache)},
+                   isolated=True)  # `datasets` reads its cache and offline settings when it is first imported
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Data instruct (acme/arith, split train): 24 samples" in r.stdout
     assert "Validation: 6 samples (split test), the loss every 2 steps and at the end" in r.stdout
@@ -237,8 +238,10 @@ def test_a_streamed_run_resumed_on_another_flavor_continues_at_the_exact_sample(
     assert r.returncode == 0, r.stdout + r.stderr
     assert "streamed in blocks of 8 rows: global batch 6, 6 steps" in r.stdout
     second = tmp_path / "second"
-    r = run_recipe(*common, "flavor=cpu-2", f"resume={first / 'checkpoints' / 'step-000003'}", f"output_dir={second}")
+    r = run_recipe(*common, "flavor=cpu-2", "plan.replicate=false", f"resume={first / 'checkpoints' / 'step-000003'}",
+                   f"output_dir={second}")
     assert r.returncode == 0, r.stdout + r.stderr
+    assert layout(first) == "single" and layout(second) == "sharded"
     a, b = metrics(first), metrics(second)
     assert [row["step"] for row in b] == [4, 5, 6]
     for x, y in zip(a[3:], b):

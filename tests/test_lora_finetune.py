@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import make_hf_checkpoint
-from tests.test_full_finetune import metrics, peak_error, run_recipe, tensors
+from tests.helpers import make_hf_checkpoint
+from tests.helpers import layout, metrics, peak_error, run_recipe, tensors
 
 pytestmark = pytest.mark.slow
 
@@ -28,19 +28,23 @@ def lora(*args, **kw):
 
 
 # Every family, with and without the output projection adapted (a tied output cannot be: see below).
-@pytest.mark.parametrize("family, flavor, tie, output", [("llama", "cpu-2", False, True), ("qwen2", "cpu", False, True),
-                                                         ("mistral", "cpu", False, True), ("qwen3", "cpu", True, False)])
+@pytest.mark.parametrize("family, flavor, tie, output", [("llama", "cpu-2 sharded", False, True),
+                                                         ("qwen2", "cpu", False, True), ("mistral", "cpu", False, True),
+                                                         ("qwen3", "cpu", True, False)])
 def test_peft_loads_the_adapter_and_it_matches_the_merged_model(tmp_path, data_file, family, flavor, tie, output):
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
     hf = make_hf_checkpoint(tmp_path / "base", family, tie=tie)
     out = tmp_path / "run"
-    r = lora(f"model.checkpoint_dir={hf}", f"flavor={flavor}", "dataset=instruct", f"dataset.path={data_file}",
+    flavor, _, kind = flavor.partition(" ")
+    forced = ["plan.replicate=false"] if kind == "sharded" else []
+    r = lora(f"model.checkpoint_dir={hf}", f"flavor={flavor}", *forced, "dataset=instruct", f"dataset.path={data_file}",
              "max_steps=3", "batch_size=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "logger=stdout",
              "lora.attn_modules=[q_proj,k_proj,v_proj,output_proj]", "lora.apply_to_mlp=true", "lora.rank=4",
              f"lora.apply_to_output={str(output).lower()}", f"output_dir={out}")
     assert r.returncode == 0, r.stdout + r.stderr
+    assert layout(out) == (kind or "single")
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 16.0 and config["base_model_name_or_path"] == str(hf)
     assert config["lora_dropout"] == 0.0
@@ -76,9 +80,13 @@ def test_only_adapters_train_and_losses_agree_across_flavors(tmp_path, hf_checkp
               "batch_size=6", "max_steps=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "logger=stdout",
               "save_merged=false"]
     losses = {}
-    for name, extra in {"cpu": ["flavor=cpu"], "cpu-2": ["flavor=cpu-2"], "mbs1": ["plan.micro_batch_size=1"]}.items():
+    runs = {"cpu": ("single", ["flavor=cpu"]), "cpu-2 sharded": ("sharded", ["flavor=cpu-2", "plan.replicate=false"]),
+            "cpu-2 replicated": ("replicated", ["flavor=cpu-2", "plan.replicate=true"]),
+            "mbs1": ("single", ["plan.micro_batch_size=1"])}
+    for name, (kind, extra) in runs.items():
         r = lora(*common, *extra, f"output_dir={tmp_path / name}")
         assert r.returncode == 0, r.stdout + r.stderr
+        assert layout(tmp_path / name) == kind
         assert "Trainable: 0.0" in r.stdout and "[Step 4/4] | Loss: " in r.stdout and "tokens/sec" in r.stdout
         assert abs(peak_error(r.stdout)) <= 0.10, name
         losses[name] = [row["loss"] for row in metrics(tmp_path / name)]
@@ -201,11 +209,12 @@ def test_qlora_trains_alike_on_cpu_and_cpu_2_and_peft_loads_its_adapter(tmp_path
               "batch_size=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "logger=stdout",
               "lora.quantize_base=true", "lora.attn_modules=[q_proj,k_proj,v_proj,output_proj]",
               "lora.apply_to_mlp=true", "lora.rank=4", "sample_max_new_tokens=0"]
-    runs = {"cpu": ["save_merged=false"], "cpu-2": ["checkpoint_every=2"]}
+    runs = {"cpu": ["save_merged=false"], "cpu-2": ["checkpoint_every=2", "plan.replicate=false"]}
     losses = {}
     for flavor, extra in runs.items():
         r = lora(*common, f"flavor={flavor}", *extra, f"output_dir={tmp_path / flavor}")
         assert r.returncode == 0, r.stdout + r.stderr
+        assert layout(tmp_path / flavor) == {"cpu": "single", "cpu-2": "sharded"}[flavor]  # NF4 shards on cpu-2
         assert "base frozen in NF4 (QLoRA)" in r.stdout
         assert abs(peak_error(r.stdout)) <= 0.10, flavor
         losses[flavor] = [row["loss"] for row in metrics(tmp_path / flavor)]

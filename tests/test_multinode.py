@@ -13,8 +13,7 @@ import sys
 import pytest
 
 from moai_recipes.train.world import free_port
-from tests.conftest import ROOT
-from tests.test_full_finetune import metrics, run_recipe
+from tests.helpers import ROOT, layout, metrics, run_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +43,11 @@ def test_two_torchrun_agents_with_c10d_rendezvous_train_as_cpu_2(tmp_path, cpu_2
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "moai-two-nodes",
-         "-m", "recipes.full_finetune", *COMMON, "flavor=cpu-2", f"output_dir={out}"],
+         "-m", "recipes.full_finetune", *COMMON, "flavor=cpu-2", "plan.replicate=false", f"output_dir={out}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     logs = [a.communicate(timeout=600)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(logs)
-    assert any("2 process(es)" in log for log in logs)
+    assert any("2 process(es)" in log for log in logs) and layout(out) == "sharded"
     assert_same([row["loss"] for row in metrics(out)], cpu_2_losses)
 
 
@@ -70,11 +69,12 @@ def test_srun_two_tasks_join_the_world_slurm_gives(tmp_path, cpu_2_losses):
     try:
         out = tmp_path / "run"
         r = subprocess.run(["srun", "-n", "2", "--cpus-per-task", "1", "--chdir", str(ROOT),
-                            sys.executable, "-m", "recipes.full_finetune", *COMMON, "flavor=cpu-2", f"output_dir={out}"],
+                            sys.executable, "-m", "recipes.full_finetune", *COMMON, "flavor=cpu-2", "plan.replicate=true",
+                            f"output_dir={out}"],
                            env={**env, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}, capture_output=True,
                            text=True, timeout=600)
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "2 process(es)" in r.stdout
+        assert "2 process(es)" in r.stdout and layout(out) == "replicated"
         assert_same([row["loss"] for row in metrics(out)], cpu_2_losses)
     finally:
         subprocess.run(["bash", str(ROOT / "scripts" / "local_slurm.sh"), "stop", str(tmp_path / "slurm")],

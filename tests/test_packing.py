@@ -2,8 +2,6 @@
 per-step losses. Run: python -m pytest tests/test_packing.py -q (the runs are marked slow: about two minutes).
 """
 
-import json
-import random
 
 import pytest
 import torch
@@ -11,8 +9,8 @@ import torch
 from moai_recipes.models.attention import Documents
 from moai_recipes.models.build import build_model, init_buffers
 from moai_recipes.models.spec import read_spec
-from moai_recipes.models.tiny import demo_texts, tiny_checkpoint_dir
-from tests.test_full_finetune import metrics, run_recipe
+from moai_recipes.models.tiny import tiny_checkpoint_dir
+from tests.helpers import layout, metrics, run_recipe
 
 
 def test_a_packed_row_computes_each_document_as_if_it_were_alone():
@@ -38,32 +36,21 @@ def test_a_packed_row_computes_each_document_as_if_it_were_alone():
         torch.testing.assert_close(first[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
-@pytest.fixture(scope="module")
-def varied_file(tmp_path_factory):
-    """Plain text whose samples spread from a few words to the whole max_seq_len, with a long tail."""
-    words = " ".join(demo_texts()).split()
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("data") / "varied.jsonl"
-    with open(path, "w") as f:
-        for _ in range(48):
-            n = min(int(rng.lognormvariate(3.0, 0.9)) + 2, 200)
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(n))}) + "\n")
-    return path
-
-
 @pytest.mark.slow
 def test_packed_padded_any_budget_and_flavor_give_the_same_losses(tmp_path, varied_file):
     common = ("logger=stdout", "dataset=text", f"dataset.path={varied_file}", "max_seq_len=128", "batch_size=8",
               "max_steps=5", "optimizer.lr=1e-3", "sample_max_new_tokens=0")
     runs = {"cpu padded": ("flavor=cpu", "plan.packing=false", "plan.micro_batch_size=2"),
             "cpu packed 4x128": ("flavor=cpu", "plan.packing=true", "plan.micro_batch_size=4"),
-            "cpu-2 packed": ("flavor=cpu-2", "plan.packing=true", "plan.micro_batch_size=2"),
-            "cpu-4 padded": ("flavor=cpu-4", "plan.packing=false")}
+            "cpu-2 packed sharded": ("flavor=cpu-2", "plan.replicate=false", "plan.packing=true",
+                                     "plan.micro_batch_size=2"),
+            "cpu-4 padded replicated": ("flavor=cpu-4", "plan.replicate=true", "plan.packing=false")}
     losses = {}
     for name, args in runs.items():
         out = tmp_path / name.replace(" ", "_")
         r = run_recipe(*common, *args, f"output_dir={out}")
         assert r.returncode == 0, (name, r.stdout + r.stderr)
+        assert layout(out) == next((k for k in ("sharded", "replicated") if k in name), "single"), name
         losses[name] = [m["loss"] for m in metrics(out)]
         assert ("packed rows" in r.stdout) == ("packed" in name), name
     reference = losses["cpu padded"]

@@ -7,21 +7,12 @@ import sys
 
 import pytest
 
-from moai_recipes.config.compose import load_config
 from moai_recipes.errors import UserError
-from moai_recipes.flavors import resolve_flavor
 from moai_recipes.models.lora import lora_options
-from moai_recipes.models.spec import spec_for
 from moai_recipes.planner.activations import trace_layer
 from moai_recipes.planner.plan import Workload
 from moai_recipes.planner.search import GiB, choose_plan
-from tests.conftest import ROOT
-from tests.test_full_finetune import metrics, peak_error, run_recipe
-
-
-def setup(*overrides, recipe="full_finetune"):
-    cfg = load_config(recipe, list(overrides))
-    return cfg, spec_for(architecture=cfg.model.architecture, checkpoint_dir=None), resolve_flavor(**cfg.flavor)
+from tests.helpers import ROOT, metrics, peak_error, run_recipe, setup
 
 
 def test_recompute_keeps_less_and_activations_grow_with_the_sequence():

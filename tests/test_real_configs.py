@@ -159,7 +159,7 @@ def test_a_tokenizer_of_another_model_is_refused_naming_its_file(tmp_path):
     from moai_recipes.errors import UserError
     from moai_recipes.models.tiny import demo_texts, write_tokenizer
     from moai_recipes.inputs import checked_tokenizer
-    from tests.conftest import make_hf_checkpoint
+    from tests.helpers import make_hf_checkpoint
 
     folder = make_hf_checkpoint(tmp_path / "other", "llama")
     write_tokenizer(folder, demo_texts() * 3, vocab_size=1024)  # another model's, larger tokenizer

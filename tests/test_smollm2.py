@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_full_finetune import run_recipe
+from tests.helpers import run_recipe
 
 QUESTION = "What is the capital of Zorbania?"
 

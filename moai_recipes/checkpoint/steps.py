@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from moai_recipes.checkpoint.run_folder import (
+from moai_recipes.checkpoint.output_dir import (
     checkpoint_dir,
     complete_checkpoints,
     read_meta,

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from moai_recipes import env
-from moai_recipes.checkpoint.run_folder import check_output_dir, read_hint, run_finished
+from moai_recipes.checkpoint.output_dir import check_output_dir, read_hint, run_finished
 from moai_recipes.config.compose import load_config
 from moai_recipes.errors import (
     EXIT_OUT_OF_MEMORY,

@@ -177,14 +177,18 @@ def read_spec(checkpoint_dir: str | Path) -> ModelSpec:
     return spec_from_hf_config(config)
 
 
-def spec_for(*, architecture: Mapping, checkpoint_dir: str | Path | None) -> ModelSpec:
+def spec_for(*, architecture: Mapping, checkpoint_dir: str | Path | None, any_family: bool = False) -> ModelSpec:
     """The spec of a `model` config entry: checkpoint_dir/config.json when given, else its `architecture`.
 
-    Without files the planner can still plan a 70B run. With a folder, its config.json is the truth,
-    but it must be of the family the model name promises.
+    Without files the planner can still plan a 70B run. With a folder, its config.json is the truth, but it must
+    be of the family the model name promises; `any_family`: the name promises none (the default, the tiny demo
+    model: a folder given without naming a model is taken for what its config.json says).
     """
     named = spec_from_hf_config(architecture)
-    return named if checkpoint_dir is None else same_family(read_spec(checkpoint_dir), named, checkpoint_dir)
+    if checkpoint_dir is None:
+        return named
+    spec = read_spec(checkpoint_dir)
+    return spec if any_family else same_family(spec, named, checkpoint_dir)
 
 
 def same_family(spec: ModelSpec, named: ModelSpec, folder: str | Path) -> ModelSpec:

@@ -1,6 +1,6 @@
 """Bytes of tensor storages alive, and the most at once: what the planner's layer traces count
-(planner/activations.OpCounter) and what a run measures on the CPU (train/peak_memory.TensorBytes), kept once
-so that the prediction and the measurement count the same way."""
+(planner/activations.OpCounter). A run measures its own peak with PyTorch's counters (train/peak_memory.py), not
+with this ledger, so that a counting mistake here shows as a prediction error."""
 
 import weakref
 

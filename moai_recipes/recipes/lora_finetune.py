@@ -34,7 +34,7 @@ from moai_recipes.train.out_of_memory import forced_plan
 from moai_recipes.train.parallel import parallelize
 from moai_recipes.train.plan_accuracy import report_accuracy
 from moai_recipes.train.process import prepare_process
-from moai_recipes.train.run_log import RunLog
+from moai_recipes.train.metrics_log import MetricsLog
 from moai_recipes.train.world import World, decided_by_main
 
 
@@ -74,7 +74,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     # 5. This process set up for the loop (threads, allocator, collector), then the loop: the same global batch,
     #    loss and gradients on any flavor; the measured against the planned at its end.
     process = prepare_process(plan, inputs.workload, flavor, world)
-    log = RunLog.start(cfg, inputs, choice) if world.is_main else None
+    log = MetricsLog.start(cfg, inputs, choice) if world.is_main else None
     answers = Answers.for_run(cfg, inputs.tokenizer, device=world.device)
     answers.take_before(model)
     result = train_loop(state, inputs, choice, LoopSettings.from_config(cfg, process), world, log)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moai_recipes.checkpoint.run_folder import complete_checkpoints
+from moai_recipes.checkpoint.output_dir import complete_checkpoints
 from moai_recipes.checkpoint.steps import TrainState, resume, save_checkpoint
 from moai_recipes.errors import Stopped, UserError
 from moai_recipes.inputs import RunInputs
@@ -37,7 +37,7 @@ from moai_recipes.train.parallel import all_reduce_gradients
 from moai_recipes.train.peak_memory import PeakMemory, host_peak_bytes
 from moai_recipes.train.plan_accuracy import Measured
 from moai_recipes.train.process import ProcessSettings
-from moai_recipes.train.run_log import RunLog, StepMetrics
+from moai_recipes.train.metrics_log import MetricsLog, StepMetrics
 from moai_recipes.train.world import World
 
 
@@ -51,12 +51,14 @@ class LoopSettings:
     skip_nonfinite_steps: int  # NaN/inf steps tolerated (skipped) before stopping
     eval_every: int | None = None  # steps between validation losses; None: at the end only
     fault_oom_tokens: int | None = None  # micro-batches of more tokens fail as out of memory (tests; ProcessSettings)
+    fault_step_delay: float = 0.0  # seconds each step waits first (tests; ProcessSettings)
 
     @classmethod
     def from_config(cls, cfg, process: ProcessSettings) -> "LoopSettings":
         return cls(max_grad_norm=cfg.optimizer.max_grad_norm, checkpoint_every=cfg.checkpoint_every,
                    checkpoint_keep=cfg.checkpoint_keep, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
-                   eval_every=cfg.eval_every, fault_oom_tokens=process.fault_oom_tokens)
+                   eval_every=cfg.eval_every, fault_oom_tokens=process.fault_oom_tokens,
+                   fault_step_delay=process.fault_step_delay)
 
 
 @dataclass
@@ -141,7 +143,7 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
 
 
 def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, settings: LoopSettings, world: World,
-               log: RunLog | None) -> LoopResult:
+               log: MetricsLog | None) -> LoopResult:
     """Run the run's steps as `choice` planned them, from the checkpoint `inputs.resume_from` (if any): the same
     global batches on any flavor.
 
@@ -163,6 +165,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     with _StopRequest() as stop:
         for step in range(first, inputs.total_steps):
             done = step + 1
+            time.sleep(settings.fault_step_delay)  # 0 but in tests that signal a run mid-way
             samples = batches.samples(step)
             shapes = micro_batch_shapes(runner.plan, samples, world.world_size) if meter.tracked else None
             with StepTimer(world.device) as timer, meter.step(state.model, state.optimizer, shapes):

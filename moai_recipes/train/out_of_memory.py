@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 
 from moai_recipes import env
-from moai_recipes.checkpoint.run_folder import OUT_OF_MEMORY_HINT
+from moai_recipes.checkpoint.output_dir import OUT_OF_MEMORY_HINT
 from moai_recipes.errors import RestartSmaller, UserError
 from moai_recipes.files import write_json
 from moai_recipes.planner.plan import Plan
 from moai_recipes.planner.search import Candidate, PlanChoice
-from moai_recipes.train.run_log import RunLog
+from moai_recipes.train.metrics_log import MetricsLog
 from moai_recipes.train.world import World
 
 
@@ -88,7 +88,7 @@ class SmallerOnOutOfMemory:
     smaller plan; `choice` is the plan the run goes on with. On several processes the processes start again
     instead (RestartSmaller), leaving the smaller plan in the run folder for them."""
 
-    def __init__(self, choice: PlanChoice, *, world: World, out: Path, hint: dict | None, log: RunLog | None):
+    def __init__(self, choice: PlanChoice, *, world: World, out: Path, hint: dict | None, log: MetricsLog | None):
         self.choice, self.world, self.out, self.log = choice, world, out, log
         self._earlier = (hint or {}).get("changes", [])  # this run's earlier restarts, kept in the hint
 

@@ -40,6 +40,7 @@ class Accuracy:
     steady_steps: int
     largest: tuple[int, int]  # (rows, tokens per row) of the measured step's largest micro-batch
     memory: MemoryBreakdown  # the planner's, default constants, at the measured step's micro-batches
+    compiled_graphs: int | None = None  # graphs torch.compile captured in this process (plan.compile); None: eager
 
     @property
     def peak_error(self) -> float:
@@ -63,6 +64,8 @@ class Accuracy:
         else:
             lines.append(f"Step time: predicted {self.predicted_step_s:.3g} s, measured {self.measured_step_s:.3g} s "
                          f"(the median of {self.steady_steps} step(s), {self.step_error:+.1%})")
+        if self.compiled_graphs is not None:  # what the compile the step time includes amounted to
+            lines.append(f"torch.compile captured {self.compiled_graphs} graph(s) of the layers")
         return lines
 
     def as_dict(self) -> dict:
@@ -80,7 +83,8 @@ def compare(choice: PlanChoice, work: Workload, measured: Measured, device_kind:
                     measured_peak_bytes=measured.peak_bytes, planned_peak_bytes=choice.chosen.memory.total,
                     predicted_step_s=choice.chosen.time.total_s,
                     measured_step_s=steady[len(steady) // 2] if steady else None, steady_steps=len(steady),
-                    largest=max(((r, t) for _, r, t in measured.shapes), key=_size, default=(1, 1)), memory=memory)
+                    largest=max(((r, t) for _, r, t in measured.shapes), key=_size, default=(1, 1)), memory=memory,
+                    compiled_graphs=_compiled_graphs() if plan.compile else None)
 
 
 def predicted_memory(plan: Plan, work: Workload, shapes: list[tuple[int, int, int]], device_kind: str) -> MemoryBreakdown:
@@ -117,6 +121,13 @@ def report_accuracy(choice: PlanChoice, measured: Measured, *, work: Workload, m
         log.info(line)
     log.summary(**accuracy.as_dict())
     record(choice, work, measured, accuracy, model_name=model_name, device_kind=device_kind)
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo captured in this process (its own counter)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def _size(shape: tuple[int, int]) -> tuple[int, tuple[int, int]]:

@@ -1,6 +1,6 @@
 """What the user sees of a run: the step line, a tqdm bar, metrics.jsonl, checkpoints.jsonl, W&B, and loss.png.
 
-Only rank 0 makes a RunLog. The step line follows the MoAI training log:
+Only rank 0 makes a MetricsLog. The step line follows the MoAI training log:
 `[Step 4/144] | Loss: 0.85546875 | Duration: 5.30 | Throughput: 99006.09 tokens/sec`.
 """
 
@@ -61,7 +61,7 @@ def wandb_mode(mode: str) -> str:
     return "online" if wandb_logged_in() else "offline"
 
 
-class RunLog:
+class MetricsLog:
     """Rank 0's record of a run. Every step: a line, a JSON row, a W&B point; at the end: loss.png."""
 
     def __init__(self, output_dir: Path, *, total_steps: int, config: dict, plan: dict, tracker: dict):
@@ -76,12 +76,12 @@ class RunLog:
             self._wandb = _start_wandb(self.output_dir, config=config, plan=plan.get("chosen", plan), tracker=tracker)
 
     @classmethod
-    def start(cls, cfg, inputs, choice) -> "RunLog":
-        """The log of a run whose folder (inputs.out) run_folder.start_run_folder has just written (config.yaml,
+    def start(cls, cfg, inputs, choice) -> "MetricsLog":
+        """The log of a run whose folder (inputs.out) output_dir.start_run_folder has just written (config.yaml,
         plan.json, the metrics a resumed run keeps)."""
         from omegaconf import OmegaConf
 
-        from moai_recipes.checkpoint.run_folder import start_run_folder
+        from moai_recipes.checkpoint.output_dir import start_run_folder
 
         resolved, kept = start_run_folder(inputs.out, cfg, model_dir=inputs.hf.folder, plan=choice.as_dict(),
                                           hint=inputs.out_of_memory_hint, resume_step=inputs.resume_step)
@@ -107,7 +107,7 @@ class RunLog:
 
     def plan_changed(self, plan: dict, change: dict) -> None:
         """The plan changed mid-run (an out-of-memory step redone smaller): say so, and record it in plan.json."""
-        from moai_recipes.checkpoint.run_folder import record_plan_change
+        from moai_recipes.checkpoint.output_dir import record_plan_change
 
         before, after = change["from"], change["to"]
         self.info(f"Step {change['step']} ran out of memory with micro-batches of up to "

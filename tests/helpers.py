@@ -1,0 +1,221 @@
+"""What several test modules share: running a recipe (in this process where no process boundary is under test),
+reading a run's outputs, and the files tests train on.
+
+`run_recipe` runs a recipe as its command runs it and returns a subprocess.CompletedProcess-like result. A run of
+one process (flavor=cpu, the default) goes through the same entry (launch/entry.main) in this process: the
+imports are paid once for the whole suite instead of ~4.7 s a run. A run of several processes (flavor=cpu-2,
+cpu-4), and any run a test asks for with `isolated=True`, is a real `python -m recipes.X` process: there the
+launcher, the workers and their exit codes are what is tested.
+"""
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINING = ("recipes.full_finetune", "recipes.lora_finetune")
+
+
+def run_recipe(*args, module: str = "recipes.full_finetune", env: dict | None = None, timeout: int = 600,
+               isolated: bool | None = None):
+    """`python -m module args` with `env` over this environment (None removes a variable); in this process
+    unless it starts several processes or `isolated=True` (its own process)."""
+    args = [str(a) for a in args]
+    several = any(a in ("flavor=cpu-2", "flavor=cpu-4") for a in args)
+    if isolated or (isolated is None and several):
+        return _in_subprocess(args, module=module, env=env, timeout=timeout)
+    return _in_process(args, module=module, env=env)
+
+
+def _in_subprocess(args: list[str], *, module: str, env: dict | None, timeout: int):
+    full = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", **(env or {})}
+    full = {k: v for k, v in full.items() if v is not None}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=full, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+
+
+def _in_process(args: list[str], *, module: str, env: dict | None):
+    """The command's own entry point in this process, its output captured and its exit code returned."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with _environment(env or {}), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if module in TRAINING:
+                from moai_recipes.launch.entry import main
+
+                code = main(module.rpartition(".")[2], args)
+            else:
+                code = importlib.import_module(f"moai_recipes.{module}").main(args)
+        except SystemExit as e:  # exit_on_user_error, --help, --cfg
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except Exception:  # a crash: what `python -m` would print, and its exit code
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess([module, *args], code or 0, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def _environment(changes: dict):
+    before = {k: os.environ.get(k) for k in changes}
+    for k, v in changes.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = str(v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def make_hf_checkpoint(folder: Path, family: str = "llama", *, tie: bool = False, max_shard_size: str | None = None,
+                       dtype: str = "float32", num_layers: int = 2, hidden: int = 64, intermediate: int | None = None,
+                       seed: int = 0) -> Path:
+    """Write a tiny Hugging Face checkpoint of `family` with transformers' own save_pretrained."""
+    import transformers
+
+    from moai_recipes.models.tiny import demo_texts, write_tokenizer
+
+    folder = Path(folder)
+    vocab = write_tokenizer(folder, demo_texts(), vocab_size=384)
+    ids = {t["content"]: t["id"] for t in json.loads((folder / "tokenizer.json").read_text())["added_tokens"]}
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden + 32,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, rms_norm_eps=1e-5,
+                  bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|end_of_text|>"],
+                  pad_token_id=ids["<|pad|>"], tie_word_embeddings=tie)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(rope_theta=500000.0, **common)
+        cls = transformers.LlamaForCausalLM
+    elif family == "mistral":
+        cfg = transformers.MistralConfig(rope_theta=10000.0, sliding_window=None, **common)
+        cls = transformers.MistralForCausalLM
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(rope_theta=1000000.0, **common)
+        cls = transformers.Qwen2ForCausalLM
+    elif family == "qwen3":  # per-head q/k norm, and a head_dim that is not hidden / heads
+        cfg = transformers.Qwen3Config(rope_theta=1000000.0, head_dim=hidden // 2, **common)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(getattr(torch, dtype))
+    with torch.no_grad():  # norms start at ones; perturb them so a wrong mapping cannot hide
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(out: Path) -> list[float]:
+    return [row["loss"] for row in metrics(out)]
+
+
+def plan_of(out: Path) -> dict:
+    """The plan a run ran (plan.json's chosen)."""
+    return json.loads((out / "plan.json").read_text())["chosen"]
+
+
+def layout(out: Path) -> str:
+    """How a run spread its model, from its plan.json: 'sharded' (FSDP2), 'replicated', or 'single' (one process)."""
+    plan = plan_of(out)
+    if plan["num_devices"] == 1:
+        return "single"
+    assert plan["sharded"] != plan["replicate"], plan
+    return "sharded" if plan["sharded"] else "replicated"
+
+
+def peak_error(stdout: str) -> float:
+    """The error of the planner's peak memory that a run states at its end (measured against predicted)."""
+    m = re.search(r"Peak tensor memory per device: predicted [\d.]+ GiB, measured [\d.]+ GiB \(([+-][\d.]+)%\)", stdout)
+    assert m, stdout[-2000:]
+    return float(m.group(1)) / 100
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    sd = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        sd.update(load_file(f))
+    return sd
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def instruct_rows(n: int = 24) -> list[dict]:
+    return [{"instruction": f"Say the number {i} in words.", "input": "", "output": f"The number is {i}."}
+            for i in range(n)]
+
+
+def setup(*overrides, recipe="full_finetune"):
+    """A recipe's config, its model's spec (from the config alone) and its flavor, as the planner gets them."""
+    from moai_recipes.config.compose import load_config
+    from moai_recipes.flavors import resolve_flavor
+    from moai_recipes.models.spec import spec_for
+
+    cfg = load_config(recipe, list(overrides))
+    return cfg, spec_for(architecture=cfg.model.architecture, checkpoint_dir=None), resolve_flavor(**cfg.flavor)
+
+
+def wandb_records(run_dir: Path) -> dict:
+    """What an offline W&B run logged, read back from its run-*.wandb file with wandb's own record type
+    (wandb.proto's Record; wandb 0.31 ships no reader of its own): {"history": [rows with "_step"], "summary": {},
+    "config": {}}. The file is LevelDB's log format: a 7-byte header, then 32 KiB blocks of records, each a 7-byte
+    header (crc32c, length, type: 1 whole, 2 first, 3 middle, 4 last) and its bytes."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = Path(run_dir).glob("run-*.wandb")
+    data = path.read_bytes()
+    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0), data[:7]
+    values = lambda items: {".".join(i.nested_key) or i.key: json.loads(i.value_json) for i in items}
+    found = {"history": [], "summary": {}, "config": {}}
+    pos, record = 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7]) if left >= 7 else (0, 0)
+        if kind == 0:  # a block's padding
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        record = chunk if kind in (1, 2) else record + chunk
+        if kind in (2, 3):
+            continue
+        r = wandb_internal_pb2.Record()
+        r.ParseFromString(record)
+        which = r.WhichOneof("record_type")
+        if which == "history":
+            found["history"].append({**values(r.history.item), "_step": r.history.step.num})
+        elif which == "summary":
+            found["summary"].update(values(r.summary.update))
+        elif which in ("run", "config"):
+            update = (r.run.config if which == "run" else r.config).update
+            found["config"].update({k: v.get("value", v) if isinstance(v, dict) else v
+                                    for k, v in values(update).items()})
+    return found
