@@ -7,27 +7,44 @@ import re
 
 import pytest
 
-from tests.helpers import layout, metrics, run_recipe
+from moai_recipes.errors import UserError
+from moai_recipes.planner.plan import Workload
+from moai_recipes.planner.search import choose_plan
+from tests.helpers import layout, metrics, run_recipe, setup
 
 
 @pytest.mark.slow
 def test_compiled_layers_train_as_eager_ones(tmp_path, varied_file):
-    # Everything a compiled layer meets in one run: LoRA's adapters, FSDP2's hooks (outside the graph), selective
-    # recomputation (inside it) and packed rows, whose per-document attention stays eager.
+    # What a compiled layer meets, under FSDP2's hooks (outside the graph) with LoRA's adapters: selective
+    # recomputation (inside it), and packed rows, whose per-document attention stays eager (a graph break).
     common = ("logger=stdout", "dataset=text", f"dataset.path={varied_file}", "max_seq_len=128", "batch_size=8",
-              "max_steps=4", "optimizer.lr=1e-3", "sample_max_new_tokens=0", "flavor=cpu-2", "plan.replicate=false",
-              "plan.packing=true", "plan.micro_batch_size=1", "plan.recompute=selective")
+              "max_steps=4", "optimizer.lr=1e-3", "sample_max_new_tokens=0", "flavor=cpu-2", "plan.replicate=false")
+    runs = {"eager": ("plan.compile=false", "plan.packing=true", "plan.micro_batch_size=1", "plan.recompute=selective"),
+            "compiled, recomputed": ("plan.compile=true", "plan.packing=false", "plan.recompute=selective"),
+            "compiled, packed": ("plan.compile=true", "plan.packing=true", "plan.micro_batch_size=1",
+                                 "plan.recompute=none")}
     losses = {}
-    for compiled in (False, True):
-        out = tmp_path / f"compile-{compiled}"
-        r = run_recipe(*common, f"plan.compile={str(compiled).lower()}", f"output_dir={out}",
-                       module="recipes.lora_finetune")
+    for name, forced in runs.items():
+        out = tmp_path / name.replace(", ", "-")
+        r = run_recipe(*common, *forced, f"output_dir={out}", module="recipes.lora_finetune")
         assert r.returncode == 0, r.stdout + r.stderr
+        compiled = name.startswith("compiled")
         assert ("compiled layers" if compiled else "eager layers") in r.stdout
         assert layout(out) == "sharded"
         graphs = re.search(r"torch.compile captured (\d+) graph", r.stdout)
         assert (int(graphs.group(1)) >= 1) if compiled else graphs is None, r.stdout[-2000:]
-        losses[compiled] = [m["loss"] for m in metrics(out)]
-    assert len(losses[False]) == 4
-    for a, b in zip(losses[False], losses[True], strict=True):
-        assert abs(a - b) <= 1e-4 * abs(a), losses
+        losses[name] = [m["loss"] for m in metrics(out)]
+    assert len(losses["eager"]) == 4
+    for name, got in losses.items():
+        for a, b in zip(losses["eager"], got, strict=True):
+            assert abs(a - b) <= 1e-4 * abs(a), (name, losses)
+
+
+def test_a_compile_dynamo_would_leave_eager_is_never_planned_and_refused_when_forced():
+    """On the CPU, packed rows' per-document attention inside a recomputed layer keeps dynamo from compiling it."""
+    _, spec, flavor = setup("flavor=cpu-2")
+    work = Workload(spec=spec, batch_size=8, seq_len=128)
+    assert not [c for c in choose_plan(work, flavor, forced={"compile": True}).candidates
+                if c.plan.packing and c.plan.recompute != "none"]
+    with pytest.raises(UserError, match="nothing\\s+would be compiled"):
+        choose_plan(work, flavor, forced={"compile": True, "packing": True, "recompute": "selective"})

@@ -98,3 +98,10 @@ def test_no_public_function_takes_more_than_six_parameters():
                 if len(names) > 6:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}({', '.join(names)})")
     assert not long, long
+
+
+def test_the_architecture_doc_names_every_module():
+    table = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [m for m in MODULES if m.count(".") and not m.startswith("moai_recipes.recipes.")  # `recipes/*`
+               and f"`{m.removeprefix('moai_recipes.').replace('.', '/')}`" not in table]
+    assert not missing, missing

@@ -47,6 +47,12 @@ def read_hint(out: Path | None) -> dict | None:
         return None
 
 
+def write_hint(out: Path, *, micro_batch_size: int, changes: list[dict]) -> None:
+    """Leave the smaller plan for the processes that start again after an out-of-memory step, with this run's plan
+    changes so far (train/out_of_memory.py)."""
+    write_json(out / OUT_OF_MEMORY_HINT, {"micro_batch_size": micro_batch_size, "changes": changes})
+
+
 def check_output_dir(cfg: DictConfig, *, restarting: bool = False) -> tuple[Path, Path | None]:
     """Return the run folder and the checkpoint to resume from (None: start afresh), or a UserError.
 

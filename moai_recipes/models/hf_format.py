@@ -32,7 +32,8 @@ _TIED_OUTPUT = "output.weight"  # torchtune's name for lm_head.weight; absent fr
 
 @dataclass
 class HFFolder:
-    """An input checkpoint folder, described from its headers without loading weights."""
+    """A Hugging Face model folder (what `model.checkpoint_dir` names: config.json, *.safetensors, the tokenizer),
+    described from its headers without loading weights. Not a step checkpoint (checkpoint/steps.py)."""
 
     folder: Path
     spec: ModelSpec

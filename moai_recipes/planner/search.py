@@ -89,11 +89,26 @@ def _options(n: int, per_device: int, flavor: Flavor, forced: dict, work: Worklo
             for m in sizes for p in (False, True) for r in recomputes for d in replicas
             for s in (reshards[:1] if d else reshards)  # nothing is resharded in a replica
             for o in ([False] if d else offloads) for c in (False, True) for k in compiles]
-    return [o for o in opts if all(forced.get(k) is None or o[k] == forced[k] for k in o)]
+    return [o for o in opts if all(forced.get(k) is None or o[k] == forced[k] for k in o)
+            and not _runs_eager(o, flavor)]
+
+
+def _runs_eager(option: dict, flavor: Flavor) -> bool:
+    """A compiled plan dynamo would leave eager: on the CPU a packed row's attention runs a document at a time,
+    outside the graph (models/attention.py); inside a recomputed layer dynamo cannot break the graph there, so it
+    runs the whole layer eagerly (tests/test_compile.py saw 0 graphs captured)."""
+    return (option["compile"] and option["packing"] and option["recompute"] != Recompute.none.value
+            and flavor.device.kind == "cpu")
 
 
 def _impossible(forced: dict, flavor: Flavor, work: Workload) -> str:
-    """Why no plan has the forced fields on this flavor (only the flavor and QLoRA limit them)."""
+    """Why no plan has the forced fields on this flavor (the flavor, QLoRA and the CPU's packed attention limit
+    them)."""
+    if forced.get("compile") and forced.get("packing") and forced.get("recompute", "none") != "none" \
+            and flavor.device.kind == "cpu":
+        return (f"plan.compile=true with plan.packing=true and plan.recompute={forced['recompute']}: on the CPU a "
+                "packed row's attention runs outside the graph, which a recomputed layer cannot leave, so nothing "
+                "would be compiled; drop one of the three")
     if forced.get("compile") and work.lora is not None and work.lora.quantize_base:
         return ("plan.compile=true: QLoRA's NF4 base weights cannot be compiled; drop plan.compile or train LoRA "
                 "(lora.quantize_base=false)")

@@ -160,7 +160,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             log.info(f"Resumed from {inputs.resume_from} (step {first}, saved on {meta['flavor']} with "
                      f"{meta['world_size']} process(es)); continuing at step {first + 1}")
     runner = SmallerOnOutOfMemory(choice, world=world, out=inputs.out, hint=inputs.out_of_memory_hint, log=log)
-    meter, step_times, nonfinite = PeakMemory(world.device), [], 0
+    meter, step_times, nonfinite = PeakMemory(world.device, compiled=runner.plan.compile), [], 0
     state.model.train()
     with _StopRequest() as stop:
         for step in range(first, inputs.total_steps):
@@ -210,7 +210,8 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     state.model.eval()
     # The steady step's peak, the largest of any rank (each measured its own).
     (steady_peak,) = _all_reduce([meter.steady[0]], world.device, op=dist.ReduceOp.MAX)
-    measured = Measured(peak_bytes=int(steady_peak), shapes=meter.steady[1], step_times=step_times) if step_times else None
+    measured = Measured(peak_bytes=int(steady_peak) if meter.counts else None, shapes=meter.steady[1],
+                        step_times=step_times) if step_times else None
     return LoopResult(choice=runner.choice, measured=measured)
 
 

@@ -9,7 +9,7 @@ gradients stay those of the global batch (normalised by its target tokens, whate
 continues exactly as planned; the log says so and plan.json records the change.
 
 On several processes a step cannot be redone in place: a rank that ran out of memory has left the others
-waiting inside FSDP's collectives. That rank leaves the smaller plan in the run folder (OUT_OF_MEMORY_HINT)
+waiting inside FSDP's collectives. That rank leaves the smaller plan in the run folder (output_dir.write_hint)
 and raises RestartSmaller, on which its process exits with EXIT_OUT_OF_MEMORY (launch/worker.py); the launcher (ours, or torchrun with restarts) starts the processes again, they resume
 from the last checkpoint (or the first step) with the smaller plan forced, and redo the steps since then:
 the same global batches, the same losses. Without a launcher that restarts, the user runs the same command
@@ -26,9 +26,8 @@ from pathlib import Path
 import torch
 
 from moai_recipes import env
-from moai_recipes.checkpoint.output_dir import OUT_OF_MEMORY_HINT
+from moai_recipes.checkpoint.output_dir import write_hint
 from moai_recipes.errors import RestartSmaller, UserError
-from moai_recipes.files import write_json
 from moai_recipes.planner.plan import Plan
 from moai_recipes.planner.search import Candidate, PlanChoice
 from moai_recipes.train.metrics_log import MetricsLog
@@ -109,8 +108,7 @@ class SmallerOnOutOfMemory:
                           "to": smaller.plan.as_dict()}
                 if self.world.world_size > 1:  # the others wait inside a collective: start them all again, smaller
                     mbs = smaller.plan.micro_batch_size
-                    write_json(self.out / OUT_OF_MEMORY_HINT, {"micro_batch_size": mbs,
-                                                               "changes": [*self._earlier, change]})
+                    write_hint(self.out, micro_batch_size=mbs, changes=[*self._earlier, change])
                     raise RestartSmaller(f"step {step} ran out of memory ({change['error']}); the processes start "
                                          f"again with plan.micro_batch_size={mbs}, from the last checkpoint")
                 self.choice = replace(self.choice, chosen=smaller)

@@ -9,6 +9,10 @@ It is not the planner's ledger (planner/live_storages.py): a counting mistake th
 Following every operator slows those steps, so only the first TRACKED_STEPS steps of a process are followed; the
 step-time median leaves them out anyway (train/plan_accuracy.py). The process's resident peak (`host_peak_bytes`)
 is reported beside it: what the machine gives the process.
+
+Not with compiled layers on the CPU: a layer whose first call runs under a dispatch mode is never compiled
+(dynamo leaves the frame to eager for good, as tests/test_compile.py found), and once compiled, its kernels
+allocate outside the dispatcher where no mode sees them. There the tensor peak is not measured.
 """
 
 import contextlib
@@ -32,8 +36,10 @@ class PeakMemory:
     """Each measured step's peak tensor bytes, as `with meter.step(model, optimizer, largest):` around each step
     runs them: on a GPU every step (the allocator's own count), on the CPU the first TRACKED_STEPS."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, compiled: bool = False):
         self.device = device
+        # Where tensors are counted at all: a GPU's allocator always; the CPU's MemTracker only for eager layers.
+        self.counts = device.type == "cuda" or not compiled
         self.peaks: list[int] = []  # of the measured steps, in order
         self.shapes: list[list[tuple[int, int, int]]] = []  # their micro-batches (train/micro_batches.py)
 
@@ -54,7 +60,8 @@ class PeakMemory:
     @property
     def steady(self) -> tuple[int, list[tuple[int, int, int]]]:
         """(peak, micro-batches) of the TRACKED_STEPS-th step (or the last, in a shorter run): the first
-        whose optimizer state exists from its start, as in every later step and in the planner's prediction."""
+        whose optimizer state exists from its start, as in every later step and in the planner's prediction.
+        (0, []) where nothing was measured."""
         i = min(TRACKED_STEPS, len(self.peaks)) - 1
         return (self.peaks[i], self.shapes[i]) if i >= 0 else (0, [])
 
@@ -86,6 +93,8 @@ class _Step:
         if self.meter.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.meter.device)
             return self
+        if not self.meter.counts:  # the step's micro-batches only: what the planner predicts for
+            return self
         self.tracker = _MemTracker()
         self.tracker.track_external(self.model, self.optimizer)  # what exists before the step: weights, state
         # MemTracker follows one forward of the root module per iteration; a step of several micro-batches runs
@@ -99,6 +108,8 @@ class _Step:
     def __exit__(self, *exc):
         if self.meter.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.meter.device)
+        elif not self.meter.counts:
+            peak = 0
         else:
             self.tracker.__exit__(*exc)
             self.hook.remove()

@@ -25,7 +25,8 @@ GiB = 2**30
 class Measured:
     """What a process measured of its steps (the largest over ranks)."""
 
-    peak_bytes: int  # tensors, at most at once, in the steady measured step (PeakMemory.steady)
+    peak_bytes: int | None  # tensors, at most at once, in the steady measured step (PeakMemory.steady); None: not
+    # counted (compiled layers on the CPU)
     shapes: list[tuple[int, int, int]]  # that step's micro-batches (train/micro_batches.micro_batch_shapes)
     step_times: list[float]  # every step this process ran, in order
 
@@ -33,7 +34,7 @@ class Measured:
 @dataclass(frozen=True)
 class Accuracy:
     predicted_peak_bytes: int  # at the measured micro-batch
-    measured_peak_bytes: int
+    measured_peak_bytes: int | None  # None: not counted (compiled layers on the CPU: train/peak_memory.py)
     planned_peak_bytes: int  # what the plan reserves (the worst micro-batch, slack and runtime included)
     predicted_step_s: float
     measured_step_s: float | None  # None: no step after the warm-up ones
@@ -43,7 +44,9 @@ class Accuracy:
     compiled_graphs: int | None = None  # graphs torch.compile captured in this process (plan.compile); None: eager
 
     @property
-    def peak_error(self) -> float:
+    def peak_error(self) -> float | None:
+        if self.measured_peak_bytes is None:
+            return None
         return (self.measured_peak_bytes - self.predicted_peak_bytes) / max(self.predicted_peak_bytes, 1)
 
     @property
@@ -54,10 +57,15 @@ class Accuracy:
 
     def lines(self) -> list[str]:
         rows, tokens = self.largest
-        lines = [f"Peak tensor memory per device: predicted {self.predicted_peak_bytes / GiB:.3f} GiB, measured "
-                 f"{self.measured_peak_bytes / GiB:.3f} GiB ({self.peak_error:+.1%}) in step {TRACKED_STEPS}, whose "
-                 f"largest micro-batch was {rows} x {tokens} tokens; the plan reserves "
-                 f"{self.planned_peak_bytes / GiB:.3f} GiB for the worst the data can form"]
+        if self.measured_peak_bytes is None:
+            lines = [f"Peak tensor memory per device: predicted {self.predicted_peak_bytes / GiB:.3f} GiB; not measured "
+                     "(compiled layers allocate outside PyTorch's tensor counting on the CPU); the plan reserves "
+                     f"{self.planned_peak_bytes / GiB:.3f} GiB for the worst the data can form"]
+        else:
+            lines = [f"Peak tensor memory per device: predicted {self.predicted_peak_bytes / GiB:.3f} GiB, measured "
+                     f"{self.measured_peak_bytes / GiB:.3f} GiB ({self.peak_error:+.1%}) in step {TRACKED_STEPS}, whose "
+                     f"largest micro-batch was {rows} x {tokens} tokens; the plan reserves "
+                     f"{self.planned_peak_bytes / GiB:.3f} GiB for the worst the data can form"]
         if self.measured_step_s is None:
             lines.append(f"Step time: predicted {self.predicted_step_s:.3g} s; too few steps to measure "
                          f"(the first {TRACKED_STEPS} warm up)")
