@@ -123,8 +123,9 @@ def test_an_adapter_whose_base_is_a_hub_name_finds_it_in_the_hub_cache(runs, tmp
         shutil.copytree(runs.adapter, adapter)
         config = json.loads((adapter / "adapter_config.json").read_text())
         (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}))
-    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    r = run_recipe(f"adapter_dir={tmp_path / 'cached'}", f"prompt={FRANCE}", module="recipes.generate", env=env)
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}  # huggingface_hub reads them when first imported
+    r = run_recipe(f"adapter_dir={tmp_path / 'cached'}", f"prompt={FRANCE}", module="recipes.generate", env=env,
+                   isolated=True)
     assert r.returncode == 0 and "Paris" in r.stdout and f"Model {snapshot}" in r.stderr, r.stdout + r.stderr
     r = run_recipe(f"adapter_dir={tmp_path / 'missing'}", f"prompt={FRANCE}", module="recipes.generate", env=env)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

@@ -97,13 +97,18 @@ class _Step:
             return self
         self.tracker = _MemTracker()
         self.tracker.track_external(self.model, self.optimizer)  # what exists before the step: weights, state
-        # MemTracker follows one forward of the root module per iteration; a step of several micro-batches runs
-        # several. Its per-module statistics (which we do not read) are cleared before each; the peak stays.
+        # MemTracker follows one forward of each top-level module per iteration; a step runs several (the model
+        # once per micro-batch, the chunked loss's norm and output once per chunk). That module's statistics
+        # (which we do not read) are dropped before each such call outside the backward; the peak stays.
         # Registered before the tracker's own hooks (on entering), so it runs first.
-        self.hook = register_module_forward_pre_hook(
-            lambda module, args: self.tracker.reset_mod_stats() if module is self.model else None)
+        self.hook = register_module_forward_pre_hook(self._before_forward)
         self.tracker.__enter__()
         return self
+
+    def _before_forward(self, module, args) -> None:
+        modules = self.tracker._mod_tracker
+        if not modules.is_bw and set(modules.parents) <= {"Global"}:
+            self.tracker.memory_tracking.pop(module, None)
 
     def __exit__(self, *exc):
         if self.meter.device.type == "cuda":
