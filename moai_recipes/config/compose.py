@@ -1,8 +1,8 @@
 """Compose a recipe's config with Hydra from the command line, validate it, and answer `--cfg job`.
 
 We use Hydra's compose API rather than `@hydra.main` so that a user's mistake becomes one clean
-message and exit code 2 (see errors.py), the working directory is left alone, and a recipe that
-relaunches itself on several processes hands every worker the same resolved config.
+message and exit code 2 (see errors.py) and the working directory is left alone. A launcher of several
+processes composes once and hands its workers the resolved config (`resolved_config`, launch/worker.py).
 """
 
 import difflib
