@@ -2,7 +2,7 @@
 
     python bench/checkpoint_cost.py                           # 3 runs of 12 steps, a checkpoint every 2 (~1 min)
     python bench/checkpoint_cost.py --steps 24 --every 4      # longer runs, checkpoints further apart
-    python bench/checkpoint_cost.py --workdir /tmp/hf-cost  # keep the run folders and their logs
+    python bench/checkpoint_cost.py --workdir /tmp/ckpt-cost  # keep the run folders and their logs
 
 Run it from the repository root. Each run is the command a user types:
 

@@ -32,14 +32,16 @@ def _get(name: str) -> str | None:
 
 
 def moai_home() -> Path:
-    """MOAI_HOME, else $XDG_CONFIG_HOME/moai-recipes (~/.config/moai-recipes)."""
+    """The folder of this user's settings and of the registry of running recipes: MOAI_HOME, else
+    $XDG_CONFIG_HOME/moai-recipes (~/.config/moai-recipes)."""
     if _get(MOAI_HOME):
         return Path(os.environ[MOAI_HOME]).expanduser()
     return Path(_get(XDG_CONFIG_HOME) or Path.home() / ".config").expanduser() / "moai-recipes"
 
 
 def cache_dir() -> Path:
-    """MOAI_CACHE, else ~/.cache/moai-recipes."""
+    """This machine's cache (the tiny checkpoint, converted models, the CPU's speed, layer traces, tokenised data):
+    MOAI_CACHE, else ~/.cache/moai-recipes."""
     return Path(_get(MOAI_CACHE) or Path.home() / ".cache" / "moai-recipes")
 
 

@@ -7,11 +7,7 @@ from pathlib import Path
 
 from moai_recipes import env
 
-
-def cache_dir() -> Path:
-    """The cache of this machine (MOAI_CACHE, else ~/.cache/moai-recipes): the tiny checkpoint, converted models,
-    the CPU's measured speed, the planner's layer traces."""
-    return env.cache_dir()
+cache_dir = env.cache_dir  # this machine's cache: where it is, env.py says
 
 
 def write_text(path: Path, text: str) -> None:

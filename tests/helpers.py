@@ -37,13 +37,15 @@ def run_recipe(*args, module: str = "recipes.full_finetune", env: dict | None = 
     return _in_process(args, module=module, env=env)
 
 
+def command_env(changes: dict | None = None) -> dict:
+    """The environment of a recipe's process: this one, quiet and offline, with `changes` (None removes one)."""
+    full = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", **(changes or {})}
+    return {k: v for k, v in full.items() if v is not None}
+
+
 def _in_subprocess(args: list[str], *, module: str, env: dict | None, timeout: int):
-    full = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", **(env or {})}
-    full = {k: v for k, v in full.items() if v is not None}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=full, capture_output=True, text=True,
-                          timeout=timeout)
-
-
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=command_env(env), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def _in_process(args: list[str], *, module: str, env: dict | None):

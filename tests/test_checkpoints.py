@@ -7,7 +7,6 @@ tests/test_checkpoints.py  (about three minutes)
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from moai_recipes.errors import EXIT_STOPPED
-from tests.helpers import ROOT, layout, metrics, run_recipe, tensors
+from tests.helpers import ROOT, command_env, layout, metrics, run_recipe, tensors
 
 pytestmark = pytest.mark.slow
 
@@ -32,9 +31,8 @@ SLOW = {"MOAI_FAULT_STEP_DELAY": "0.25"}  # the remaining steps outlast any sign
 
 
 def start(*args, stdout=subprocess.PIPE):
-    env = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", **SLOW}
     return subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *COMMON, *map(str, args)], cwd=ROOT,
-                            env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True)
+                            env=command_env(SLOW), stdout=stdout, stderr=subprocess.STDOUT, text=True)
 
 
 def workers_of(proc) -> list[psutil.Process]:
@@ -192,7 +190,7 @@ def test_a_worker_that_dies_while_exiting_a_finished_run_loses_nothing(tmp_path)
         "if os.environ.get('RANK') == '1':\n"
         "    atexit.register(lambda: os.kill(os.getpid(), signal.SIGKILL))\n")
     out = tmp_path / "run"
-    env = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(inject)}
+    env = command_env({"PYTHONPATH": str(inject)})
     r = subprocess.run([sys.executable, "-m", "recipes.full_finetune", *COMMON, "max_steps=4", "flavor=cpu-2",
                         f"output_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -88,11 +88,11 @@ def run_finished(cfg: DictConfig) -> bool:
 
 
 def _given_checkpoint(path: str) -> Path:
-    hf = Path(path).expanduser().resolve()
-    if not (hf / "meta.json").exists():
+    checkpoint = Path(path).expanduser().resolve()
+    if not (checkpoint / "meta.json").exists():
         raise UserError(f"resume={path} is not a complete checkpoint folder (one of output_dir/checkpoints/step-*); "
                         "use resume=auto to take the newest one of output_dir")
-    return hf
+    return checkpoint
 
 
 def _identity(cfg: dict) -> dict:

@@ -5,18 +5,12 @@ They live in `settings.json` under `moai_home()`: `$MOAI_HOME` if set, else
 """
 
 import json
-from pathlib import Path
 
-from moai_recipes import env
+from moai_recipes.env import moai_home
 from moai_recipes.errors import UserError
 from moai_recipes.files import write_json
 
 SETTINGS = "settings.json"
-
-
-def moai_home() -> Path:
-    """The folder of this user's settings and of the registry of running recipes."""
-    return env.moai_home()
 
 
 def _read() -> dict:

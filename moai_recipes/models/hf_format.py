@@ -26,7 +26,7 @@ from moai_recipes.models.spec import ModelSpec, read_spec
 INDEX = "model.safetensors.index.json"
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # Weights in other formats are never copied: a stale pytorch_model.bin beside the new weights would mislead.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".hf", ".gguf", ".index.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".index.json")
 _TIED_OUTPUT = "output.weight"  # torchtune's name for lm_head.weight; absent from tied models
 
 

@@ -16,9 +16,6 @@ from tqdm import tqdm
 
 from moai_recipes import env
 
-METRIC_KEYS = ("step", "loss", "lr", "tokens", "tokens_per_sec", "step_time_s", "grad_norm", "peak_memory_bytes")
-
-
 @dataclass(frozen=True)
 class StepMetrics:
     """One optimizer step as the log records it: a row of metrics.jsonl, a W&B point, the step line."""
@@ -83,9 +80,10 @@ class MetricsLog:
 
         from moai_recipes.checkpoint.output_dir import start_run_folder
 
-        resolved, kept = start_run_folder(inputs.out, cfg, model_dir=inputs.hf.folder, plan=choice.as_dict(),
+        plan = choice.as_dict()
+        resolved, kept = start_run_folder(inputs.out, cfg, model_dir=inputs.hf.folder, plan=plan,
                                           hint=inputs.out_of_memory_hint, resume_step=inputs.resume_step)
-        log = cls(inputs.out, total_steps=inputs.total_steps, plan=choice.as_dict(),
+        log = cls(inputs.out, total_steps=inputs.total_steps, plan=plan,
                   config=OmegaConf.to_container(resolved, resolve=True, enum_to_str=True),
                   tracker=OmegaConf.to_container(cfg.logger, enum_to_str=True))
         log.rows = kept

@@ -55,25 +55,19 @@ def keep_freed_memory() -> bool:
 
 @dataclass(frozen=True)
 class ProcessSettings:
-    """What prepare_process set and read, for the loop and the log."""
+    """What prepare_process read for the loop (what it set is the process's own state)."""
 
-    threads: int  # torch's intra-op threads (CPU)
-    keeps_freed_memory: bool  # glibc keeps freed memory (CPU, large step tensors)
     fault_oom_tokens: int | None  # MOAI_FAULT_OOM_TOKENS: larger micro-batches fail as out of memory (tests)
     fault_step_delay: float  # MOAI_FAULT_STEP_DELAY: seconds each step waits first (tests)
 
 
 def prepare_process(plan: Plan, work: Workload, flavor: Flavor, world: World) -> ProcessSettings:
     """Set this process up for the loop `plan` runs: threads, allocator, collector; read the fault injection."""
-    threads, keeps = torch.get_num_threads(), False
     if world.device.type == "cpu":
-        threads = process_threads(flavor.num_devices)
-        torch.set_num_threads(threads)
-        # A micro-batch's logits in fp32: the largest tensor of a step.
-        keeps = keep_freed_memory_for(plan.token_budget * work.spec.vocab_size * 4)
+        torch.set_num_threads(process_threads(flavor.num_devices))  # as the planner priced the steps
+        keep_freed_memory_for(plan.token_budget * work.spec.vocab_size * 4)  # a micro-batch's fp32 logits: the largest
     # What exists now (the imports' half a million objects, the data) lives to the end of the process: out of the
     # collector's reach, neither the full collections during training nor the one at exit walk it again (that
     # last one took 1.0 s of a 3M model's run here; with it frozen, 0.02 s).
     gc.freeze()
-    return ProcessSettings(threads=threads, keeps_freed_memory=keeps, fault_oom_tokens=env.fault_oom_tokens(),
-                           fault_step_delay=env.fault_step_delay())
+    return ProcessSettings(fault_oom_tokens=env.fault_oom_tokens(), fault_step_delay=env.fault_step_delay())
