@@ -160,6 +160,12 @@ class PlanConfig:
                                            "logits at once (null: the planner decides)")
     compile: Optional[bool] = setting(None, "each layer compiled by torch.compile, where it pays for its compile time "
                                             "within the run (null: the planner decides)")
+    tensor_parallel: Optional[int] = setting(None, "devices that cut each layer's heads and MLP between them "
+                                                   "(null: the planner decides)")
+    pipeline_stages: Optional[int] = setting(None, "devices that hold consecutive layers each, micro-batches flowing "
+                                                   "through them (null: the planner decides)")
+    pipeline_schedule: Optional[str] = setting(None, "gpipe | 1f1b | interleaved_1f1b: the order of the pipeline's "
+                                                     "forward and backward passes (null: the planner decides)")
 
 
 @dataclass

@@ -6,6 +6,7 @@ input file's tensors at a time, so a 70B model never has to fit whole in one pro
 """
 
 import json
+import math
 import os
 import re
 import shutil
@@ -223,13 +224,28 @@ def load_weights(model: torch.nn.Module, hf: HFFolder, *, allow_missing: tuple[s
     hold (LoRA adapters: ("lora_a", "lora_b")); all other parameters must be in it.
     """
     names = tune_names(hf)
-    _check_matches(model, hf, names, allow_missing)  # before reading any weight
+    _check_matches(whole_model(model), hf, names, allow_missing)  # before reading any weight
     params = dict(model.named_parameters())
     for fname, hf_names in hf.files.items():
         with _open(hf.folder / fname) as f:
             for hf_name in hf_names:
                 if names[hf_name] in params:  # skips rotary inv_freq and the tied lm_head
                     copy_full_into(params[names[hf_name]], f.get_tensor(hf_name))
+
+
+def whole_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder `model` is part of (a pipeline device's stages keep it, on the meta device), or `model`: its
+    parameters' names and whole shapes."""
+    return getattr(model, "decoder", model)
+
+
+def whole_parameter(model: torch.nn.Module, name: str, params: dict | None = None) -> torch.Tensor | None:
+    """The whole parameter `name` on the CPU: on every rank, or for a pipeline device's stages (which hold some
+    of the parameters) on rank 0 only, None elsewhere. Every rank must ask for the same names in the same
+    order (a collective)."""
+    if hasattr(model, "whole_parameter"):  # train/pipeline.PipelinedModel
+        return model.whole_parameter(name, full_tensor)
+    return full_tensor((params or dict(model.named_parameters()))[name])
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -269,7 +285,8 @@ def save_weights(model: torch.nn.Module, hf: HFFolder, out_dir: Path, *, rank: i
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        total_size = sum(_save_file(params, hf, names, fname, tmp, transform) for fname in hf.files)
+        export = lambda tune: _export_tensor(model, params, hf, tune, transform)
+        total_size = sum(_save_file(export, hf, names, fname, tmp) for fname in hf.files)
         if rank == 0:
             _write_index_and_extras(hf, tmp, total_size)
             os.rename(tmp, out_dir)
@@ -279,15 +296,17 @@ def save_weights(model: torch.nn.Module, hf: HFFolder, out_dir: Path, *, rank: i
         raise
 
 
-def _save_file(params: dict, hf: HFFolder, names: dict, fname: str, tmp: Path | None, transform) -> int:
+def _save_file(export, hf: HFFolder, names: dict, fname: str, tmp: Path | None) -> int:
     """Gather, convert and (if `tmp`, i.e. on rank 0) write one input file's tensors; returns its byte size."""
     tensors, size = {}, 0
     with _open(hf.folder / fname) as f:
         for hf_name in hf.files[fname]:  # the same order on every rank: full_tensor() is a collective
             # A tensor that is not a weight of the model (rotary inv_freq) is copied as it was.
-            tensor = f.get_tensor(hf_name) if names[hf_name] is None else _export_tensor(params, hf, names[hf_name], transform)
+            tensor = f.get_tensor(hf_name) if names[hf_name] is None else export(names[hf_name])
+            size += math.prod(hf.shapes[hf_name]) * hf.dtypes[hf_name].itemsize
+            if tensor is None:  # held by another pipeline stage, sent to rank 0
+                continue
             assert tuple(tensor.shape) == hf.shapes[hf_name], (hf_name, tensor.shape, hf.shapes[hf_name])
-            size += tensor.numel() * hf.dtypes[hf_name].itemsize
             if tmp is not None:
                 tensors[hf_name] = tensor.to(hf.dtypes[hf_name]).contiguous()
             del tensor  # on every rank, before the next gather: only the file's kept tensors stay
@@ -297,11 +316,11 @@ def _save_file(params: dict, hf: HFFolder, names: dict, fname: str, tmp: Path | 
     return size
 
 
-def _export_tensor(params: dict, hf: HFFolder, tune: str, transform) -> torch.Tensor:
+def _export_tensor(model, params: dict, hf: HFFolder, tune: str, transform) -> torch.Tensor | None:
     """One whole weight, gathered and transformed; its intermediates die on return."""
     source = "tok_embeddings.weight" if tune == _TIED_OUTPUT and hf.spec.tie_word_embeddings else tune
-    whole = full_tensor(params[source])
-    return whole if transform is None else transform(source, whole)
+    whole = whole_parameter(model, source, params)
+    return whole if transform is None or whole is None else transform(source, whole)
 
 
 def _write_index_and_extras(hf: HFFolder, tmp: Path, total_size: int) -> None:

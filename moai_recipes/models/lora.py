@@ -23,7 +23,8 @@ from moai_recipes.errors import UserError
 from moai_recipes.models.build import nf4_weights
 from moai_recipes.models.hf_format import (
     copy_full_into,
-    full_tensor,
+    whole_model,
+    whole_parameter,
     hf_name,
 )
 from moai_recipes.models.spec import ModelSpec
@@ -128,8 +129,11 @@ def init_adapters(model: nn.Module, *, seed: int) -> None:
 
 
 def gather_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every adapter tensor whole, on every rank (a collective; adapters are small)."""
-    return {name: full_tensor(p) for name, p in model.named_parameters() if is_adapter(name)}
+    """Every adapter tensor whole, on every rank (a collective; adapters are small); under pipeline parallelism
+    on rank 0 only (hf_format.whole_parameter)."""
+    names = [name for name, _ in whole_model(model).named_parameters() if is_adapter(name)]
+    params = dict(model.named_parameters())
+    return {name: whole_parameter(model, name, params) for name in names}
 
 
 def merge_into(adapters: dict[str, torch.Tensor], scale: float):

@@ -73,6 +73,36 @@ class Plan:
     # Ranks are balanced by the work of their documents, n x (1 + n / attention_length) for n tokens: attention
     # grows with the square of a document's length (ModelSpec.attention_length; 0: balanced by tokens alone).
     attention_length: int = 0
+    # The model spread over a mesh of pipeline x data x tensor devices (their product is num_devices): `tensor`
+    # devices cut each layer's heads and MLP (train/tensor_parallel.py), `pipeline_stages` hold consecutive
+    # layers each (train/pipeline.py, run by `pipeline_schedule`), and the rest hold data-parallel copies (FSDP2
+    # shards or replicas) that split the global batch between them.
+    tensor_parallel: int = 1
+    pipeline_stages: int = 1
+    pipeline_schedule: str = "none"  # none | gpipe | 1f1b | interleaved_1f1b (two stages a device)
+    stage_layers: tuple[int, ...] = ()  # layers of each stage, in order (planner/layouts.split_layers)
+
+    def __post_init__(self):
+        assert self.num_devices % (self.tensor_parallel * self.pipeline_stages) == 0, self
+        assert (self.pipeline_stages > 1) == (self.pipeline_schedule != "none"), self
+        assert len(self.stage_layers) == (self.pipeline_stages * self.stages_per_device if self.pipeline_stages > 1 else 0)
+
+    @property
+    def data_parallel(self) -> int:
+        """How many copies of the model (each over tensor x pipeline devices) split the global batch."""
+        return self.num_devices // (self.tensor_parallel * self.pipeline_stages)
+
+    @property
+    def stages_per_device(self) -> int:
+        return 2 if self.pipeline_schedule == "interleaved_1f1b" else 1
+
+    def stage_ranges(self) -> list[range]:
+        """The layers of each stage (stage s runs on the pipeline devices' s mod pipeline_stages)."""
+        out, first = [], 0
+        for n in self.stage_layers:
+            out.append(range(first, first + n))
+            first += n
+        return out
 
     @staticmethod
     def device_share(batch_size: int, num_devices: int) -> int:
@@ -81,7 +111,8 @@ class Plan:
 
     @property
     def batch_per_device(self) -> int:
-        return self.device_share(self.batch_size, self.num_devices)
+        """Sequences of a global batch per copy of the model (a device's own, without tensor or pipeline cuts)."""
+        return self.device_share(self.batch_size, self.data_parallel)
 
     @property
     def token_budget(self) -> int:
@@ -91,7 +122,8 @@ class Plan:
     @property
     def row_length(self) -> int:
         """Tokens of a row at most: a padded row's longest sample, a packed row's budget (the model's max_seq_len)."""
-        return self.token_budget if self.packing else self.max_seq_len
+        row = self.token_budget if self.packing else self.max_seq_len
+        return -(-row // self.tensor_parallel) * self.tensor_parallel  # padded to divide (sequence parallelism)
 
     @property
     def sharded(self) -> bool:
@@ -99,23 +131,23 @@ class Plan:
         a lower compute dtype. One process computing in its master dtype keeps a plain module: there FSDP2's
         all-gathers and reduce-scatters are copies of every layer in and out, a fifth of a CPU step at 24M
         parameters (measured), for nothing. Replicated processes keep plain modules too."""
-        return not self.replicate and (self.num_devices > 1 or self.cpu_offload or self.param_dtype != self.master_dtype)
+        return not self.replicate and (self.data_parallel > 1 or self.cpu_offload or self.param_dtype != self.master_dtype)
 
     @property
     def shards(self) -> int:
-        """How many pieces the parameters, gradients and optimizer state are cut into (1: whole on each device)."""
-        return self.num_devices if self.sharded else 1
+        """How many pieces FSDP2 cuts a device's parameters, gradients and optimizer state into (1: none)."""
+        return self.data_parallel if self.sharded else 1
 
     def rank_share(self, indices: list[int], lengths: list[int], rank: int) -> list[int]:
-        """Rank `rank`'s share of a step's global batch (dataset indices, with their lengths), in the global
+        """Data rank `rank`'s share of a step's global batch (dataset indices, with their lengths), in the global
         batch's order. The ranks' work is balanced, not their sample counts: the slowest rank sets the step's
         time. A sample's work is its tokens, with its attention's (attention_length). Longest first, each sample
         goes to the rank with the least work so far (ties: the lowest rank), so every rank computes the same
         split. The shares together are exactly the global batch."""
         work = [n * (1 + n / self.attention_length) if self.attention_length else n for n in lengths]
-        loads, owner = [0.0] * self.num_devices, [0] * len(indices)
+        loads, owner = [0.0] * self.data_parallel, [0] * len(indices)
         for pos in sorted(range(len(indices)), key=lambda p: (-lengths[p], p)):
-            owner[pos] = min(range(self.num_devices), key=lambda r: (loads[r], r))
+            owner[pos] = min(range(self.data_parallel), key=lambda r: (loads[r], r))
             loads[owner[pos]] += work[pos]
         return [i for i, r in zip(indices, owner) if r == rank]
 
@@ -136,15 +168,22 @@ class Plan:
         return rows
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "batch_per_device": self.batch_per_device, "sharded": self.sharded}
+        return {**asdict(self), "batch_per_device": self.batch_per_device, "sharded": self.sharded,
+                "data_parallel": self.data_parallel}
 
     def describe(self) -> str:
         split = (f"packed rows of up to {self.token_budget} tokens (up to {self.accumulation_steps} a step)"
                  if self.packing else f"micro_batch_size {self.micro_batch_size}, num_micro_batches {self.accumulation_steps}")
-        return (f"batch {self.batch_size} over {self.num_devices} device(s): batch_per_device {self.batch_per_device}, "
-                f"{split}, recomputation {self.recompute}, {self._distribution()}, cpu_offload "
+        return (f"batch {self.batch_size} over {self.num_devices} device(s): {self.layout()}, batch_per_device "
+                f"{self.batch_per_device}, {split}, recomputation {self.recompute}, {self._distribution()}, cpu_offload "
                 f"{str(self.cpu_offload).lower()}, chunked loss {str(self.chunked_loss).lower()}, {self.param_dtype} "
                 f"compute, {self.master_dtype} master weights, {'compiled' if self.compile else 'eager'} layers")
+
+    def layout(self) -> str:
+        """The reference's words for the mesh: `num_stages : 2 (1f1b), TP 2, DP 4`."""
+        stages = f"num_stages {self.pipeline_stages}" + (f" ({self.pipeline_schedule})" if self.pipeline_stages > 1 else "")
+        tensor = f"TP {self.tensor_parallel}" if self.tensor_parallel > 1 else "No TP"
+        return f"{stages}, {tensor}, DP {self.data_parallel}"
 
     def _distribution(self) -> str:
         if self.replicate:

@@ -15,6 +15,7 @@ from moai_recipes.planner.memory import (
     predict_host_memory,
     predict_memory,
 )
+from moai_recipes.planner.layouts import layouts
 from moai_recipes.planner.plan import Plan, Workload
 from moai_recipes.planner.timing import TimeEstimate, predict_time
 
@@ -72,24 +73,32 @@ class PlanChoice:
                 "candidates": [c.as_dict() for c in self.candidates]}
 
 
-def _options(n: int, per_device: int, flavor: Flavor, forced: dict, work: Workload, compute: str) -> list[dict]:
+def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: Workload, compute: str) -> list[dict]:
+    """The plans of one layout (layouts.layouts): micro-batches, packing, recomputation, and how the data-parallel
+    copies hold the model."""
+    data = flavor.num_devices // (layout["tensor_parallel"] * layout["pipeline_stages"])
+    cut = layout["tensor_parallel"] > 1 or layout["pipeline_stages"] > 1
     sizes = sorted({min(2**k, per_device) for k in range(0, per_device.bit_length() + 1)} | {per_device})
     recomputes = [r.value for r in Recompute]
-    # One device shards nothing, so resharding is moot there: take what the user forced.
-    reshards = [True, False] if n > 1 else [forced.get("reshard_after_forward", True)]
-    offloads = [False, True] if flavor.device.kind == "gpu" else [False]
+    # One copy shards nothing, so resharding is moot there: take what the user forced.
+    reshards = [True, False] if data > 1 else [forced.get("reshard_after_forward", True)]
+    # A cut model is FSDP2-sharded over its copies, held on the devices, its loss whole per stage (the vocabulary
+    # is cut by tensor parallelism already): replicas, offloading and the chunked loss are for uncut models.
+    offloads = [False, True] if flavor.device.kind == "gpu" and not cut else [False]
     # Replicas are plain modules: several processes computing in their fp32 master dtype (FSDP2 casts to bf16).
-    replicas = [False, True] if n > 1 and compute == "float32" else [False]
+    replicas = [False, True] if data > 1 and compute == "float32" and not cut else [False]
+    chunks = [False] if cut else [False, True]
     # Compiling is predicted to gain nothing on the CPU (timing.COMPILED), so it is offered there only when
-    # forced; never with NF4 base weights (QLoRA), whose tensor subclass inductor does not compile.
+    # forced; never with NF4 base weights (QLoRA), whose tensor subclass inductor does not compile; and not yet
+    # over a cut model (compiled DTensor layers and pipeline stages are untested here).
     qlora = work.lora is not None and work.lora.quantize_base
-    compiles = [False, True] if not qlora and (flavor.device.kind == "gpu" or forced.get("compile")) else [False]
+    compiles = [False, True] if not qlora and not cut and (flavor.device.kind == "gpu" or forced.get("compile")) else [False]
     opts = [dict(micro_batch_size=m, packing=p, recompute=r, replicate=d, reshard_after_forward=s, cpu_offload=o,
-                 chunked_loss=c, compile=k)
+                 chunked_loss=c, compile=k, **layout)
             for m in sizes for p in (False, True) for r in recomputes for d in replicas
             for s in (reshards[:1] if d else reshards)  # nothing is resharded in a replica
-            for o in ([False] if d else offloads) for c in (False, True) for k in compiles]
-    return [o for o in opts if all(forced.get(k) is None or o[k] == forced[k] for k in o)
+            for o in ([False] if d else offloads) for c in chunks for k in compiles]
+    return [o for o in opts if all(forced.get(k) is None or o[k] == forced[k] for k in o if k != "stage_layers")
             and not _runs_eager(o, flavor)]
 
 
@@ -147,19 +156,30 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
 def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Candidate], int]:
     """Every plan the forced fields allow, with its predictions; a UserError if they allow none."""
     n = flavor.num_devices
-    per_device = Plan.device_share(work.batch_size, n)
-    if forced.get("micro_batch_size", 0) > per_device:
-        raise UserError(f"plan.micro_batch_size={forced['micro_batch_size']} is larger than the batch per device "
-                        f"({per_device} = batch_size {work.batch_size} over {n} devices); use at most {per_device}")
     gpu = flavor.device.kind == "gpu"
     compute = "bfloat16" if (work.dtype == "bf16" or (work.dtype == "auto" and gpu)) else "float32"
     budget = int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
     host_budget = int(flavor.host_memory_gb * GiB * (1 - SAFETY_MARGIN))
-    options = _options(n, per_device, flavor, forced, work, compute)
+    options = []
+    for layout in layouts(work, flavor, forced):
+        per_device = Plan.device_share(work.batch_size, n // (layout["tensor_parallel"] * layout["pipeline_stages"]))
+        if forced.get("micro_batch_size", 0) > per_device:
+            if forced.get("tensor_parallel") or forced.get("pipeline_stages"):
+                raise UserError(f"plan.micro_batch_size={forced['micro_batch_size']} is larger than the batch per copy "
+                                f"of the model ({per_device} = batch_size {work.batch_size} over "
+                                f"{n // (layout['tensor_parallel'] * layout['pipeline_stages'])} copies); use at most "
+                                f"{per_device}")
+            continue
+        options += _options(layout, per_device, flavor, forced, work, compute)
+    if not options and forced.get("micro_batch_size", 0) > Plan.device_share(work.batch_size, n):
+        per_device = Plan.device_share(work.batch_size, n)
+        raise UserError(f"plan.micro_batch_size={forced['micro_batch_size']} is larger than the batch per device "
+                        f"({per_device} = batch_size {work.batch_size} over {n} devices); use at most {per_device}")
     if not options:
         raise UserError(_impossible(forced, flavor, work))
     candidates, scales = [], calibration.scales(flavor.device.name)
     for o in options:
+        per_device = Plan.device_share(work.batch_size, n // (o["tensor_parallel"] * o["pipeline_stages"]))
         plan = Plan(batch_size=work.batch_size, num_devices=n, max_seq_len=work.seq_len,
                     accumulation_steps=math.ceil(per_device / o["micro_batch_size"]),
                     param_dtype=compute, master_dtype="float32", attention_length=work.spec.attention_length, **o)

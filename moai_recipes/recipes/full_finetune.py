@@ -43,6 +43,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     choice = decided_by_main(world, lambda: choose_plan(inputs.workload, flavor,
                                                         forced=forced_plan(cfg.plan, inputs.out_of_memory_hint)))
     plan = choice.chosen.plan
+    world = world.laid_out(plan)  # the mesh the plan asks for: pipeline x data x tensor devices
     say(f"Flavor {flavor.describe()}; {world.world_size} process(es), backend {flavor.backend}")
     say("\n".join(inputs.describe(cfg)))
     say("\n".join(choice.report()))
@@ -51,7 +52,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     # 3. Build on meta; recompute, shard and give memory in one place, one order; then the weights.
     with torch.device("meta"):
         model = build_model(inputs.spec, max_seq_len=plan.row_length)
-    parallelize(model, plan, world)
+    model = parallelize(model, plan, world)  # under pipeline parallelism, this device's stages only
     load_weights(model, inputs.hf)
 
     # 4. Every parameter is trained.
@@ -62,7 +63,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     #    loss and gradients on any flavor; the measured against the planned at its end.
     process = prepare_process(plan, inputs.workload, flavor, world)
     log = MetricsLog.start(cfg, inputs, choice) if world.is_main else None
-    answers = Answers.for_run(cfg, inputs.tokenizer, device=world.device)
+    answers = Answers.for_run(cfg, inputs.tokenizer, plan=plan, device=world.device)
     answers.take_before(model)
     result = train_loop(state, inputs, choice, LoopSettings.from_config(cfg, process), world, log)
     if log and result.measured:

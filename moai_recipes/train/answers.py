@@ -25,9 +25,12 @@ class Answers:
     """The model's answers to the dataset's sample prompts, taken before training and compared after."""
 
     @classmethod
-    def for_run(cls, cfg, tokenizer: Tokenizer, *, device: torch.device) -> "Answers":
-        """The prompts of `cfg.dataset.sample_prompts`, asked as chats unless the data is plain text."""
-        return cls(tokenizer, prompts=list(cfg.dataset.sample_prompts), chat=cfg.dataset.kind != "text",
+    def for_run(cls, cfg, tokenizer: Tokenizer, *, plan, device: torch.device) -> "Answers":
+        """The prompts of `cfg.dataset.sample_prompts`, asked as chats unless the data is plain text. None under
+        tensor or pipeline parallelism: generating there would need its own cut of the model (recipes.generate
+        answers from the saved model instead)."""
+        cut = plan.tensor_parallel > 1 or plan.pipeline_stages > 1
+        return cls(tokenizer, prompts=[] if cut else list(cfg.dataset.sample_prompts), chat=cfg.dataset.kind != "text",
                    max_new_tokens=cfg.sample_max_new_tokens, device=device)
 
     def __init__(self, tokenizer: Tokenizer, *, prompts: list[str], chat: bool, max_new_tokens: int,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from moai_recipes.checkpoint.output_dir import complete_checkpoints
 from moai_recipes.checkpoint.steps import TrainState, resume, save_checkpoint
@@ -34,6 +35,8 @@ from moai_recipes.train.out_of_memory import (
     is_out_of_memory,
 )
 from moai_recipes.train.parallel import all_reduce_gradients
+from moai_recipes.train.pipeline import PipelineRun
+from moai_recipes.train.tensor_parallel import parallel_loss
 from moai_recipes.train.peak_memory import PeakMemory, host_peak_bytes
 from moai_recipes.train.plan_accuracy import Measured
 from moai_recipes.train.process import ProcessSettings
@@ -84,6 +87,11 @@ def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM)
     return t.tolist()
 
 
+def _local(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under tensor parallelism it is a replicated DTensor)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
 def evaluate(model: torch.nn.Module, dataset, *, plan: Plan, world: World, batch_size: int, pad_id: int) -> dict:
     """The validation loss: every sample of `dataset` in order, a global batch at a time split as the plan splits
     training's, forward only, normalised by the target tokens of the whole set. The same on any flavor.
@@ -94,15 +102,19 @@ def evaluate(model: torch.nn.Module, dataset, *, plan: Plan, world: World, batch
     with torch.no_grad():
         for first in range(0, len(dataset), batch_size):
             samples = [dataset[i] for i in range(first, min(first + batch_size, len(dataset)))]
-            for micro in rank_micro_batches(plan, samples, world):
-                batch = model_inputs(micro, plan, pad_id)
-                labels = batch["labels"].to(world.device)
-                loss = token_loss_sum(model, batch["tokens"].to(world.device), labels, chunked=plan.chunked_loss,
-                                      documents=batch.get("documents"))
-                loss_sum += loss.double().item()
-                targets += int((labels != IGNORE_INDEX).sum())
+            batches = [model_inputs(micro, plan, pad_id) for micro in rank_micro_batches(plan, samples, world)]
+            if plan.pipeline_stages > 1:
+                loss_sum += PipelineRun(model, plan, world).step(batches, pad_id=pad_id, scale=1.0,
+                                                                 backward=False).item()
+            for batch in batches if plan.pipeline_stages == 1 else ():
+                with parallel_loss(plan.tensor_parallel > 1):
+                    loss = token_loss_sum(model, batch["tokens"].to(world.device), batch["labels"].to(world.device),
+                                          chunked=plan.chunked_loss, documents=batch.get("documents"))
+                loss_sum += _local(loss).double().item()
+            targets += sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     model.train()
-    total, total_targets = _all_reduce([loss_sum, targets], world.device)
+    copies = plan.tensor_parallel * plan.pipeline_stages  # as in train_step
+    total, total_targets = _all_reduce([loss_sum / plan.tensor_parallel, targets / copies], world.device)
     return {"eval_loss": total / max(total_targets, 1), "eval_time_s": time.perf_counter() - start}
 
 
@@ -113,27 +125,38 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
     samples = [s for micro in micro_batches if micro for s in micro]
     local_targets = sum(sum(1 for t in s["labels"] if t != IGNORE_INDEX) for s in samples)
     local_tokens = sum(len(s["tokens"]) for s in samples)
-    global_targets, global_tokens = _all_reduce([local_targets, local_tokens], world.device)
-    # FSDP averages gradients over ranks: scaling by world size makes that a sum over the global batch. Replicas
-    # (and one process) sum them (all_reduce_gradients).
-    scale = (world.world_size if plan.sharded else 1) / max(global_targets, 1)
+    # Summed over every process, then over one copy of each data rank's share: its tensor and pipeline devices
+    # all counted the same samples.
+    copies = plan.tensor_parallel * plan.pipeline_stages
+    global_targets, global_tokens = (v / copies for v in _all_reduce([local_targets, local_tokens], world.device))
+    # FSDP averages gradients over the data ranks: scaling by their number makes that a sum over the global batch.
+    # Replicas (and one process) sum them (all_reduce_gradients).
+    scale = (plan.data_parallel if plan.sharded else 1) / max(global_targets, 1)
     loss_sum = torch.zeros((), device=world.device, dtype=torch.float64)
     try:
+        batches = []
         for micro in micro_batches:
             batch = model_inputs(micro, plan, pad_id)
             injected_fault(batch["tokens"].numel(), settings.fault_oom_tokens)
-            loss = token_loss_sum(state.model, batch["tokens"].to(world.device), batch["labels"].to(world.device),
-                                  chunked=plan.chunked_loss, documents=batch.get("documents"))
-            (loss * scale).backward()
-            loss_sum += loss.detach().double()
+            batches.append(batch)
+        if plan.pipeline_stages > 1:
+            loss_sum = PipelineRun(state.model, plan, world).step(batches, pad_id=pad_id, scale=scale)
+        for batch in batches if plan.pipeline_stages == 1 else ():
+            with parallel_loss(plan.tensor_parallel > 1):
+                loss = token_loss_sum(state.model, batch["tokens"].to(world.device), batch["labels"].to(world.device),
+                                      chunked=plan.chunked_loss, documents=batch.get("documents"))
+                (loss * scale).backward()
+            loss_sum += _local(loss.detach()).double()
     except Exception as e:
         if is_out_of_memory(e):
             raise StepOutOfMemory(e) from e
         raise
     if plan.replicate:
         all_reduce_gradients(state.model)
-    (total_loss,) = _all_reduce([loss_sum.item()], world.device)
-    grad_norm = clip_gradients(state.model, settings.max_grad_norm)
+    # Every tensor-parallel device holds the same loss; only a pipeline's last stage holds any.
+    (total_loss,) = (v / plan.tensor_parallel for v in _all_reduce([loss_sum.item()], world.device))
+    stages = world.mesh["pipeline"].get_group() if plan.pipeline_stages > 1 else None
+    grad_norm = clip_gradients(state.model, settings.max_grad_norm, stages=stages)
     finite = math.isfinite(total_loss) and math.isfinite(grad_norm)  # the same verdict on every rank
     if finite:  # a NaN/inf step is never applied: the weights stay those of the last good step
         state.optimizer.step()
@@ -160,7 +183,8 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             log.info(f"Resumed from {inputs.resume_from} (step {first}, saved on {meta['flavor']} with "
                      f"{meta['world_size']} process(es)); continuing at step {first + 1}")
     runner = SmallerOnOutOfMemory(choice, world=world, out=inputs.out, hint=inputs.out_of_memory_hint, log=log)
-    meter, step_times, nonfinite = PeakMemory(world.device, compiled=runner.plan.compile), [], 0
+    meter, step_times, nonfinite = PeakMemory(world.device, compiled=runner.plan.compile,
+                                                   pipelined=runner.plan.pipeline_stages > 1), [], 0
     state.model.train()
     with _StopRequest() as stop:
         for step in range(first, inputs.total_steps):
@@ -168,7 +192,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             if settings.fault_step_delay:  # tests that signal a run mid-way, whatever the machine's speed
                 time.sleep(settings.fault_step_delay)
             samples = batches.samples(step)
-            shapes = micro_batch_shapes(runner.plan, samples, world.world_size) if meter.tracked else None
+            shapes = micro_batch_shapes(runner.plan, samples) if meter.tracked else None
             with StepTimer(world.device) as timer, meter.step(state.model, state.optimizer, shapes):
                 result = runner.run(lambda plan: train_step(state, rank_micro_batches(plan, samples, world), plan=plan,
                                                             world=world, settings=settings, pad_id=pad_id),

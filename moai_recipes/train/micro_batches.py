@@ -16,11 +16,12 @@ from moai_recipes.models.loss import IGNORE_INDEX
 _EMPTY = {"tokens": None, "labels": [IGNORE_INDEX]}
 
 
-def _splits(plan: Plan, samples: list[dict], world_size: int) -> list[list[list[dict]]]:
-    """Every rank's micro-batches of a global batch, as the plan splits it (deterministic: each rank computes all)."""
+def _splits(plan: Plan, samples: list[dict], data_size: int) -> list[list[list[dict]]]:
+    """Every data rank's micro-batches of a global batch, as the plan splits it (deterministic: each rank computes
+    all)."""
     lengths = [len(s["tokens"]) for s in samples]
     positions = list(range(len(samples)))
-    shares = [plan.rank_share(positions, lengths, r) for r in range(world_size)]
+    shares = [plan.rank_share(positions, lengths, r) for r in range(data_size)]
     return [[[samples[share[p]] for p in group] for group in plan.micro_batches([lengths[p] for p in share])]
             for share in shares]
 
@@ -29,24 +30,45 @@ def rank_micro_batches(plan: Plan, samples: list[dict], world: World) -> list[li
     """This rank's micro-batches of a global batch, as the plan splits it; None for an empty one. Every rank
     runs as many micro-batches as the busiest: FSDP's collectives need the same number of forward and backward
     passes everywhere."""
-    splits = _splits(plan, samples, world.world_size)
-    return splits[world.rank] + [None] * (max(map(len, splits)) - len(splits[world.rank]))
+    splits = _splits(plan, samples, plan.data_parallel)
+    mine = splits[world.data_rank]
+    return mine + [None] * (max(map(len, splits)) - len(mine))
 
 
-def micro_batch_shapes(plan: Plan, samples: list[dict], world_size: int) -> list[tuple[int, int, int]]:
+def micro_batch_shapes(plan: Plan, samples: list[dict]) -> list[tuple[int, int, int]]:
     """(place in its rank's step, rows, tokens per row) of every micro-batch any rank forms from a global batch:
     what peak memory is predicted at (padded rows: the longest sample's length; a packed row: its samples' sum)."""
     return [(i, 1, sum(len(s["tokens"]) for s in micro)) if plan.packing else
             (i, len(micro), max(len(s["tokens"]) for s in micro))
-            for split in _splits(plan, samples, world_size) for i, micro in enumerate(split)]
+            for split in _splits(plan, samples, plan.data_parallel) for i, micro in enumerate(split)]
 
 
 def model_inputs(micro: list[dict] | None, plan: Plan, pad_id: int) -> dict:
     """A micro-batch as the model takes it: padded rows, or one packed row with its documents and positions. An
     empty one (None) is one padding token whose label is ignored: it adds nothing to the loss or the gradients."""
     micro = micro or [_EMPTY | {"tokens": [pad_id]}]
+    # Tensor parallelism cuts a row's tokens into equal shares (sequence parallelism): padding at the end makes it
+    # divide, and changes nothing before it (causal attention, ignored labels).
+    micro = _padded_to_multiple(micro, plan, pad_id)
     if not plan.packing:
         return collate(micro, pad_id=pad_id)
     docs = Documents(tuple(len(s["tokens"]) for s in micro))
     return {"tokens": torch.tensor([[t for s in micro for t in s["tokens"]]]),
             "labels": torch.tensor([[t for s in micro for t in s["labels"]]]), "documents": docs}
+
+
+def _padded_to_multiple(micro: list[dict], plan: Plan, pad_id: int) -> list[dict]:
+    """Rows whose tokens divide by plan.tensor_parallel: padded rows padded further (their longest sample grows),
+    a packed row given one more document, of padding."""
+    multiple = plan.tensor_parallel
+    row = sum(len(s["tokens"]) for s in micro) if plan.packing else max(len(s["tokens"]) for s in micro)
+    missing = -row % multiple
+    if not missing:
+        return micro
+    padding = {"tokens": [pad_id] * missing, "labels": [IGNORE_INDEX] * missing}
+    if plan.packing:
+        return [*micro, padding]
+    longest = max(range(len(micro)), key=lambda i: len(micro[i]["tokens"]))
+    grown = {**micro[longest], "tokens": list(micro[longest]["tokens"]) + padding["tokens"],
+             "labels": list(micro[longest]["labels"]) + padding["labels"]}
+    return [grown if i == longest else s for i, s in enumerate(micro)]

@@ -1,6 +1,7 @@
 """The optimizer, its schedule and gradient clipping, as every recipe builds them."""
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -21,12 +22,17 @@ def build_scheduler(optimizer, settings, *, total_steps: int):
                                            num_training_steps=total_steps)
 
 
-def clip_gradients(model: nn.Module, max_norm: float | None) -> float:
-    """Clip to `max_norm` (None: measure only) and return the total gradient norm before clipping."""
+def clip_gradients(model: nn.Module, max_norm: float | None, *, stages=None) -> float:
+    """Clip to `max_norm` (None: measure only) and return the total gradient norm before clipping: over every
+    shard (DTensor), and over the pipeline's `stages` (a process group: each stage holds its own layers)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
+    if stages is not None:
+        squared = norm.double() ** 2
+        dist.all_reduce(squared, group=stages)
+        norm = squared.sqrt().to(norm.dtype)
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, norm)
     return float(norm)

@@ -1,5 +1,5 @@
 """Parallelise a model in one place and one order (`parallelize`): activation checkpointing, then
-compilation, then FSDP2, then memory on the device.
+compilation, then tensor parallelism, then pipeline stages, then FSDP2, then memory on the device.
 
 torchtitan's order: recomputation wraps each transformer layer first, then each layer is compiled
 (around its recomputation), then `fully_shard` shards every layer and finally the root, so each
@@ -20,6 +20,8 @@ from moai_recipes.models.attention import keep_attention_eager
 from moai_recipes.models.build import init_buffers, is_nf4
 from moai_recipes.models.recompute import apply_recompute
 from moai_recipes.planner.plan import Plan
+from moai_recipes.train.pipeline import pipeline_stages
+from moai_recipes.train.tensor_parallel import apply_tensor_parallel
 
 
 def apply_compile(layers: nn.ModuleList) -> None:
@@ -36,25 +38,36 @@ def apply_compile(layers: nn.ModuleList) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
-def parallelize(model: nn.Module, plan: Plan, world: World) -> None:
-    """Recompute, compile, shard and give memory to a model built on the meta device, as `plan` says: each
-    layer's recomputation first, its compilation (plan.compile), then FSDP2 on each layer and the root
-    (where Plan.sharded), then memory on the world's device (the CPU for what FSDP offloads) and the RoPE
-    buffers. The weights come next (models.hf_format.load_weights). A LoRA model's base is frozen before:
-    FSDP2 keeps requires_grad per parameter."""
+def parallelize(model: nn.Module, plan: Plan, world: World) -> nn.Module:
+    """Recompute, compile, cut, shard and give memory to a model built on the meta device, as `plan` says: each
+    layer's recomputation first, its compilation (plan.compile), then the tensor-parallel cut of its heads and
+    MLP (plan.tensor_parallel), this device's pipeline stages (plan.pipeline_stages: the model returned holds
+    only those), FSDP2 on each layer and each stage's root (where Plan.sharded), then memory on the world's
+    device (the CPU for what FSDP offloads) and the RoPE buffers. The weights come next
+    (models.hf_format.load_weights). A LoRA model's base is frozen before: FSDP2 keeps requires_grad per
+    parameter. `world` must be laid out for the plan (World.laid_out)."""
     apply_recompute(model.layers, plan.recompute)
     if plan.compile:
         apply_compile(model.layers)
+    if plan.tensor_parallel > 1:
+        apply_tensor_parallel(model, world.mesh["tensor"])
+    roots = [model]
+    if plan.pipeline_stages > 1:
+        model = pipeline_stages(model, plan, world)
+        roots = model.stages
     if plan.sharded:
-        shard_model(model, mesh=world.mesh, param_dtype=getattr(torch, plan.param_dtype),
-                    reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
+        for root in roots:
+            shard_model(root, mesh=world.mesh["data"], param_dtype=getattr(torch, plan.param_dtype),
+                        reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
     materialize(model, device=world.device, cpu_offload=plan.cpu_offload)
     init_buffers(model, device=world.device)
+    return model
 
 
 def shard_model(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype, reshard_after_forward: bool = True,
                 cpu_offload: bool = False) -> None:
-    """FSDP2: shard each transformer layer (model.layers), then the root (embeddings, final norm, output).
+    """FSDP2: shard each transformer layer (model.layers), then the root (embeddings, final norm, output; a
+    pipeline stage's, train/pipeline.py).
 
     NF4 weights (QLoRA) are sharded like the others through torchao's FSDP2 all-gather hooks, except
     in a single process: FSDP2's world-size-1 shortcut passes only the first of NF4's three all-gather
@@ -66,7 +79,7 @@ def shard_model(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype,
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     ignored = {p for p in model.parameters() if is_nf4(p)} if mesh.size() == 1 else set()
-    layers = model.layers
+    layers = list(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers)
     for i, layer in enumerate(layers):
         # The last layer is all-gathered again at once by the backward pass: keeping it saves a gather.
         last = i == len(layers) - 1

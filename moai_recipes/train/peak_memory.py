@@ -10,7 +10,7 @@ Following every operator slows those steps, so only the first TRACKED_STEPS step
 step-time median leaves them out anyway (train/plan_accuracy.py). The process's resident peak (`host_peak_bytes`)
 is reported beside it: what the machine gives the process.
 
-Not with compiled layers on the CPU: a layer whose first call runs under a dispatch mode is never compiled
+Not with compiled layers or pipeline stages on the CPU (for the pipeline: see PeakMemory): a layer whose first call runs under a dispatch mode is never compiled
 (dynamo leaves the frame to eager for good, as tests/test_compile.py found), and once compiled, its kernels
 allocate outside the dispatcher where no mode sees them. There the tensor peak is not measured.
 """
@@ -36,10 +36,12 @@ class PeakMemory:
     """Each measured step's peak tensor bytes, as `with meter.step(model, optimizer, largest):` around each step
     runs them: on a GPU every step (the allocator's own count), on the CPU the first TRACKED_STEPS."""
 
-    def __init__(self, device: torch.device, *, compiled: bool = False):
+    def __init__(self, device: torch.device, *, compiled: bool = False, pipelined: bool = False):
         self.device = device
-        # Where tensors are counted at all: a GPU's allocator always; the CPU's MemTracker only for eager layers.
-        self.counts = device.type == "cuda" or not compiled
+        # Where tensors are counted at all: a GPU's allocator always; the CPU's MemTracker only for eager layers
+        # outside a pipeline (the schedule infers its stages' gradients with autograd.grad, which MemTracker's
+        # gradient hooks refuse).
+        self.counts = device.type == "cuda" or not (compiled or pipelined)
         self.peaks: list[int] = []  # of the measured steps, in order
         self.shapes: list[list[tuple[int, int, int]]] = []  # their micro-batches (train/micro_batches.py)
 

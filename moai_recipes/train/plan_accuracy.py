@@ -59,7 +59,7 @@ class Accuracy:
         rows, tokens = self.largest
         if self.measured_peak_bytes is None:
             lines = [f"Peak tensor memory per device: predicted {self.predicted_peak_bytes / GiB:.3f} GiB; not measured "
-                     "(compiled layers allocate outside PyTorch's tensor counting on the CPU); the plan reserves "
+                     "(on the CPU PyTorch's tensor counting sees neither compiled layers nor pipeline stages); the plan reserves "
                      f"{self.planned_peak_bytes / GiB:.3f} GiB for the worst the data can form"]
         else:
             lines = [f"Peak tensor memory per device: predicted {self.predicted_peak_bytes / GiB:.3f} GiB, measured "

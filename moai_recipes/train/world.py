@@ -9,7 +9,7 @@ import signal
 import socket
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -32,6 +32,32 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    # The mesh's dimensions, outermost first: pipeline stages span nodes, tensor cuts stay inside one (the
+    # devices of consecutive ranks share a node's fast links).
+    DIMS = ("pipeline", "data", "tensor")
+
+    def laid_out(self, plan) -> "World":
+        """This world with the plan's mesh: pipeline x data x tensor devices (planner.plan.Plan)."""
+        shape = (plan.pipeline_stages, plan.data_parallel, plan.tensor_parallel)
+        if tuple(self.mesh.shape) == shape:
+            return self
+        return replace(self, mesh=init_device_mesh(self.device.type, shape, mesh_dim_names=self.DIMS))
+
+    def size(self, dim: str) -> int:
+        return self.mesh[dim].size()
+
+    def coordinate(self, dim: str) -> int:
+        """This process's place along a dimension of the mesh."""
+        return self.mesh[dim].get_local_rank()
+
+    @property
+    def data_rank(self) -> int:
+        return self.coordinate("data")
+
+    @property
+    def data_size(self) -> int:
+        return self.size("data")
 
 
 def free_port() -> int:
@@ -73,7 +99,7 @@ def stop_with_launcher(launcher_pid: int) -> None:
 @contextmanager
 def join_world(flavor: Flavor, given: env.GivenWorld | None, *, restarts: int = 0):
     """Initialise the process group of the `given` world (None: a world of one; gloo on CPU, NCCL/RCCL on GPUs)
-    and a 1-D mesh; tear it down after. `restarts`: how many times its launcher has started it again."""
+    and a mesh of data-parallel devices (World.laid_out gives it the plan's shape); tear it down after. `restarts`: how many times its launcher has started it again."""
     if given is None:
         given = env.GivenWorld(rank=0, world_size=1, local_rank=0, init_method=f"tcp://127.0.0.1:{free_port()}")
     if flavor.device.kind == "gpu":
@@ -85,7 +111,7 @@ def join_world(flavor: Flavor, given: env.GivenWorld | None, *, restarts: int = 
                             world_size=given.world_size, timeout=timedelta(minutes=30),
                             device_id=device if device.type == "cuda" else None)
     try:
-        mesh = init_device_mesh(device.type, (given.world_size,))
+        mesh = init_device_mesh(device.type, (1, given.world_size, 1), mesh_dim_names=World.DIMS)
         yield World(rank=given.rank, world_size=given.world_size, local_rank=given.local_rank, device=device, mesh=mesh,
                     restarts=restarts)
     finally:

@@ -1,0 +1,135 @@
+"""The ways a model can be spread over a flavor's devices: tensor-parallel degrees that cut its heads, pipeline
+stages that cut its layers (split by cost), and the data-parallel copies left over. search.py prices each."""
+
+import math
+
+from moai_recipes.models.spec import ModelSpec
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# What the embedding lookup costs next to a matmul of the same parameters: a read of a few rows.
+EMBEDDING_COST = 0.0
+
+
+def stage_costs(spec: ModelSpec) -> tuple[float, float, float]:
+    """(embedding, one layer, head): each part's forward and backward work, in multiply-adds per token."""
+    d, q, kv = spec.embed_dim, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    layer = d * (2 * q + 2 * kv) + 3 * d * spec.intermediate_dim
+    return EMBEDDING_COST * spec.vocab_size * d, float(layer), float(spec.vocab_size * d)
+
+
+def split_layers(spec: ModelSpec, stages: int) -> tuple[int, ...]:
+    """How many layers each of `stages` stages holds: consecutive, at least one each, the most expensive stage as cheap
+    as can be (the embedding counts on the first stage, the head on the last)."""
+    n = spec.num_layers
+    if stages > n:
+        raise ValueError(f"{stages} stages for {n} layers")
+    embed, layer, head = stage_costs(spec)
+
+    def cost(first: int, end: int) -> float:
+        return (end - first) * layer + (embed if first == 0 else 0) + (head if end == n else 0)
+
+    # best[s][e]: the smallest largest-stage cost of layers [0, e) in s stages; cut[s][e]: where the last begins.
+    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for e in range(s, n + 1):
+            for b in range(s - 1, e):
+                c = max(best[s - 1][b], cost(b, e))
+                if c < best[s][e] - 1e-9:
+                    best[s][e], cut[s][e] = c, b
+    counts, e = [], n
+    for s in range(stages, 0, -1):
+        counts.append(e - cut[s][e])
+        e = cut[s][e]
+    return tuple(counts[::-1])
+
+
+
+
+def tensor_degrees(spec: ModelSpec, limit: int) -> list[int]:
+    """The tensor-parallel degrees up to `limit` that cut the model evenly: its query and key/value heads, its
+    MLP and its vocabulary (powers of two, as devices come)."""
+    return [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= limit and not why_not_tensor(spec, t)]
+
+
+def why_not_tensor(spec: ModelSpec, degree: int) -> str | None:
+    """Why `degree` cannot cut this model's layers (None: it can)."""
+    if degree == 1:
+        return None
+    parts = [("num_key_value_heads", spec.num_kv_heads), ("num_attention_heads", spec.num_heads),
+             ("intermediate_size", spec.intermediate_dim), ("vocab_size", spec.vocab_size)]
+    for name, value in parts:
+        if value % degree:
+            return f"{name}={value} does not divide by {degree}"
+    if spec.qk_norm:
+        return "its per-head q/k norms (Qwen3) are not cut by heads yet"
+    if spec.tie_word_embeddings:
+        return "its output projection is its embedding (tie_word_embeddings), which would be cut two ways"
+    return None
+
+
+def why_not_pipeline(spec: ModelSpec, stages: int, schedule: str) -> str | None:
+    """Why `stages` devices running `schedule` cannot cut this model's layers (None: they can)."""
+    if spec.tie_word_embeddings:
+        return "its output projection is its embedding (tie_word_embeddings): the first and last stages would share it"
+    per = 2 if schedule == "interleaved_1f1b" else 1
+    if stages * per > spec.num_layers:
+        return (f"{stages * per} stages need at least as many layers, and the model has {spec.num_layers}"
+                + (" (interleaved 1F1B runs two stages a device)" if per == 2 else ""))
+    return None
+
+
+def layouts(work, flavor, forced: dict) -> list[dict]:
+    """Every way to spread `work`'s model over `flavor`'s devices that the forced plan fields allow: tensor degrees
+    that divide its heads (inside a node: tensor parallelism all-gathers twice a layer), pipeline stages that
+    divide its layers, the data-parallel copies left over. A forced degree that cannot cut the model, or that does
+    not divide the devices, is a UserError naming why."""
+    spec, n = work.spec, flavor.num_devices
+    node = n if flavor.device.kind == "cpu" else flavor.device.per_node  # the CPU's processes share one machine
+    qlora = work.lora is not None and work.lora.quantize_base
+    t_forced, p_forced, s_forced = (forced.get(k) for k in ("tensor_parallel", "pipeline_stages", "pipeline_schedule"))
+    _check_forced(spec, n, t_forced, p_forced, s_forced, qlora)
+    tensors = [t_forced] if t_forced else [t for t in tensor_degrees(spec, min(n, node)) if n % t == 0]
+    out = []
+    for t in tensors:
+        for p in ([p_forced] if p_forced else [p for p in range(1, n // t + 1) if (n // t) % p == 0]):
+            if qlora and (t > 1 or p > 1):
+                continue
+            if p == 1:
+                if not s_forced:
+                    out.append(dict(tensor_parallel=t, pipeline_stages=1, pipeline_schedule="none", stage_layers=()))
+                continue
+            for schedule in ([s_forced] if s_forced else SCHEDULES):
+                if why_not_pipeline(spec, p, schedule):
+                    continue
+                per = 2 if schedule == "interleaved_1f1b" else 1
+                out.append(dict(tensor_parallel=t, pipeline_stages=p, pipeline_schedule=schedule,
+                                stage_layers=split_layers(spec, p * per)))
+    return out
+
+
+def _check_forced(spec: ModelSpec, n: int, tensor: int | None, stages: int | None, schedule: str | None,
+                  qlora: bool) -> None:
+    from moai_recipes.errors import UserError
+
+    if qlora and ((tensor or 1) > 1 or (stages or 1) > 1):
+        raise UserError("QLoRA's NF4 weights are sharded by FSDP2 only: drop plan.tensor_parallel and "
+                        "plan.pipeline_stages, or train LoRA (lora.quantize_base=false)")
+    for name, value in (("tensor_parallel", tensor), ("pipeline_stages", stages)):
+        if value is not None and (value < 1 or n % value):
+            raise UserError(f"plan.{name}={value} must divide the flavor's {n} devices")
+    if tensor and stages and n % (tensor * stages):
+        raise UserError(f"plan.tensor_parallel={tensor} x plan.pipeline_stages={stages} must divide the flavor's "
+                        f"{n} devices")
+    if tensor and why_not_tensor(spec, tensor):
+        raise UserError(f"plan.tensor_parallel={tensor} cannot cut this model: {why_not_tensor(spec, tensor)}. "
+                        f"Degrees that can: {', '.join(map(str, tensor_degrees(spec, n)))}")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise UserError(f"plan.pipeline_schedule={schedule} is not a schedule; valid: {', '.join(SCHEDULES)}")
+    if schedule and stages == 1:
+        raise UserError(f"plan.pipeline_schedule={schedule} needs plan.pipeline_stages of 2 or more")
+    if stages and stages > 1:
+        why = why_not_pipeline(spec, stages, schedule or "1f1b")
+        if why:
+            raise UserError(f"plan.pipeline_stages={stages} cannot cut this model: {why}")

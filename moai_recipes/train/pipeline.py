@@ -1,0 +1,202 @@
+"""Pipeline parallelism: a decoder cut into stages of consecutive layers, run by torch.distributed.pipelining.
+
+The layers are split by their cost, not their count (the planner's `planner.layouts.split_layers`): the first stage also embeds, the last
+also runs the final norm, the output projection and the loss, so with a large vocabulary the last stage holds
+fewer layers. Each device of the `pipeline` mesh dimension holds one stage (GPipe, 1F1B) or two (interleaved
+1F1B: stages d and d + P of P devices, which halves the bubble).
+
+A device's stages keep the decoder's own parameter names (`PipelinedModel`: `layers.7.attn.q_proj.weight`),
+so step checkpoints (DCP) load on any layout, and the Hugging Face export asks each weight of the stage that
+holds it (`whole_parameter`).
+
+A step's micro-batches run through the schedule all at once; the schedule needs them of one shape, so a step's
+rows are padded to its longest (ignored labels: the loss and the gradients are unchanged).
+"""
+
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from moai_recipes.models.attention import Documents
+from moai_recipes.models.loss import IGNORE_INDEX, cross_entropy_sum
+from moai_recipes.planner.plan import Plan
+from moai_recipes.train.tensor_parallel import parallel_loss
+from moai_recipes.train.world import World
+
+class Stage(nn.Module):
+    """One stage: the embedding (first stage), its layers, the final norm and output projection (last stage)."""
+
+    def __init__(self, decoder: nn.Module, layers: range, *, first: bool, last: bool):
+        super().__init__()
+        self.tok_embeddings = decoder.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layers})
+        self.norm = decoder.norm if last else None
+        self.output = decoder.output if last else None
+
+    def forward(self, h: torch.Tensor, document_lengths: torch.Tensor | None = None,
+                input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        mask = None
+        if document_lengths is not None:  # a packed row's documents travel as a tensor (the schedule cuts tensors)
+            mask = Documents(tuple(n for n in document_lengths[0].tolist() if n))
+        for layer in self.layers.values():
+            h = layer(h, mask=mask, input_pos=input_pos)
+        if self.output is not None:
+            h = self.output(self.norm(h))
+            h = h.float()
+        return h
+
+
+class PipelinedModel(nn.Module):
+    """This device's stages of a decoder, its parameters named as in the decoder. `stages` (not children: the
+    names stay the decoder's) are what the schedule runs."""
+
+    def __init__(self, decoder: nn.Module, stages: list[Stage], *, split: list[range], world: World, plan: Plan):
+        super().__init__()
+        for name in ("tok_embeddings", "norm", "output"):
+            held = [getattr(s, name) for s in stages if getattr(s, name) is not None]
+            setattr(self, name, held[0] if held else None)
+        self.layers = nn.ModuleDict({k: v for s in stages for k, v in s.layers.items()})
+        self.__dict__["stages"] = stages
+        self.__dict__["decoder"] = decoder  # on the meta device: the whole model's names and shapes
+        self.split, self.world, self.plan = split, world, plan
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipelined model runs through its schedule (train/pipeline.py), not as a module")
+
+    @cached_property
+    def _params(self) -> dict[str, nn.Parameter]:
+        return dict(self.named_parameters())
+
+    @cached_property
+    def _owners(self) -> dict[str, int]:
+        """The pipeline rank holding each parameter of the decoder."""
+        P = self.plan.pipeline_stages
+        n = len(self.split)
+        owners = {}
+        for name, _ in self.decoder.named_parameters():
+            if name.startswith("layers."):
+                i = int(name.split(".")[1])
+                stage = next(s for s, r in enumerate(self.split) if i in r)
+            else:
+                stage = 0 if name.startswith("tok_embeddings.") else n - 1
+            owners[name] = stage % P
+        return owners
+
+    def whole_parameter(self, name: str, whole) -> torch.Tensor | None:
+        """The whole parameter `name` on the world's rank 0 (None elsewhere). `whole(param)`: the gather of a
+        parameter among its own stage's devices (hf_format.full_tensor), run by all of them."""
+        world, owner = self.world, self._owners[name]
+        mine = world.coordinate("pipeline") == owner
+        tensor = whole(self._params[name]) if mine else None
+        if owner == 0:
+            return tensor if world.rank == 0 else None
+        # The stage's first device (data 0, tensor 0) sends it to rank 0.
+        sender = owner * world.size("data") * world.size("tensor")
+        shape = self.decoder.get_parameter(name).shape
+        if world.rank == sender:
+            dist.send(tensor.to(world.device, torch.float32).contiguous(), dst=0)
+        elif world.rank == 0:
+            received = torch.empty(shape, dtype=torch.float32, device=world.device)
+            dist.recv(received, src=sender)
+            return received.cpu()
+        return None
+
+
+def pipeline_stages(decoder: nn.Module, plan: Plan, world: World) -> PipelinedModel:
+    """This device's stages of `decoder` (built on meta), as the plan splits its layers (Plan.stage_layers)."""
+    P, per = plan.pipeline_stages, plan.stages_per_device
+    split = plan.stage_ranges()
+    me = world.coordinate("pipeline")
+    stages = [Stage(decoder, split[s], first=s == 0, last=s == len(split) - 1) for s in range(me, P * per, P)]
+    return PipelinedModel(decoder, stages, split=split, world=world, plan=plan)
+
+
+class PipelineRun:
+    """The micro-batches of one step (or of a validation batch) through the schedule, on every stage."""
+
+    def __init__(self, model: PipelinedModel, plan: Plan, world: World):
+        self.model, self.plan, self.world = model, plan, world
+
+    def step(self, batches: list[dict], *, pad_id: int, scale: float, backward: bool = True) -> torch.Tensor:
+        """Forward (and backward, scaled by `scale`) of `batches` (train/micro_batches.model_inputs); returns the
+        summed loss on the last stage (0 elsewhere), unscaled."""
+        from torch.distributed.pipelining import PipelineStage
+
+        plan, world = self.plan, self.world
+        inputs = _stacked(batches, self._count(len(batches)), pad_id)
+        group = world.mesh["pipeline"].get_group()
+        P, per = plan.pipeline_stages, plan.stages_per_device
+        me = world.coordinate("pipeline")
+        stages = [PipelineStage(stage, s, P * per, world.device, group=group)
+                  for stage, s in zip(self.model.stages, range(me, P * per, P))]
+        def loss_fn(output, target):
+            return cross_entropy_sum(output, target) * scale
+
+        schedule = _schedule(plan.pipeline_schedule, stages, inputs["count"], loss_fn)
+        last = any(s.is_last for s in stages)
+        first = any(s.is_first for s in stages)
+        args = (inputs["tokens"].to(world.device),) if first else ()
+        kwargs = {k: inputs[k].to(world.device) for k in ("document_lengths", "input_pos") if k in inputs}
+        target = inputs["labels"].to(world.device) if last else None
+        losses = []  # the schedule's, one per micro-batch (its first forward also infers the stages' shapes)
+        with parallel_loss(plan.tensor_parallel > 1):
+            if backward:
+                schedule.step(*args, target=target, losses=losses, **kwargs)
+            else:
+                schedule.eval(*args, target=target, losses=losses, **kwargs)
+        total = torch.zeros((), dtype=torch.float64, device=world.device)
+        for loss in losses:
+            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double()
+        return total / scale
+
+    def _count(self, n: int) -> int:
+        """Micro-batches the schedule runs: interleaved 1F1B takes a multiple of the devices once it has as many."""
+        P = self.plan.pipeline_stages
+        if self.plan.pipeline_schedule == "interleaved_1f1b" and n > P:
+            return -(-n // P) * P
+        return n
+
+
+def _schedule(name: str, stages: list, count: int, loss_fn):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    if name == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, n_microbatches=count, loss_fn=loss_fn, scale_grads=False)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+    return kind(stages[0], n_microbatches=count, loss_fn=loss_fn, scale_grads=False)
+
+
+def _stacked(batches: list[dict], count: int, pad_id: int) -> dict:
+    """Micro-batches of one shape, stacked along the rows (the schedule cuts them apart again): `count` of them
+    (empty ones added: a row of padding), each of the most rows and the longest row of any."""
+    rows = max(b["tokens"].shape[0] for b in batches)
+    width = max(b["tokens"].shape[1] for b in batches)
+    packed = "documents" in batches[0]
+    docs = max((len(b["documents"].lengths) for b in batches), default=0) + 1 if packed else 0
+    tokens = torch.full((count * rows, width), pad_id, dtype=torch.long)
+    labels = torch.full((count * rows, width), IGNORE_INDEX, dtype=torch.long)
+    out = {"tokens": tokens, "labels": labels, "count": count}
+    if packed:
+        out["document_lengths"] = torch.zeros((count, docs), dtype=torch.long)
+        out["input_pos"] = torch.zeros((count, width), dtype=torch.long)
+    for m in range(count):
+        b = batches[m] if m < len(batches) else None
+        r0 = m * rows
+        if packed:
+            lengths = list(b["documents"].lengths) if b is not None else []
+            used = sum(lengths)
+            if width > used:
+                lengths.append(width - used)
+            out["document_lengths"][m, :len(lengths)] = torch.tensor(lengths)
+            out["input_pos"][m] = Documents(tuple(lengths)).positions(torch.device("cpu"))[0]
+        if b is None:
+            continue
+        n, w = b["tokens"].shape
+        tokens[r0:r0 + n, :w] = b["tokens"]
+        labels[r0:r0 + n, :w] = b["labels"]
+    return out

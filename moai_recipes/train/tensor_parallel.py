@@ -1,0 +1,119 @@
+"""Tensor parallelism (Megatron's layout, through torch.distributed.tensor.parallel) on a torchtune decoder.
+
+Inside a layer the attention heads and the MLP's hidden units are cut over the `tensor` mesh: q/k/v and
+w1/w3 column-wise (each device computes its own heads and hidden units), output_proj and w2 row-wise
+(their partial sums are reduce-scattered). Between the cut modules the residual stream is cut along
+the sequence (sequence parallelism): the norms run on a device's share of the tokens, and each layer
+all-gathers its input once per attention and MLP. The embedding is cut over the vocabulary, and so is the
+output projection, whose logits stay cut for the loss (loss parallel: torch's cross-entropy on vocabulary
+shards, `loss_parallel`), so no device ever holds a whole row of logits.
+
+LoRA adapters follow their base weight: a column-wise LoRALinear keeps `lora_a` whole and cuts `lora_b` by
+rows; a row-wise one cuts `lora_a` by columns and keeps `lora_b` whole (its partial sum joins the base's).
+Every device computes exactly what one device would, up to the order of floating-point sums.
+
+The tokens of a micro-batch must divide by the degree (train/micro_batches.py pads them).
+"""
+
+from contextlib import nullcontext
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+
+COLUMN_WISE = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.w1", "mlp.w3")
+ROW_WISE = ("attn.output_proj", "mlp.w2")
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Cut `model` (on the meta device, before FSDP2) over the 1-D `mesh`, as the module docstring says."""
+    parallelize_module(model, mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": _style(model.output, "column", output_layouts=Shard(-1), use_local_output=False),
+    })
+    degree = mesh.size()
+    for layer in model.layers:
+        plan = {"sa_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1), Shard(1)),
+                                           desired_input_layouts=(Replicate(), Replicate())),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
+        for name in COLUMN_WISE:
+            plan[name] = _style(layer.get_submodule(name), "column")
+        for name in ROW_WISE:
+            plan[name] = _style(layer.get_submodule(name), "row", output_layouts=Shard(1))
+        parallelize_module(layer, mesh, plan)
+        # torchtune's attention reshapes by its head counts: a device holds 1/degree of them.
+        layer.attn.num_heads //= degree
+        layer.attn.num_kv_heads //= degree
+        layer.attn.embed_dim //= degree
+
+
+def parallel_loss(enabled: bool):
+    """The context the loss and its backward run in: cross-entropy on vocabulary-cut logits under tensor
+    parallelism, nothing otherwise."""
+    return loss_parallel() if enabled else nullcontext()
+
+
+def _style(module: nn.Module, how: str, **kwargs):
+    """torch's Colwise/RowwiseParallel for a plain linear; ours for a LoRA-adapted one."""
+    from torchtune.modules.peft import LoRALinear
+
+    if isinstance(module, LoRALinear):
+        return _LoraParallel(how, **kwargs)
+    if how == "column":
+        # The output projection's input is the final norm's, cut along the sequence; a layer's are whole.
+        return ColwiseParallel(input_layouts=Shard(1) if "output_layouts" in kwargs else Replicate(), **kwargs)
+    return RowwiseParallel(**kwargs)
+
+
+class _LoraParallel(ParallelStyle):
+    """A ParallelStyle for torchtune's LoRALinear: the base weight cut as the plain linear's would be, the
+    adapters cut so that their product is cut the same way. DTensor computes the rest (a row-wise layer's
+    partial sums, its bias once)."""
+
+    def __init__(self, how: str, output_layouts=None, use_local_output: bool = True):
+        self.how = how
+        self.output_layouts = output_layouts or (Shard(-1) if how == "column" else Replicate())
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        column = self.how == "column"
+        base = Shard(0) if column else Shard(1)
+
+        def partition(name, sub, mesh):
+            for pname, p in list(sub.named_parameters(recurse=False)):
+                if sub is module:
+                    place = base if pname == "weight" or column else Replicate()  # a row-wise bias is added once
+                elif sub is module.lora_a:
+                    place = Replicate() if column else Shard(1)
+                else:  # lora_b
+                    place = Shard(0) if column else Replicate()
+                sub.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [place]),
+                                                           requires_grad=p.requires_grad))
+
+        # The input: column-wise, the whole (gathered) hidden state; row-wise, this device's hidden units.
+        into = Replicate() if column else Shard(-1)
+
+        def inputs(mod, args, mesh):
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [into], run_check=False)
+            return (x.redistribute(placements=[into]), *args[1:])
+
+        def outputs(mod, out, mesh):
+            out = out.redistribute(placements=[self.output_layouts])
+            return out.to_local() if self.use_local_output else out
+
+        return distribute_module(module, mesh, partition, inputs, outputs)
+
