@@ -88,7 +88,7 @@ def _environment(changes: dict):
 
 def make_hf_checkpoint(folder: Path, family: str = "llama", *, tie: bool = False, max_shard_size: str | None = None,
                        dtype: str = "float32", num_layers: int = 2, hidden: int = 64, intermediate: int | None = None,
-                       seed: int = 0) -> Path:
+                       seed: int = 0, kv_heads: int = 2) -> Path:
     """Write a tiny Hugging Face checkpoint of `family` with transformers' own save_pretrained."""
     import transformers
 
@@ -98,7 +98,7 @@ def make_hf_checkpoint(folder: Path, family: str = "llama", *, tie: bool = False
     vocab = write_tokenizer(folder, demo_texts(), vocab_size=384)
     ids = {t["content"]: t["id"] for t in json.loads((folder / "tokenizer.json").read_text())["added_tokens"]}
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden + 32,
-                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=kv_heads,
                   max_position_embeddings=256, rms_norm_eps=1e-5,
                   bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|end_of_text|>"],
                   pad_token_id=ids["<|pad|>"], tie_word_embeddings=tie)
@@ -140,9 +140,19 @@ def plan_of(out: Path) -> dict:
     return json.loads((out / "plan.json").read_text())["chosen"]
 
 
+# Force FSDP2's shards over every process: the planner may also cut the model (tensor, pipeline) where it prices
+# that faster, and a test of FSDP2 must run FSDP2.
+FSDP = ("plan.replicate=false", "plan.tensor_parallel=1", "plan.pipeline_stages=1")
+
+
 def layout(out: Path) -> str:
-    """How a run spread its model, from its plan.json: 'sharded' (FSDP2), 'replicated', or 'single' (one process)."""
+    """How a run spread its model, from its plan.json: 'sharded' (FSDP2), 'replicated', 'single' (one process), or
+    its mesh ('pipeline 2 (1f1b) x data 1 x tensor 2') where it cut the model."""
     plan = plan_of(out)
+    if plan["tensor_parallel"] > 1 or plan["pipeline_stages"] > 1:
+        return (f"pipeline {plan['pipeline_stages']}" + (f" ({plan['pipeline_schedule']})" if plan["pipeline_stages"] > 1
+                                                         else "")
+                + f" x data {plan['data_parallel']} x tensor {plan['tensor_parallel']}")
     if plan["num_devices"] == 1:
         return "single"
     assert plan["sharded"] != plan["replicate"], plan

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moai_recipes.errors import EXIT_STOPPED
-from tests.helpers import ROOT, command_env, layout, metrics, run_recipe, tensors
+from tests.helpers import FSDP, ROOT, command_env, layout, metrics, run_recipe, tensors
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ COMMON = ["logger=stdout", "epochs=2", "batch_size=8", "max_steps=12", "optimize
           "checkpoint_every=2", "sample_max_new_tokens=0"]
 
 
-LAYOUTS = {"sharded": "plan.replicate=false", "replicated": "plan.replicate=true"}
+LAYOUTS = {"sharded": FSDP, "replicated": ("plan.replicate=true",)}
 SLOW = {"MOAI_FAULT_STEP_DELAY": "0.25"}  # the remaining steps outlast any signal's way to the workers
 
 
@@ -58,7 +58,7 @@ def references(tmp_path_factory):
     def reference(kind: str) -> Path:
         if kind not in made:
             out = tmp_path_factory.mktemp(f"ref-{kind}") / "run"
-            r = run_recipe(*COMMON, "flavor=cpu-2", LAYOUTS[kind], f"output_dir={out}")
+            r = run_recipe(*COMMON, "flavor=cpu-2", *LAYOUTS[kind], f"output_dir={out}")
             assert r.returncode == 0, r.stdout + r.stderr
             assert layout(out) == kind
             made[kind] = out
@@ -95,7 +95,7 @@ def test_checkpoints_are_complete_rotated_and_costed(reference):
 def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path, references, kind):
     reference = references(kind)
     out = tmp_path / "run"
-    proc = start("flavor=cpu-2", LAYOUTS[kind], f"output_dir={out}")
+    proc = start("flavor=cpu-2", *LAYOUTS[kind], f"output_dir={out}")
     wait_for_step(out, 4, proc)
     proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler's preemption would
     log = proc.communicate(timeout=120)[0]
@@ -104,7 +104,7 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path, references
     stopped_at = len(metrics(out))
     assert 4 <= stopped_at < 12 and not (out / "model").exists()
 
-    r = run_recipe(*COMMON, "flavor=cpu-2", LAYOUTS[kind], f"output_dir={out}")
+    r = run_recipe(*COMMON, "flavor=cpu-2", *LAYOUTS[kind], f"output_dir={out}")
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"continuing at step {stopped_at + 1}" in r.stdout and layout(out) == kind
     assert losses(out) == losses(reference)
@@ -115,7 +115,7 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path, references
 def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tmp_path, references):
     reference = references("sharded")
     out = tmp_path / "run"
-    proc = start("flavor=cpu-2", LAYOUTS["sharded"], f"output_dir={out}")
+    proc = start("flavor=cpu-2", *LAYOUTS["sharded"], f"output_dir={out}")
     wait_for_step(out, 5, proc)
     workers = workers_of(proc)
     assert len(workers) == 2
@@ -135,11 +135,11 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tm
 def test_a_run_checkpointed_on_one_flavor_resumes_on_another(tmp_path, reference, saved_on, saved_as, resumed_on,
                                                              resumed_as):
     out = tmp_path / "run"
-    proc = start(f"flavor={saved_on}", *([LAYOUTS[saved_as]] if saved_as in LAYOUTS else []), f"output_dir={out}")
+    proc = start(f"flavor={saved_on}", *(LAYOUTS[saved_as] if saved_as in LAYOUTS else ()), f"output_dir={out}")
     wait_for_step(out, 3, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == EXIT_STOPPED and layout(out) == saved_as
-    r = run_recipe(*COMMON, f"flavor={resumed_on}", LAYOUTS[resumed_as], f"output_dir={out}")
+    r = run_recipe(*COMMON, f"flavor={resumed_on}", *LAYOUTS[resumed_as], f"output_dir={out}")
     assert r.returncode == 0, r.stdout + r.stderr
     assert layout(out) == resumed_as
     processes = {"cpu": 1, "cpu-2": 2, "cpu-4": 4}[saved_on]

@@ -10,7 +10,7 @@ import pytest
 from moai_recipes.errors import UserError
 from moai_recipes.planner.plan import Workload
 from moai_recipes.planner.search import choose_plan
-from tests.helpers import layout, metrics, run_recipe, setup
+from tests.helpers import FSDP, layout, metrics, run_recipe, setup
 
 
 @pytest.mark.slow
@@ -18,7 +18,7 @@ def test_compiled_layers_train_as_eager_ones(tmp_path, varied_file):
     # What a compiled layer meets, under FSDP2's hooks (outside the graph) with LoRA's adapters: selective
     # recomputation (inside it), and packed rows, whose per-document attention stays eager (a graph break).
     common = ("logger=stdout", "dataset=text", f"dataset.path={varied_file}", "max_seq_len=128", "batch_size=8",
-              "max_steps=4", "optimizer.lr=1e-3", "sample_max_new_tokens=0", "flavor=cpu-2", "plan.replicate=false")
+              "max_steps=4", "optimizer.lr=1e-3", "sample_max_new_tokens=0", "flavor=cpu-2", *FSDP)
     runs = {"eager": ("plan.compile=false", "plan.packing=true", "plan.micro_batch_size=1", "plan.recompute=selective"),
             "compiled, recomputed": ("plan.compile=true", "plan.packing=false", "plan.recompute=selective"),
             "compiled, packed": ("plan.compile=true", "plan.packing=true", "plan.micro_batch_size=1",

@@ -12,6 +12,7 @@ import torch
 
 from tests.helpers import make_hf_checkpoint
 from tests.helpers import (
+    FSDP,
     ROOT,
     instruct_rows,
     layout,
@@ -66,7 +67,7 @@ def test_same_losses_on_any_flavor_and_micro_batch(tmp_path, hf_checkpoints, ins
               "batch_size=6", "max_steps=4", "optimizer.lr=1e-3", "optimizer.warmup_steps=0", "logger=stdout"]
     losses = {}
     # cpu-4 (four processes on two cores, slow here) in test_packing.py
-    runs = {"cpu": ("single", ["flavor=cpu"]), "cpu-2 sharded": ("sharded", ["flavor=cpu-2", "plan.replicate=false"]),
+    runs = {"cpu": ("single", ["flavor=cpu"]), "cpu-2 sharded": ("sharded", ["flavor=cpu-2", *FSDP]),
             "cpu-2 replicated": ("replicated", ["flavor=cpu-2", "plan.replicate=true"]),
             "cpu-mbs1": ("single", ["flavor=cpu", "plan.micro_batch_size=1"])}
     for name, (kind, extra) in runs.items():
@@ -112,7 +113,7 @@ def test_lr_zero_returns_the_input_weights_bit_for_bit(tmp_path, family, flavor,
     hf = make_hf_checkpoint(tmp_path / "in", family, **options)
     out = tmp_path / "run"
     flavor, _, kind = flavor.partition(" ")
-    forced = {"sharded": ["plan.replicate=false"], "replicated": ["plan.replicate=true"]}.get(kind, [])
+    forced = {"sharded": list(FSDP), "replicated": ["plan.replicate=true"]}.get(kind, [])
     r = run_recipe(f"model.checkpoint_dir={hf}", f"flavor={flavor}", *forced, "dataset=instruct",
                    f"dataset.path={instruct_file}", "optimizer.lr=0", "max_steps=1", "batch_size=4", "logger=stdout",
                    f"output_dir={out}")

@@ -19,7 +19,7 @@ from moai_recipes.data.hf_datasets import HFSplit
 from moai_recipes.data.stream import StreamedBatches
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
-from tests.helpers import layout, metrics, run_recipe
+from tests.helpers import FSDP, layout, metrics, run_recipe
 
 ROWS = [{"instruction": f"What is {i} plus {i}?", "input": "", "output": f"{i} plus {i} is {2 * i}."}
         for i in range(30)]
@@ -238,7 +238,7 @@ def test_a_streamed_run_resumed_on_another_flavor_continues_at_the_exact_sample(
     assert r.returncode == 0, r.stdout + r.stderr
     assert "streamed in blocks of 8 rows: global batch 6, 6 steps" in r.stdout
     second = tmp_path / "second"
-    r = run_recipe(*common, "flavor=cpu-2", "plan.replicate=false", f"resume={first / 'checkpoints' / 'step-000003'}",
+    r = run_recipe(*common, "flavor=cpu-2", *FSDP, f"resume={first / 'checkpoints' / 'step-000003'}",
                    f"output_dir={second}")
     assert r.returncode == 0, r.stdout + r.stderr
     assert layout(first) == "single" and layout(second) == "sharded"

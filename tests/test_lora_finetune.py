@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import make_hf_checkpoint
+from tests.helpers import FSDP, make_hf_checkpoint
 from tests.helpers import layout, metrics, peak_error, run_recipe, tensors
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def test_peft_loads_the_adapter_and_it_matches_the_merged_model(tmp_path, data_f
     hf = make_hf_checkpoint(tmp_path / "base", family, tie=tie)
     out = tmp_path / "run"
     flavor, _, kind = flavor.partition(" ")
-    forced = ["plan.replicate=false"] if kind == "sharded" else []
+    forced = list(FSDP) if kind == "sharded" else []
     r = lora(f"model.checkpoint_dir={hf}", f"flavor={flavor}", *forced, "dataset=instruct", f"dataset.path={data_file}",
              "max_steps=3", "batch_size=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "logger=stdout",
              "lora.attn_modules=[q_proj,k_proj,v_proj,output_proj]", "lora.apply_to_mlp=true", "lora.rank=4",
@@ -80,7 +80,7 @@ def test_only_adapters_train_and_losses_agree_across_flavors(tmp_path, hf_checkp
               "batch_size=6", "max_steps=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "logger=stdout",
               "save_merged=false"]
     losses = {}
-    runs = {"cpu": ("single", ["flavor=cpu"]), "cpu-2 sharded": ("sharded", ["flavor=cpu-2", "plan.replicate=false"]),
+    runs = {"cpu": ("single", ["flavor=cpu"]), "cpu-2 sharded": ("sharded", ["flavor=cpu-2", *FSDP]),
             "cpu-2 replicated": ("replicated", ["flavor=cpu-2", "plan.replicate=true"]),
             "mbs1": ("single", ["plan.micro_batch_size=1"])}
     for name, (kind, extra) in runs.items():
@@ -209,7 +209,7 @@ def test_qlora_trains_alike_on_cpu_and_cpu_2_and_peft_loads_its_adapter(tmp_path
               "batch_size=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "logger=stdout",
               "lora.quantize_base=true", "lora.attn_modules=[q_proj,k_proj,v_proj,output_proj]",
               "lora.apply_to_mlp=true", "lora.rank=4", "sample_max_new_tokens=0"]
-    runs = {"cpu": ["save_merged=false"], "cpu-2": ["checkpoint_every=2", "plan.replicate=false"]}
+    runs = {"cpu": ["save_merged=false"], "cpu-2": ["checkpoint_every=2", *FSDP]}
     losses = {}
     for flavor, extra in runs.items():
         r = lora(*common, f"flavor={flavor}", *extra, f"output_dir={tmp_path / flavor}")

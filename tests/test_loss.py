@@ -14,7 +14,7 @@ from moai_recipes.models.loss import (
     cross_entropy_sum,
     token_loss_sum,
 )
-from tests.helpers import layout, metrics, run_recipe
+from tests.helpers import FSDP, layout, metrics, run_recipe
 
 
 def test_chunks_give_the_loss_and_gradients_of_the_whole():
@@ -73,7 +73,7 @@ def test_the_recipe_trains_alike_with_a_chunked_loss_on_two_processes(tmp_path):
     common = ["dataset=text", f"dataset.path={data}", "max_seq_len=512", "batch_size=6", "max_steps=3",
               "optimizer.lr=1e-3", "optimizer.warmup_steps=0", "logger=stdout", "sample_max_new_tokens=0"]
     plain = run_recipe(*common, "flavor=cpu", "plan.chunked_loss=false", f"output_dir={tmp_path / 'plain'}")
-    chunked = run_recipe(*common, "flavor=cpu-2", "plan.replicate=false", "plan.chunked_loss=true",
+    chunked = run_recipe(*common, "flavor=cpu-2", *FSDP, "plan.chunked_loss=true",
                          f"output_dir={tmp_path / 'chunked'}")
     assert plain.returncode == 0 and chunked.returncode == 0, chunked.stdout + chunked.stderr
     assert "chunked loss true" in chunked.stdout and layout(tmp_path / "chunked") == "sharded"

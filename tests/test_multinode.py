@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from moai_recipes.train.world import free_port
-from tests.helpers import ROOT, layout, metrics, run_recipe
+from tests.helpers import FSDP, ROOT, layout, metrics, run_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def test_two_torchrun_agents_with_c10d_rendezvous_train_as_cpu_2(tmp_path, cpu_2
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "moai-two-nodes",
-         "-m", "recipes.full_finetune", *COMMON, "flavor=cpu-2", "plan.replicate=false", f"output_dir={out}"],
+         "-m", "recipes.full_finetune", *COMMON, "flavor=cpu-2", *FSDP, f"output_dir={out}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     logs = [a.communicate(timeout=600)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(logs)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.helpers import layout, metrics, run_recipe
+from tests.helpers import FSDP, layout, metrics, run_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -50,11 +50,11 @@ def test_an_out_of_memory_step_runs_again_smaller_with_the_same_losses(tmp_path,
     assert_same_losses(tmp_path / "oom", reference)
 
 
-@pytest.mark.parametrize("kind, forced", [("sharded", "plan.replicate=false"), ("replicated", "plan.replicate=true")])
+@pytest.mark.parametrize("kind, forced", [("sharded", FSDP), ("replicated", ("plan.replicate=true",))])
 def test_on_two_processes_they_start_again_smaller_with_the_same_losses(tmp_path, uninterrupted, kind, forced):
     """A rank cannot redo a step alone (the other waits inside a collective): it leaves the smaller plan, the
     launcher starts both processes again, and they redo the run from its first step with it."""
-    r = run_recipe(*COMMON, "flavor=cpu-2", forced, "max_restarts=0", f"output_dir={tmp_path / 'oom'}",
+    r = run_recipe(*COMMON, "flavor=cpu-2", *forced, "max_restarts=0", f"output_dir={tmp_path / 'oom'}",
                    env={"MOAI_FAULT_OOM_TOKENS": "64"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert layout(tmp_path / "oom") == kind

@@ -10,7 +10,7 @@ from moai_recipes.models.attention import Documents
 from moai_recipes.models.build import build_model, init_buffers
 from moai_recipes.models.spec import read_spec
 from moai_recipes.models.tiny import tiny_checkpoint_dir
-from tests.helpers import layout, metrics, run_recipe
+from tests.helpers import FSDP, layout, metrics, run_recipe
 
 
 def test_a_packed_row_computes_each_document_as_if_it_were_alone():
@@ -42,7 +42,7 @@ def test_packed_padded_any_budget_and_flavor_give_the_same_losses(tmp_path, vari
               "max_steps=5", "optimizer.lr=1e-3", "sample_max_new_tokens=0")
     runs = {"cpu padded": ("flavor=cpu", "plan.packing=false", "plan.micro_batch_size=2"),
             "cpu packed 4x128": ("flavor=cpu", "plan.packing=true", "plan.micro_batch_size=4"),
-            "cpu-2 packed sharded": ("flavor=cpu-2", "plan.replicate=false", "plan.packing=true",
+            "cpu-2 packed sharded": ("flavor=cpu-2", *FSDP, "plan.packing=true",
                                      "plan.micro_batch_size=2"),
             "cpu-4 padded replicated": ("flavor=cpu-4", "plan.replicate=true", "plan.packing=false")}
     losses = {}

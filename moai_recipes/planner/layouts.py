@@ -2,6 +2,7 @@
 stages that cut its layers (split by cost), and the data-parallel copies left over. search.py prices each."""
 
 import math
+from dataclasses import dataclass
 
 from moai_recipes.models.spec import ModelSpec
 
@@ -93,8 +94,8 @@ def layouts(work, flavor, forced: dict) -> list[dict]:
     tensors = [t_forced] if t_forced else [t for t in tensor_degrees(spec, min(n, node)) if n % t == 0]
     out = []
     for t in tensors:
-        for p in ([p_forced] if p_forced else [p for p in range(1, n // t + 1) if (n // t) % p == 0]):
-            if qlora and (t > 1 or p > 1):
+        for p in ([p_forced] if p_forced else range(1, n // t + 1)):
+            if (n // t) % p or (qlora and (t > 1 or p > 1)):
                 continue
             if p == 1:
                 if not s_forced:
@@ -133,3 +134,36 @@ def _check_forced(spec: ModelSpec, n: int, tensor: int | None, stages: int | Non
         why = why_not_pipeline(spec, stages, schedule or "1f1b")
         if why:
             raise UserError(f"plan.pipeline_stages={stages} cannot cut this model: {why}")
+
+
+@dataclass(frozen=True)
+class DeviceShare:
+    """What one pipeline device of a plan holds (without a pipeline: the whole model)."""
+
+    layers: int  # of its stages together
+    embedding: bool  # it holds the first stage
+    head: bool  # it holds the last stage: final norm, output projection, loss
+    in_flight: float  # micro-batches whose activations (of all its layers) it holds at once, at its peak
+
+
+def device_shares(plan, spec: ModelSpec) -> list[DeviceShare]:
+    """One DeviceShare per pipeline device. In flight at the peak: GPipe runs every forward before any backward
+    (all micro-batches); 1F1B holds at most P - d on device d (its warm-up forwards); interleaved 1F1B's device d
+    warms up with 2(P - d - 1) + (v - 1)P + 1 stage passes of its v stages (torch's schedule), each a 1/v of its
+    layers."""
+    if plan.pipeline_stages == 1:
+        return [DeviceShare(layers=spec.num_layers, embedding=True, head=True, in_flight=1.0)]
+    P, v, M = plan.pipeline_stages, plan.stages_per_device, plan.accumulation_steps
+    last = len(plan.stage_layers) - 1
+    shares = []
+    for d in range(P):
+        mine = list(range(d, P * v, P))
+        if plan.pipeline_schedule == "gpipe":
+            flight = float(M)
+        elif plan.pipeline_schedule == "1f1b":
+            flight = float(min(M, P - d))
+        else:
+            flight = min(v * M, 2 * (P - d - 1) + (v - 1) * P + 1) / v
+        shares.append(DeviceShare(layers=sum(plan.stage_layers[s] for s in mine), embedding=0 in mine,
+                                  head=last in mine, in_flight=flight))
+    return shares

@@ -12,6 +12,7 @@ import torch
 from moai_recipes.models.build import nf4_weights
 from moai_recipes.models.spec import ModelSpec
 from moai_recipes.planner.activations import trace_head, trace_layer
+from moai_recipes.planner.layouts import DeviceShare, device_shares
 from moai_recipes.planner.plan import Plan, Workload
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -109,17 +110,35 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     temporaries (OPTIMIZER_TEMPORARY bytes per trainable value: foreach AdamW on the CPU makes
     one fp32 copy, fused AdamW on GPUs none). `traced_scale`: the machine's calibration of the traced
     activations and logits (planner/calibration.py).
+
+    Under pipeline parallelism, the busiest of the pipeline's devices (layouts.device_shares): each holds its
+    stages' layers and micro-batches in flight as the schedule keeps them.
     """
+    shares = device_shares(plan, work.spec)
+    return max((_device_memory(plan, work, device_kind, traced_scale, share) for share in shares),
+               key=lambda m: m.total)
+
+
+def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: float,
+                   share: DeviceShare) -> MemoryBreakdown:
+    """predict_memory on one pipeline device: its layers, its part of the root, its micro-batches in flight, all
+    cut by the tensor-parallel degree T (sequence parallelism cuts the activations too)."""
     spec, sizes, seq_len, lora = work.spec, work.sizes, work.seq_len, work.lora_key
     micro_batch_size, recompute, cpu_offload = plan.micro_batch_size, plan.recompute, plan.cpu_offload
     c = DTYPE_BYTES[plan.param_dtype]
-    n, L = plan.shards, spec.num_layers  # n: what the state is cut into (1 in a replica: whole on every process)
+    T = plan.tensor_parallel
+    n, L = plan.shards, share.layers  # n: what the state is cut into (1 in a replica: whole on every process)
     full = sizes.trainable == sizes.total
+    embedding = spec.vocab_size * spec.embed_dim
+    root = (embedding if share.embedding else 0) + (sizes.root - embedding if share.head else 0)
+    # Parameters on this device, before FSDP2 shards them (the whole model's count exactly, without a pipeline).
+    held = (sizes.total if L == spec.num_layers else L * sizes.per_layer + root) / T
     nf4 = sizes.nf4_per_layer * L
-    master = (sizes.total - nf4) * 4 + nf4 * NF4_BYTES
+    master = (held - nf4) * 4 + nf4 * NF4_BYTES
+    trainable = held if full else sizes.trainable * L / spec.num_layers / T
     params = 0 if cpu_offload else master / n
-    sharded_grads = 0 if cpu_offload else sizes.trainable * 4 / n
-    optimizer = 0 if cpu_offload else sizes.trainable * 8 / n  # AdamW: two fp32 moments
+    sharded_grads = 0 if cpu_offload else trainable * 4 / n
+    optimizer = 0 if cpu_offload else trainable * 8 / n  # AdamW: two fp32 moments
 
     # FSDP2 keeps the root group (embeddings, norm, output) gathered for the whole step, and a layer
     # plus the next one (prefetch) in the backward; without resharding after forward every layer
@@ -127,31 +146,31 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     # not at all in one process (FSDP leaves them alone there, see parallel.shard_model). One process
     # computing in fp32 keeps a plain module (Plan.sharded): it uses its parameters as they are.
     fsdp = plan.sharded
-    layer_c = ((sizes.per_layer - sizes.nf4_per_layer) * c + (sizes.nf4_per_layer * NF4_BYTES if n > 1 else 0)) if fsdp else 0
+    layer_c = ((sizes.per_layer / T - sizes.nf4_per_layer) * c + (sizes.nf4_per_layer * NF4_BYTES if n > 1 else 0)) if fsdp else 0
     layers_gathered = (lambda k: k * layer_c) if plan.reshard_after_forward else (lambda k: L * layer_c)
-    root_gathered = sizes.root * c if fsdp else 0
+    root_gathered = root / T * c if fsdp else 0
     # The root's weight gradients (in the compute dtype, before their reduce-scatter, which comes last):
     # the output projection's from the loss's backward on, the embeddings' only after the first layer's.
     # At the end of a layer's backward FSDP2 copies its gradients into one flat fp32 buffer for the
     # reduce-scatter (whatever the world size) while they are still alive (measured: +1 layer of grads).
-    output_grad = (sizes.root - spec.vocab_size * spec.embed_dim * (not spec.tie_word_embeddings)) * c if full else 0
-    reduce_copy = sizes.per_layer * 4 * sizes.trainable / sizes.total if fsdp else 0
+    output_grad = (sizes.root - embedding * (not spec.tie_word_embeddings)) / T * c if full and share.head else 0
+    reduce_copy = sizes.per_layer / T * 4 * sizes.trainable / sizes.total if fsdp else 0
     # Sharded gradients of all layers but the first (and not yet the root's) while the first runs its backward.
-    layer_trainable = (sizes.trainable - (sizes.root if full else 0)) / L if L else 0
+    layer_trainable = (sizes.trainable - (sizes.root if full else 0)) / spec.num_layers / T
     later_grads = 0 if cpu_offload else (L - 1) * layer_trainable * 4 / n
 
     dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
     # Packed rows attend document by document except in a GPU's varlen kernel (models/attention.py).
     per_document = plan.packing and not (device_kind == "gpu" and plan.param_dtype == "bfloat16")
     act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, per_document=per_document)
-    retained = micro_batch_size * L * act.retained
-    layer_backward = micro_batch_size * act.transient + act.grads_at_peak + reduce_copy
+    retained = micro_batch_size * L * act.retained * share.in_flight / T
+    layer_backward = (micro_batch_size * act.transient + act.grads_at_peak) / T + reduce_copy
     earlier_grads = sharded_grads if plan.accumulation_steps > 1 else 0
     # The final norm, the output projection and the loss as traced: the logits in the compute dtype and in
     # fp32, the log-softmax and the gradients over them (about 12 bytes per token and vocabulary entry),
     # or one chunk's worth of them with the chunked loss.
     logits = trace_head(spec, micro_batch_size=micro_batch_size, seq_len=seq_len, chunked=plan.chunked_loss,
-                        dtype=dtype, lora=lora).peak
+                        dtype=dtype, lora=lora).peak / T if share.head else 0
     # The last layer stays gathered from its forward (parallel.shard_model); in the backward each layer
     # is gathered with the next one (prefetch), but the first has no next.
     phases = {
@@ -161,9 +180,9 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
                                     activations=retained + layer_backward, logits=0),
         "first layer backward": dict(gathered=root_gathered + layers_gathered(1) + output_grad,
                                      grads=max(earlier_grads, later_grads),
-                                     activations=micro_batch_size * act.retained + layer_backward, logits=0),
+                                     activations=micro_batch_size * act.retained / T + layer_backward, logits=0),
         "optimizer step": dict(gathered=0, grads=sharded_grads, logits=0,
-                               activations=0 if cpu_offload else sizes.trainable * OPTIMIZER_TEMPORARY[device_kind] / n),
+                               activations=0 if cpu_offload else trainable * OPTIMIZER_TEMPORARY[device_kind] / n),
         # A replica sums its gradients over the processes through one flat copy of them (train/parallel.py).
         "gradients all-reduced": dict(gathered=0, grads=sharded_grads * 2 if plan.replicate else 0, logits=0,
                                       activations=0),

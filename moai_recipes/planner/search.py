@@ -98,8 +98,10 @@ def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: 
             for m in sizes for p in (False, True) for r in recomputes for d in replicas
             for s in (reshards[:1] if d else reshards)  # nothing is resharded in a replica
             for o in ([False] if d else offloads) for c in chunks for k in compiles]
+    # A pipeline of P devices runs at least P micro-batches (1F1B's schedules: at once, padded with empty ones).
+    stages = layout["pipeline_stages"]
     return [o for o in opts if all(forced.get(k) is None or o[k] == forced[k] for k in o if k != "stage_layers")
-            and not _runs_eager(o, flavor)]
+            and not _runs_eager(o, flavor) and (stages == 1 or math.ceil(per_device / o["micro_batch_size"]) >= stages)]
 
 
 def _runs_eager(option: dict, flavor: Flavor) -> bool:

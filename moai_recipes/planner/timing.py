@@ -20,6 +20,7 @@ import torch
 from moai_recipes.flavors import Device
 from moai_recipes.planner.activations import trace_head, trace_layer
 from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
+from moai_recipes.planner.layouts import device_shares, stage_costs
 from moai_recipes.planner.memory import DTYPE_BYTES
 from moai_recipes.planner.plan import Plan, Workload
 
@@ -78,7 +79,22 @@ NF4_VALUE_S = {"cpu": 5e-9, "gpu": 2e-11}
 
 # The parts of a step the model adds up, each in seconds under the constants above. A machine's calibration
 # (planner/calibration.py, `moai calibrate`) scales each by what its own runs measured.
-TERMS = ("matmul", "memory", "dispatch", "parameters", "dequantize", "collectives", "transfer", "offload")
+TERMS = ("matmul", "memory", "dispatch", "parameters", "dequantize", "collectives", "transfer", "offload", "tensor",
+         "pipeline")
+# Tensor parallelism's collectives sit on the compute's path (a layer waits for its input's all-gather): never
+# hidden. Per collective a fixed cost beside its bytes: on a GPU a launch and NCCL's latency inside a node, on the
+# CPU gloo's round trip and DTensor's dispatch (estimates; bench/layouts.py measures them).
+# The CPU's: tensor 2 against one process, tiny model on cpu-2 (44 collectives a step: 76 ms more).
+TENSOR_COLLECTIVE_S = {"gpu": 20e-6, "cpu": 1.7e-3}
+# Collectives a layer adds per micro-batch under tensor parallelism: the forward all-gathers its input for the
+# attention (twice: torchtune's attention takes x and y) and for the MLP, and reduce-scatters both outputs; the
+# backward does the reverse. Full recomputation runs the forward's again.
+TENSOR_COLLECTIVES = {"forward": 5, "backward": 5}
+# A pipeline's point-to-point send or receive: a fixed cost beside its bytes. And once a step, the schedule's
+# stages are set up for the step's micro-batch shape: their shapes inferred, sent and received between stages
+# (the CPU's: pipeline 2 on cpu-2, tiny model, measured against the prediction without it; the GPU's an estimate).
+P2P_S = {"gpu": 30e-6, "cpu": 0.3e-3}
+PIPELINE_STEP_S = {"gpu": 5e-3, "cpu": 0.02}
 
 
 @dataclass(frozen=True)
@@ -115,8 +131,10 @@ def combine(terms: dict, kind: str, scales: dict | None = None, maximum=max) -> 
     comm = t["collectives"] + t["transfer"]
     overlap = OVERLAP[kind]
     exposed = maximum(comm - overlap * compute, comm * (1 - overlap))
+    # Tensor-parallel collectives and the pipeline's bubble and sends wait on the compute's path: all exposed.
+    blocking = t["tensor"] + t["pipeline"]
     return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": exposed, "offload_s": t["offload"],
-            "total_s": compute + exposed + t["offload"]}
+            "blocking_s": blocking, "total_s": compute + exposed + t["offload"] + blocking}
 
 
 def device_speed(device: Device, *, compute_dtype: str, num_devices: int) -> tuple[float, float]:
@@ -144,7 +162,11 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     """Seconds of one optimizer step of `plan` on `device`, with the data's real lengths; `scales`: the
     machine's calibration of each term (planner/calibration.py)."""
     spec, sizes, seq_len, lora = work.spec, work.sizes, work.seq_len, work.lora_key
-    n, L, kind = plan.num_devices, spec.num_layers, device.kind
+    n, kind = plan.num_devices, device.kind
+    # The busiest pipeline device sets the pace (without a pipeline: the one device, the whole model).
+    _, layer_cost, head_cost = stage_costs(spec)
+    share = max(device_shares(plan, spec), key=lambda s: s.layers * layer_cost + s.head * head_cost)
+    L, T, has_head = share.layers, plan.tensor_parallel, share.head
     tokens, micro, per_micro_samples = step_shape(plan, work)
     compute_dtype = plan.param_dtype
     dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
@@ -155,9 +177,9 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
                       dtype=dtype, lora=lora)
     sequences, heads = tokens / seq_len, tokens / plan.token_budget
     fused_traffic, fused_ops = COMPILED[kind] if plan.compile else (1.0, 1.0)
-    attention_flops = sequences * L * layer.attention_flops
-    flops = sequences * L * layer.flops + heads * head.flops - attention_flops
-    traffic = sequences * L * layer.traffic * fused_traffic + heads * head.traffic
+    attention_flops = sequences * L * layer.attention_flops / T
+    flops = (sequences * L * layer.flops + has_head * heads * head.flops) / T - attention_flops
+    traffic = (sequences * L * layer.traffic * fused_traffic + has_head * heads * head.traffic) / T
     peak, bandwidth = device_speed(device, compute_dtype=compute_dtype, num_devices=n)
     # The CPU's flash attention computes in fp32 whatever its inputs (bf16 gains it nothing); a GPU's in the dtype.
     attention_peak = device_speed(device, compute_dtype="float32", num_devices=n)[0] if kind == "cpu" else peak
@@ -168,9 +190,14 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     efficiency = top * mb_tokens / (mb_tokens + half)
     terms["matmul"] = flops / (peak * efficiency) + attention_flops / (attention_peak * efficiency)
     terms["memory"] = traffic / memory_speed
+    # The device's part of the parameters: its layers and root, cut by the tensor degree.
+    embedding = spec.vocab_size * spec.embed_dim
+    part = (1.0 if L == spec.num_layers else (L * sizes.per_layer + has_head * (sizes.root - embedding)
+                                                + share.embedding * embedding) / sizes.total) / T
+    trainable, total = sizes.trainable * part, sizes.total * part
     if not plan.cpu_offload:  # offloaded, the optimizer runs on the host (below)
-        terms["memory"] += sizes.trainable / plan.shards * OPTIMIZER_TRAFFIC[kind] / memory_speed
-    ops = micro * (L * layer.ops * fused_ops + head.ops)
+        terms["memory"] += trainable / plan.shards * OPTIMIZER_TRAFFIC[kind] / memory_speed
+    ops = micro * (L * layer.ops * fused_ops + has_head * head.ops)
     # Attention kernel calls, forward and backward: one per layer and micro-batch, or per document of a packed row
     # where attention runs document by document (models/attention.py: slices, a kernel, a concatenation each).
     calls = micro * L
@@ -184,10 +211,14 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     nf4 = sizes.nf4_tensors_per_layer * L
     terms["dequantize"] = micro * (nf4 * NF4_CALL_S[kind] + sizes.nf4_per_layer * L * NF4_VALUE_S[kind])
     # The optimizer and the clipping handle each trainable tensor in Python, a DTensor's through its dispatch.
-    terms["parameters"] = sizes.trainable_tensors * (PARAM_S[kind] + (DTENSOR_PARAM_S[kind] if plan.sharded else 0))
-    link = device.intra_node_gbps if n <= device.per_node else device.inter_node_gbps
+    dtensors = plan.sharded or T > 1
+    terms["parameters"] = (sizes.trainable_tensors * L / spec.num_layers
+                           * (PARAM_S[kind] + (DTENSOR_PARAM_S[kind] if dtensors else 0)))
+    # FSDP2's copies of the model span data x tensor devices: inside a node while they fit one.
+    D = plan.data_parallel
+    link = device.intra_node_gbps if D * T <= device.per_node or kind == "cpu" else device.inter_node_gbps
     if plan.replicate:  # one all-reduce of the fp32 gradients a step (ring: twice the data over the link)
-        terms["transfer"] = 2 * sizes.trainable * 4 * (n - 1) / n / (link * 1e9)
+        terms["transfer"] = 2 * trainable * 4 * (n - 1) / n / (link * 1e9)
         terms["collectives"] = 2 * LATENCY_S[kind]
     elif plan.sharded:
         c = DTYPE_BYTES[compute_dtype]
@@ -195,12 +226,27 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
         # root once (FSDP2 keeps it until its backward); gradients are reduce-scattered in fp32. On one
         # device (FSDP2 for its bf16 compute or offload) each is a copy and a hook, without a peer.
         gathers = 2 if plan.reshard_after_forward else 1
-        per_micro = (gathers * (sizes.total - sizes.root) * c + sizes.root * c + sizes.trainable * 4) * (n - 1) / n
+        root = sizes.root * part if L == spec.num_layers else (total - L * sizes.per_layer / T)
+        per_micro = (gathers * (total - root) * c + root * c + trainable * 4) * (D - 1) / D
         collectives = L * (gathers + 1) + 2
         terms["transfer"] = micro * per_micro / (link * 1e9)
-        terms["collectives"] = micro * collectives * (LATENCY_S[kind] if n > 1 else LOCAL_COLLECTIVE_S[kind])
+        terms["collectives"] = micro * collectives * (LATENCY_S[kind] if D > 1 else LOCAL_COLLECTIVE_S[kind])
     if n > 1:  # the step's scalars summed over the processes: its tokens, its loss, the gradient norm
         terms["collectives"] += 3 * SCALAR_LATENCY_S[kind]
+    mb_bytes = tokens / micro * spec.embed_dim * DTYPE_BYTES[compute_dtype]  # a micro-batch's hidden states
+    if T > 1:  # inside a node (layouts.layouts): each collective moves (T - 1) / T of a micro-batch's hidden states
+        count = L * (TENSOR_COLLECTIVES["forward"] * (2 if plan.recompute == "full" else 1)
+                     + TENSOR_COLLECTIVES["backward"]) + 4  # the embedding's and the output projection's
+        terms["tensor"] = micro * count * (TENSOR_COLLECTIVE_S[kind] + mb_bytes * (T - 1) / T / (device.intra_node_gbps * 1e9))
+    if plan.pipeline_stages > 1:
+        P, v = plan.pipeline_stages, plan.stages_per_device
+        # Each of the device's stages receives a micro-batch's hidden states (its share of them under sequence
+        # parallelism) and sends them on, and the same for their gradients; stages are D x T devices apart.
+        p2p_link = device.intra_node_gbps if n <= device.per_node or kind == "cpu" else device.inter_node_gbps
+        terms["pipeline"] = micro * 4 * v * (P2P_S[kind] + mb_bytes / T / (p2p_link * 1e9)) + PIPELINE_STEP_S[kind]
+        # The bubble: the device idles (P - 1) / v micro-batches' time as the pipeline fills and drains.
+        busy = terms["matmul"] + terms["memory"] + terms["dispatch"] + terms["tensor"]
+        terms["pipeline"] += busy * (P - 1) / (v * micro)
     if plan.cpu_offload:
         moved = micro * sizes.total / n * DTYPE_BYTES[compute_dtype] * 2 + sizes.trainable * 4 / n
         terms["offload"] = moved / (PCIE_GBPS * 1e9) + sizes.trainable * 16 / n / 20e9  # host-side AdamW

@@ -155,11 +155,12 @@ class PipelineRun:
         return total / scale
 
     def _count(self, n: int) -> int:
-        """Micro-batches the schedule runs: interleaved 1F1B takes a multiple of the devices once it has as many."""
+        """Micro-batches the schedule runs (empty ones added): 1F1B's take at least one per device, interleaved
+        1F1B a multiple of the devices."""
         P = self.plan.pipeline_stages
-        if self.plan.pipeline_schedule == "interleaved_1f1b" and n > P:
-            return -(-n // P) * P
-        return n
+        if self.plan.pipeline_schedule == "gpipe":
+            return n
+        return -(-n // P) * P if self.plan.pipeline_schedule == "interleaved_1f1b" else max(n, P)
 
 
 def _schedule(name: str, stages: list, count: int, loss_fn):

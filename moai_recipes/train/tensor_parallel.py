@@ -36,7 +36,9 @@ ROW_WISE = ("attn.output_proj", "mlp.w2")
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Cut `model` (on the meta device, before FSDP2) over the 1-D `mesh`, as the module docstring says."""
+    """Cut `model` (on the meta device, before FSDP2) over the 1-D `mesh`, as the module docstring says. What was
+    frozen stays frozen (torch's styles make new parameters, trainable)."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -57,6 +59,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         layer.attn.num_heads //= degree
         layer.attn.num_kv_heads //= degree
         layer.attn.embed_dim //= degree
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
 
 
 def parallel_loss(enabled: bool):
