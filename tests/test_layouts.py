@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism compute what one process computes.
 
-On cpu-4 (four gloo processes) every mesh the issue names gives the per-step losses and gradient norms of
-flavor=cpu within 1e-4 relative, with clipping on (its norm over every shard and stage): full fine-tuning and LoRA,
+On cpu-4 (four gloo processes) every mesh the issue names gives the per-step losses, gradient norms and the final
+validation loss of flavor=cpu within 1e-4 relative, with clipping on (its norm over every shard and stage): full fine-tuning and LoRA,
 packed and padded rows between them. A step checkpoint saved on pipeline 2 x data 2 resumes on one process and on
 tensor 2 x data 2 with the uninterrupted run's losses, and what a cut model exports is byte for byte what one
 process exports. Each run states its mesh in plan.json, and the test checks it ran that one.
@@ -15,7 +15,8 @@ from tests.helpers import instruct_rows, layout, make_hf_checkpoint, metrics, ru
 STEPS = 4
 # Eight layers (pipeline 4 interleaved runs eight stages), four key/value heads (tensor 4 cuts them).
 COMMON = ["dataset=instruct", "batch_size=8", f"max_steps={STEPS}", "optimizer.lr=2e-3", "optimizer.warmup_steps=0",
-          "optimizer.max_grad_norm=0.5", "logger=stdout", "sample_max_new_tokens=0", "max_seq_len=64"]
+          "optimizer.max_grad_norm=0.5", "logger=stdout", "sample_max_new_tokens=0", "max_seq_len=64",
+          "dataset.val_split=0.25"]
 ROWS = {"packed": "plan.packing=true", "padded": "plan.packing=false"}
 MESHES = {  # the mesh's plan.json name -> (method, rows, forced plan)
     "pipeline 1 x data 2 x tensor 2": ("full", "packed", ["plan.tensor_parallel=2", "plan.pipeline_stages=1"]),
@@ -75,6 +76,8 @@ def test_every_mesh_gives_one_process_losses_and_gradient_norms(mesh, meshes, on
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (mesh, [r["loss"] for r in ref], [r["loss"] for r in got])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"]), mesh
+    # The validation loss at the end, forward only (a pipeline's schedule without its backward).
+    assert abs(ref[-1]["eval_loss"] - got[-1]["eval_loss"]) <= 1e-4 * ref[-1]["eval_loss"], mesh
 
 
 @pytest.mark.parametrize("flavor, forced", [("cpu", []), ("cpu-4", ["plan.tensor_parallel=2", "plan.pipeline_stages=1"])])
@@ -105,3 +108,44 @@ def test_a_cut_model_exports_what_one_process_exports(model, tmp_path):
         a, b = (load_file(outs[f] / name) for f in ("cpu", "cpu-4"))
         assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), name
         assert (outs["cpu"] / name).read_bytes() == (outs["cpu-4"] / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("forced, message", [
+    (["plan.tensor_parallel=4"], "plan.tensor_parallel=4 cannot cut this model: num_key_value_heads=2 does not divide "
+                                 "by 4. Degrees that can: 1, 2"),
+    (["plan.tensor_parallel=3"], "plan.tensor_parallel=3 must divide the flavor's 4 devices"),
+    (["plan.pipeline_stages=4", "plan.pipeline_schedule=interleaved_1f1b"],
+     "plan.pipeline_stages=4 cannot cut this model: 8 stages need at least as many layers, and the model has 4"),
+    (["plan.pipeline_schedule=zigzag"], "plan.pipeline_schedule=zigzag is not a schedule; valid: gpipe, 1f1b, "
+                                        "interleaved_1f1b"),
+])
+def test_a_degree_that_cannot_cut_the_model_is_refused_by_name(forced, message):
+    r = run_recipe("flavor=cpu-4", "model=tiny", *forced, module="recipes.plan", isolated=False)  # 4 layers, 2 kv heads
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_layers_are_split_by_cost_and_the_last_stage_holds_the_head():
+    from moai_recipes.planner.layouts import split_layers
+    from tests.helpers import setup
+
+    spec = setup("model=llama3_8b")[1]  # a 128K vocabulary: the output projection weighs 2.4 layers
+    split = split_layers(spec, 4)
+    assert sum(split) == 32 and split[-1] < split[0], split
+    assert split_layers(spec, 32) == (1,) * 32
+
+
+def test_the_planner_cuts_a_70b_model_where_that_is_faster():
+    """48xlarge (384 MI250 devices): tensor parallelism inside a node beats FSDP2 alone, which all-gathers the whole
+    model for every micro-batch over the links between nodes; both predicted."""
+    from moai_recipes.planner.plan import Workload
+    from moai_recipes.planner.search import choose_plan
+    from tests.helpers import setup
+
+    _, spec, flavor = setup("model=llama3_70b", "flavor=48xlarge")
+    work = Workload(spec=spec, batch_size=512, seq_len=4096)
+    chosen = choose_plan(work, flavor).chosen
+    alone = choose_plan(work, flavor, forced={"tensor_parallel": 1, "pipeline_stages": 1}).chosen
+    assert 1 < chosen.plan.tensor_parallel <= flavor.device.per_node
+    assert chosen.time.total_s < 0.8 * alone.time.total_s
+    assert "TP 8" in chosen.plan.describe() and "num_stages" in chosen.plan.describe()

@@ -115,6 +115,10 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     stages' layers and micro-batches in flight as the schedule keeps them.
     """
     shares = device_shares(plan, work.spec)
+    # The peak is on the first device (the most micro-batches in flight, the embedding), the last (the head and its
+    # logits) or the one whose layers hold the most activations: the others need no prediction.
+    if len(shares) > 3:
+        shares = [shares[0], shares[-1], max(shares, key=lambda s: s.layers * s.in_flight)]
     return max((_device_memory(plan, work, device_kind, traced_scale, share) for share in shares),
                key=lambda m: m.total)
 

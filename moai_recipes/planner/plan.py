@@ -189,6 +189,11 @@ class Plan:
         if self.replicate:
             return (f"distribute_param false (replicated: a plain module on each of the {self.num_devices} processes, "
                     "one all-reduce of the gradients a step)")
+        if not self.sharded and self.num_devices > 1:
+            return (f"distribute_param false (one copy of the model, cut over its {self.num_devices} devices by its "
+                    "stages and heads, no FSDP2)")
         if not self.sharded:
             return "distribute_param false (one device: a plain module, no FSDP2)"
-        return f"distribute_param true (FSDP2, reshard_after_forward {str(self.reshard_after_forward).lower()})"
+        copies = f" over {self.data_parallel} copies" if self.data_parallel < self.num_devices else ""
+        return (f"distribute_param true (FSDP2{copies}, reshard_after_forward "
+                f"{str(self.reshard_after_forward).lower()})")
