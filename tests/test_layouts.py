@@ -2,8 +2,8 @@
 
 On cpu-4 (four gloo processes) every mesh the issue names gives the per-step losses, gradient norms and the final
 validation loss of flavor=cpu within 1e-4 relative, with clipping on (its norm over every shard and stage): full fine-tuning and LoRA,
-packed and padded rows between them. A step checkpoint saved on pipeline 2 x data 2 resumes on one process and on
-tensor 2 x data 2 with the uninterrupted run's losses, and what a cut model exports is byte for byte what one
+packed and padded rows between them. A step checkpoint saved on pipeline 2 x data 2 resumes on data 2 x tensor 2 and
+on one process with the uninterrupted run's losses, and what a pipelined model exports is byte for byte what one
 process exports. Each run states its mesh in plan.json, and the test checks it ran that one.
 """
 
@@ -13,15 +13,19 @@ from safetensors.torch import load_file
 from tests.helpers import instruct_rows, layout, make_hf_checkpoint, metrics, run_recipe, write_jsonl
 
 STEPS = 4
-# Eight layers (pipeline 4 interleaved runs eight stages), four key/value heads (tensor 4 cuts them).
+# Eight layers (pipeline 4 interleaved runs eight stages), four key/value heads (tensor 4 cuts them); 48 samples:
+# 36 to train on (four steps of 8), 12 to validate.
 COMMON = ["dataset=instruct", "batch_size=8", f"max_steps={STEPS}", "optimizer.lr=2e-3", "optimizer.warmup_steps=0",
           "optimizer.max_grad_norm=0.5", "logger=stdout", "sample_max_new_tokens=0", "max_seq_len=64",
           "dataset.val_split=0.25"]
 ROWS = {"packed": "plan.packing=true", "padded": "plan.packing=false"}
-MESHES = {  # the mesh's plan.json name -> (method, rows, forced plan)
-    "pipeline 1 x data 2 x tensor 2": ("full", "packed", ["plan.tensor_parallel=2", "plan.pipeline_stages=1"]),
-    "pipeline 2 (1f1b) x data 2 x tensor 1": ("full", "padded", ["plan.tensor_parallel=1", "plan.pipeline_stages=2",
-                                                                  "plan.pipeline_schedule=1f1b", "checkpoint_every=2"]),
+PIPELINED = "pipeline 2 (1f1b) x data 2 x tensor 1"
+RESUMED = "resume=step 2 of the pipelined run"  # replaced by its checkpoint's folder
+MESHES = {  # the mesh's plan.json name -> (method, rows, forced plan); run in this order
+    PIPELINED: ("full", "padded", ["plan.tensor_parallel=1", "plan.pipeline_stages=2", "plan.pipeline_schedule=1f1b",
+                                   "checkpoint_every=2"]),
+    # Resumed from the pipelined run's step 2 checkpoint: its steps 3 and 4 on another mesh.
+    "pipeline 1 x data 2 x tensor 2": ("full", "padded", ["plan.tensor_parallel=2", "plan.pipeline_stages=1", RESUMED]),
     "pipeline 2 (gpipe) x data 1 x tensor 2": ("lora", "packed", ["plan.tensor_parallel=2", "plan.pipeline_stages=2",
                                                                    "plan.pipeline_schedule=gpipe"]),
     "pipeline 4 (interleaved_1f1b) x data 1 x tensor 1": ("full", "packed", [
@@ -29,12 +33,11 @@ MESHES = {  # the mesh's plan.json name -> (method, rows, forced plan)
     "pipeline 1 x data 1 x tensor 4": ("lora", "padded", ["plan.tensor_parallel=4"]),
 }
 
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
     return {"checkpoint": make_hf_checkpoint(root / "hf", num_layers=8, kv_heads=4),
-            "data": write_jsonl(root / "data.jsonl", instruct_rows(32))}
+            "data": write_jsonl(root / "data.jsonl", instruct_rows(48))}
 
 
 def _run(model, out, method: str, rows: str, *extra):
@@ -61,8 +64,9 @@ def one_process(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def meshes(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("meshes")
+    step2 = f"resume={root / '0' / 'checkpoints' / 'step-000002'}"
     for i, (mesh, (method, rows, forced)) in enumerate(MESHES.items()):
-        _run(model, root / str(i), method, rows, "flavor=cpu-4", *forced)
+        _run(model, root / str(i), method, rows, "flavor=cpu-4", *(step2 if a == RESUMED else a for a in forced))
     return {mesh: root / str(i) for i, mesh in enumerate(MESHES)}
 
 
@@ -71,7 +75,11 @@ def test_every_mesh_gives_one_process_losses_and_gradient_norms(mesh, meshes, on
     method, rows, _ = MESHES[mesh]
     assert layout(meshes[mesh]) == mesh
     ref, got = one_process[method, rows], metrics(meshes[mesh])
-    assert len(got) == STEPS and ref[-1]["loss"] < ref[0]["loss"]
+    assert ref[-1]["loss"] < ref[0]["loss"] and len(ref) == STEPS
+    if RESUMED in MESHES[mesh][2]:  # resumed after step 2 of the pipelined run, whose steps it continues
+        assert [r["step"] for r in got] == [3, 4]
+        ref = ref[2:]
+    assert len(got) == len(ref)
     assert any(r["grad_norm"] > 0.5 for r in ref)  # clipping acted
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (mesh, [r["loss"] for r in ref], [r["loss"] for r in got])
@@ -80,14 +88,13 @@ def test_every_mesh_gives_one_process_losses_and_gradient_norms(mesh, meshes, on
     assert abs(ref[-1]["eval_loss"] - got[-1]["eval_loss"]) <= 1e-4 * ref[-1]["eval_loss"], mesh
 
 
-@pytest.mark.parametrize("flavor, forced", [("cpu", []), ("cpu-4", ["plan.tensor_parallel=2", "plan.pipeline_stages=1"])])
-def test_a_pipelined_checkpoint_resumes_on_another_mesh(flavor, forced, model, meshes, tmp_path):
-    """Saved at step 2 of 4 on pipeline 2 x data 2; resumed on one process, or on data 2 x tensor 2: steps 3 and 4
-    have the uninterrupted run's losses."""
-    source = meshes["pipeline 2 (1f1b) x data 2 x tensor 1"]
+def test_a_pipelined_checkpoint_resumes_on_one_process(model, meshes, tmp_path):
+    """Saved at step 2 of 4 on pipeline 2 x data 2, resumed on one process: steps 3 and 4 have the uninterrupted run's
+    losses (and on data 2 x tensor 2: the mesh test above)."""
+    source = meshes[PIPELINED]
     out = tmp_path / "resumed"
-    _run(model, out, "full", "padded", f"flavor={flavor}", *forced, f"resume={source / 'checkpoints' / 'step-000002'}")
-    assert layout(out) == ("single" if flavor == "cpu" else "pipeline 1 x data 2 x tensor 2")
+    _run(model, out, "full", "padded", "flavor=cpu", f"resume={source / 'checkpoints' / 'step-000002'}")
+    assert layout(out) == "single"
     uninterrupted = [r["loss"] for r in metrics(source)][2:]
     resumed = [r["loss"] for r in metrics(out)]
     assert len(resumed) == 2
@@ -96,18 +103,18 @@ def test_a_pipelined_checkpoint_resumes_on_another_mesh(flavor, forced, model, m
 
 
 def test_a_cut_model_exports_what_one_process_exports(model, tmp_path):
-    """No step learns anything (lr 0): the merged model and the adapter a pipeline 2 x tensor 2 LoRA run writes
-    are byte for byte those of one process."""
+    """No step learns anything (lr 0): the merged model and the adapter a two-stage LoRA run gathers from its stages
+    and writes are byte for byte those of one process (tensor-parallel weights are gathered as FSDP2's are)."""
     outs = {}
-    for flavor, forced in (("cpu", []), ("cpu-4", ["plan.tensor_parallel=2", "plan.pipeline_stages=2",
+    for flavor, forced in (("cpu", []), ("cpu-2", ["plan.tensor_parallel=1", "plan.pipeline_stages=2",
                                                     "plan.pipeline_schedule=1f1b"])):
         outs[flavor] = tmp_path / flavor
         _run(model, outs[flavor], "lora", "packed", f"flavor={flavor}", *forced, "optimizer.lr=0", "max_steps=1")
-    assert layout(outs["cpu-4"]) == "pipeline 2 (1f1b) x data 1 x tensor 2"
+    assert layout(outs["cpu-2"]) == "pipeline 2 (1f1b) x data 1 x tensor 1"
     for name in ("model/model.safetensors", "adapter/adapter_model.safetensors"):
-        a, b = (load_file(outs[f] / name) for f in ("cpu", "cpu-4"))
+        a, b = (load_file(outs[f] / name) for f in ("cpu", "cpu-2"))
         assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), name
-        assert (outs["cpu"] / name).read_bytes() == (outs["cpu-4"] / name).read_bytes(), name
+        assert (outs["cpu"] / name).read_bytes() == (outs["cpu-2"] / name).read_bytes(), name
 
 
 @pytest.mark.parametrize("forced, message", [

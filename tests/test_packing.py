@@ -43,8 +43,8 @@ def test_packed_padded_any_budget_and_flavor_give_the_same_losses(tmp_path, vari
     runs = {"cpu padded": ("flavor=cpu", "plan.packing=false", "plan.micro_batch_size=2"),
             "cpu packed 4x128": ("flavor=cpu", "plan.packing=true", "plan.micro_batch_size=4"),
             "cpu-2 packed sharded": ("flavor=cpu-2", *FSDP, "plan.packing=true",
-                                     "plan.micro_batch_size=2"),
-            "cpu-4 padded replicated": ("flavor=cpu-4", "plan.replicate=true", "plan.packing=false")}
+                                     "plan.micro_batch_size=2")}
+    # Padded rows on cpu-4 run in tests/test_layouts.py; replicas in tests/test_full_finetune.py.
     losses = {}
     for name, args in runs.items():
         out = tmp_path / name.replace(" ", "_")
