@@ -3,8 +3,8 @@
 On cpu-4 (four gloo processes) every mesh the issue names gives the per-step losses, gradient norms and the final
 validation loss of flavor=cpu within 1e-4 relative, with clipping on (its norm over every shard and stage): full fine-tuning and LoRA,
 packed and padded rows between them. A step checkpoint saved on pipeline 2 x data 2 resumes on data 2 x tensor 2 and
-on one process with the uninterrupted run's losses, and what a pipelined model exports is byte for byte what one
-process exports. Each run states its mesh in plan.json, and the test checks it ran that one.
+on one process with the uninterrupted run's losses, and what a pipelined, tensor-parallel model exports is byte for
+byte what one process exports. Each run states its mesh in plan.json, and the test checks it ran that one.
 """
 
 import pytest
@@ -103,18 +103,19 @@ def test_a_pipelined_checkpoint_resumes_on_one_process(model, meshes, tmp_path):
 
 
 def test_a_cut_model_exports_what_one_process_exports(model, tmp_path):
-    """No step learns anything (lr 0): the merged model and the adapter a two-stage LoRA run gathers from its stages
-    and writes are byte for byte those of one process (tensor-parallel weights are gathered as FSDP2's are)."""
+    """No step learns anything (lr 0): the merged model and the adapter a pipeline 2 x tensor 2 LoRA run gathers
+    (each weight whole among its stage's tensor devices, then sent from its stage to rank 0) and writes are byte for
+    byte those of one process."""
     outs = {}
-    for flavor, forced in (("cpu", []), ("cpu-2", ["plan.tensor_parallel=1", "plan.pipeline_stages=2",
+    for flavor, forced in (("cpu", []), ("cpu-4", ["plan.tensor_parallel=2", "plan.pipeline_stages=2",
                                                     "plan.pipeline_schedule=1f1b"])):
         outs[flavor] = tmp_path / flavor
         _run(model, outs[flavor], "lora", "packed", f"flavor={flavor}", *forced, "optimizer.lr=0", "max_steps=1")
-    assert layout(outs["cpu-2"]) == "pipeline 2 (1f1b) x data 1 x tensor 1"
+    assert layout(outs["cpu-4"]) == "pipeline 2 (1f1b) x data 1 x tensor 2"
     for name in ("model/model.safetensors", "adapter/adapter_model.safetensors"):
-        a, b = (load_file(outs[f] / name) for f in ("cpu", "cpu-2"))
+        a, b = (load_file(outs[f] / name) for f in ("cpu", "cpu-4"))
         assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), name
-        assert (outs["cpu"] / name).read_bytes() == (outs["cpu-2"] / name).read_bytes(), name
+        assert (outs["cpu"] / name).read_bytes() == (outs["cpu-4"] / name).read_bytes(), name
 
 
 @pytest.mark.parametrize("forced, message", [

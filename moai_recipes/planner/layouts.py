@@ -1,6 +1,7 @@
 """The ways a model can be spread over a flavor's devices: tensor-parallel degrees that cut its heads, pipeline
 stages that cut its layers (split by cost), and the data-parallel copies left over. search.py prices each."""
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -21,10 +22,14 @@ def stage_costs(spec: ModelSpec) -> tuple[float, float, float]:
 def split_layers(spec: ModelSpec, stages: int) -> tuple[int, ...]:
     """How many layers each of `stages` stages holds: consecutive, at least one each, the most expensive stage as cheap
     as can be (the embedding counts on the first stage, the head on the last)."""
-    n = spec.num_layers
+    return _split(spec.num_layers, stage_costs(spec), stages)
+
+
+@functools.cache  # the planner asks for the same split of every plan of a layout
+def _split(n: int, costs: tuple[float, float, float], stages: int) -> tuple[int, ...]:
     if stages > n:
         raise ValueError(f"{stages} stages for {n} layers")
-    embed, layer, head = stage_costs(spec)
+    embed, layer, head = costs
 
     def cost(first: int, end: int) -> float:
         return (end - first) * layer + (embed if first == 0 else 0) + (head if end == n else 0)

@@ -155,8 +155,9 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
                       device=flavor.device.name)
 
 
-def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Candidate], int]:
-    """Every plan the forced fields allow, with its predictions; a UserError if they allow none."""
+def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool = False) -> tuple[list[Candidate], int]:
+    """Every plan the forced fields allow, with its predictions; a UserError if they allow none. `until_fit`: stop
+    at the first that fits (whether any fits is all the caller asks)."""
     n = flavor.num_devices
     gpu = flavor.device.kind == "gpu"
     compute = "bfloat16" if (work.dtype == "bf16" or (work.dtype == "auto" and gpu)) else "float32"
@@ -190,6 +191,8 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict) -> tuple[list[Cand
         host = predict_host_memory(plan, work, flavor.processes_per_node) if flavor.device.kind == "gpu" else None
         fits = memory.total <= budget and (host is None or host.total <= host_budget)
         candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=fits, host=host))
+        if until_fit and fits:
+            break
     return candidates, budget
 
 
@@ -249,6 +252,6 @@ def _adapters_that_fit(work: Workload, flavor: Flavor, forced: dict) -> str | No
 
 def _fits(work: Workload, flavor: Flavor, forced: dict) -> bool:
     try:
-        return any(c.fits for c in _candidates(work, flavor, forced)[0])
+        return any(c.fits for c in _candidates(work, flavor, forced, until_fit=True)[0])
     except UserError:  # the forced fields allow no plan there
         return False

@@ -30,14 +30,19 @@ class Answers:
         tensor or pipeline parallelism: generating there would need its own cut of the model (recipes.generate
         answers from the saved model instead)."""
         cut = plan.tensor_parallel > 1 or plan.pipeline_stages > 1
-        return cls(tokenizer, prompts=[] if cut else list(cfg.dataset.sample_prompts), chat=cfg.dataset.kind != "text",
-                   max_new_tokens=cfg.sample_max_new_tokens, device=device)
+        answers = cls(tokenizer, prompts=[] if cut else list(cfg.dataset.sample_prompts), chat=cfg.dataset.kind != "text",
+                      max_new_tokens=cfg.sample_max_new_tokens, device=device)
+        if cut and cfg.sample_max_new_tokens > 0 and cfg.dataset.sample_prompts:
+            answers.skipped = ("Sample answers are not generated on a model cut by tensor or pipeline parallelism; "
+                               "python -m recipes.generate answers from the saved model")
+        return answers
 
     def __init__(self, tokenizer: Tokenizer, *, prompts: list[str], chat: bool, max_new_tokens: int,
                  device: torch.device):
         self.tokenizer, self.max_new_tokens, self.device = tokenizer, max_new_tokens, device
         self.prompts = {p: prompt_ids(tokenizer, p, chat=chat) for p in prompts if max_new_tokens > 0}
         self.before: dict[str, str] = {}
+        self.skipped: str | None = None  # why no answers are taken, said after training
 
     def answers(self, model: nn.Module) -> dict[str, str]:
         was_training = model.training
@@ -52,5 +57,7 @@ class Answers:
         self.before = self.answers(model)
 
     def report_after(self, model: nn.Module) -> list[str]:
+        if self.skipped:
+            return [self.skipped]
         after = self.answers(model)
         return [f"Sample {p!r}\n  before: {self.before.get(p, '')!r}\n  after:  {after[p]!r}" for p in after]
