@@ -7,6 +7,9 @@ tests/test_checkpoints.py  (about three minutes)
 """
 
 import json
+import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -217,3 +220,54 @@ def test_a_killed_launcher_takes_its_workers_down_with_a_checkpoint(tmp_path, re
     assert r.returncode == 0 and f"continuing at step {done + 1}" in r.stdout, r.stdout + r.stderr
     assert layout(out) == layout(reference) == "replicated"
     assert losses(out) == losses(reference)
+
+
+class _Planted:
+    """What a planted pickle does: unpickled, it runs a command (here: it leaves a file behind)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def stopped_checkpoint(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("planted") / "run"
+    r = run_recipe(*COMMON, "flavor=cpu", "max_steps=3", f"output_dir={out}")  # saves after step 2
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out / "checkpoints" / "step-000002"
+
+
+@pytest.mark.parametrize("planted", ["train_state.pt", "rng-rank0.pt", ".metadata"])
+def test_a_pickle_planted_in_a_checkpoint_is_refused_not_run(tmp_path, stopped_checkpoint, planted):
+    checkpoint = shutil.copytree(stopped_checkpoint, tmp_path / "step-000002")
+    marker = tmp_path / "it-ran"
+    if planted == ".metadata":  # DCP's pickled metadata
+        (checkpoint / planted).write_bytes(pickle.dumps(_Planted(marker)))
+    else:  # torch.save's files
+        torch.save(_Planted(marker), checkpoint / planted)
+    r = run_recipe(*COMMON, "flavor=cpu", "max_steps=4", f"resume={checkpoint}", f"output_dir={tmp_path / 'resumed'}")
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"{checkpoint / planted}: not loaded" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not marker.exists()
+
+
+def test_dcp_entries_that_are_not_plain_values_are_refused(tmp_path):
+    """DCP saves non-tensor entries (the optimizer's hyperparameters) with torch.save and loads them with
+    weights_only=False; our planner reads them as data only."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    from moai_recipes.checkpoint.no_code import SafeLoadPlanner, SafeReader
+
+    marker = tmp_path / "it-ran"
+    dcp.save({"lr": 0.1, "betas": (0.9, 0.95), "evil": _Planted(marker)}, checkpoint_id=str(tmp_path / "c"))
+    loaded = {"lr": 0.0, "betas": (0.0, 0.0), "evil": None}
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(loaded, storage_reader=SafeReader(tmp_path / "c"), planner=SafeLoadPlanner(tmp_path / "c"))
+    assert "evil" in str(caught.value) and not marker.exists()
+    plain = {"lr": 0.0, "betas": (0.0, 0.0)}
+    dcp.load(plain, storage_reader=SafeReader(tmp_path / "c"), planner=SafeLoadPlanner(tmp_path / "c"))
+    assert plain == {"lr": 0.1, "betas": (0.9, 0.95)}

@@ -29,6 +29,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+
+from moai_recipes.checkpoint.no_code import SafeLoadPlanner, SafeReader, UnsafeCheckpoint, load_data
+from moai_recipes.errors import UserError
 from moai_recipes.checkpoint.output_dir import (
     checkpoint_dir,
     complete_checkpoints,
@@ -84,14 +87,31 @@ def save_checkpoint(out: Path, state: TrainState, meta: dict, *, world, keep: in
 def load_checkpoint(path: Path, state: TrainState, world) -> dict:
     """Restore a checkpoint into the (already sharded, base-loaded) model, the optimizer and the schedule;
     returns its meta."""
+    try:
+        return _load(path, state, world)
+    except UnsafeCheckpoint as unsafe:
+        raise UserError(f"{unsafe.path}: not loaded: {unsafe.why}. A step checkpoint holds tensors and plain values "
+                        "only, and this file asks to run code. Resume from a checkpoint this project wrote, or start "
+                        "again without resume=") from None
+
+
+def _load(path: Path, state: TrainState, world) -> dict:
+    # Read as data only (checkpoint/no_code.py): a checkpoint folder from elsewhere never runs code here.
     saved = _trainable_state(state.model, state.optimizer)
-    dcp.load(saved, checkpoint_id=str(path))
+    reader, planner = SafeReader(path), SafeLoadPlanner(path)
+    try:
+        dcp.load(saved, storage_reader=reader, planner=planner)
+    except BaseException:  # DCP wraps (and sometimes words anew) what its reader and planner raised
+        refused = reader.refused or planner.refused
+        if refused:
+            raise refused from None
+        raise
     set_state_dict(state.model, state.optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optim"],
                    options=StateDictOptions(strict=False))
-    state.scheduler.load_state_dict(torch.load(path / "train_state.pt", weights_only=False)["scheduler"])
+    state.scheduler.load_state_dict(load_data(path / "train_state.pt")["scheduler"])
     rng = path / f"rng-rank{world.rank}.pt"
     if rng.exists():  # a rank the saving run did not have keeps its own seed
-        states = torch.load(rng, weights_only=False)
+        states = load_data(rng)
         torch.set_rng_state(states["cpu"])
         if states["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(states["cuda"])
