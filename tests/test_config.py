@@ -71,3 +71,22 @@ def test_cfg_job_prints_the_composed_config_and_the_mistake_exits_2():
     bad = run("flavor=nope")
     assert bad.returncode == 2
     assert "unknown flavor 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_documented_column_map_override_works_as_typed(tmp_path):
+    """README and docs/data.md write `dataset.column_map.output=response` (no `+`), and so does the missing-column
+    message: it renames the column, in a real run, whether the map has keys already or not."""
+    from tests.helpers import metrics, run_recipe, write_jsonl
+
+    rows = [{"instruction": f"Say {i}.", "input": "", "response": f"{i}."} for i in range(16)]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    common = ["dataset=instruct", f"dataset.path={data}", "max_steps=1", "batch_size=8", "logger=stdout",
+              "sample_max_new_tokens=0"]
+    missing = run_recipe(*common, f"output_dir={tmp_path / 'missing'}")
+    assert missing.returncode == 2 and "map it with dataset.column_map.output=NAME" in missing.stderr, missing.stderr
+    r = run_recipe(*common, "dataset.column_map.output=response", f"output_dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr
+    assert len(metrics(tmp_path / "run")) == 1
+    both = load_config("full_finetune", ["dataset.column_map.output=response", "dataset.column_map.output=answer",
+                                         "dataset.column_map.instruction=question"])
+    assert dict(both.dataset.column_map) == {"output": "answer", "instruction": "question"}

@@ -132,6 +132,7 @@ def load_config(recipe: str, argv: list[str] | None = None) -> DictConfig:
         shipped = str(CONFIG_DIR).replace("'", "\\'")
         overrides.append(f"hydra.searchpath=['file://{shipped}']")
     overrides += _switched_flavor(overrides, config_file)
+    overrides = _open_maps_take_new_keys(overrides, flags["config_name"])
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
@@ -145,6 +146,20 @@ def load_config(recipe: str, argv: list[str] | None = None) -> DictConfig:
         print(OmegaConf.to_yaml(cfg), end="")
         sys.exit(0)
     return cfg
+
+
+def _open_maps_take_new_keys(overrides: list[str], recipe: str) -> list[str]:
+    """`dataset.column_map.output=response` as the docs write it: a key new to an open map of the schema (a dict
+    field, not a dataclass) is added, where Hydra would want `+` for a new key and refuse `+` for an existing one
+    (`++` does both)."""
+    schema = OmegaConf.structured(SCHEMAS.get(recipe, RecipeConfig))
+    out = []
+    for o in overrides:
+        key, eq, _ = o.partition("=")
+        parent = key.rpartition(".")[0]
+        node = OmegaConf.select(schema, parent) if eq and parent and not key.startswith(("+", "~")) else None
+        out.append(f"++{o}" if isinstance(node, DictConfig) and node._metadata.object_type is dict else o)
+    return out
 
 
 def resolved_config(recipe: str, values: dict) -> DictConfig:
