@@ -201,6 +201,23 @@ def test_the_head_of_a_large_micro_batch_is_extrapolated_exactly(chunked):
         assert got.peak == pytest.approx(want.peak, rel=rel) and got.traffic == pytest.approx(want.traffic, rel=rel)
 
 
+def test_a_long_row_is_extrapolated_and_an_absurd_one_refused_not_traced_for_minutes():
+    """A chunked head over one row of more than LONG_ROW tokens is extrapolated from rows of LONG_ROW tokens and of
+    one chunk more (the same as tracing it, within a partial chunk); max_seq_len=10000000 (a typo's extra zeros) once traced 9,766
+    chunks for minutes: now the planner answers, here that nothing fits, naming max_seq_len."""
+    import torch
+
+    from moai_recipes.planner.activations import LONG_ROW, _trace_head, trace_head
+
+    _, spec, _ = setup()
+    for tokens in (2 * LONG_ROW, 2 * LONG_ROW + 300):
+        got = trace_head(spec, micro_batch_size=1, seq_len=tokens, chunked=True, dtype=torch.float32)
+        want = _trace_head(spec, micro_batch_size=1, seq_len=tokens, chunked=True, dtype=torch.float32, lora=None)
+        assert got.flops == pytest.approx(want.flops, rel=0.01) and got.peak == pytest.approx(want.peak, rel=0.01)
+    r = run_recipe("max_seq_len=10000000", module="recipes.plan")
+    assert r.returncode == 2 and "Try a shorter max_seq_len (now 10000000)" in r.stderr, r.stderr[-1000:]
+
+
 def test_layers_are_compiled_where_the_run_pays_for_the_compile_time():
     _, spec, gpu = setup("model=llama3_8b", "flavor=xlarge")
     long_run = choose_plan(Workload(spec=spec, batch_size=64, seq_len=2048, steps=1000), gpu).chosen

@@ -83,6 +83,10 @@ def trace_layer(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.d
                                                    lora=lora, per_document=per_document))
 
 
+# Rows longer than this are extrapolated by trace_head rather than traced whole (8K: Llama 3's rows are traced).
+LONG_ROW = 8 * CHUNK_TOKENS
+
+
 def trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked: bool, dtype: torch.dtype,
                lora: tuple | None = None) -> HeadTrace:
     """Bytes, FLOPs and traffic of the final norm, the output projection and the loss (chunked or not),
@@ -94,10 +98,21 @@ def trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked:
     within a partial chunk's traffic for the chunked one): a chunked trace of 64 x 8K tokens would run
     512 chunks.
     """
-    def traced(sequences: int) -> HeadTrace:
-        return _cached(HeadTrace, ("head", spec, sequences, seq_len, chunked, dtype, lora),
-                       lambda: _trace_head(spec, micro_batch_size=sequences, seq_len=seq_len, chunked=chunked,
+    def traced(sequences: int, length: int = seq_len) -> HeadTrace:
+        return _cached(HeadTrace, ("head", spec, sequences, length, chunked, dtype, lora),
+                       lambda: _trace_head(spec, micro_batch_size=sequences, seq_len=length, chunked=chunked,
                                            dtype=dtype, lora=lora))
+
+    if chunked and seq_len > LONG_ROW:
+        # A row of more than LONG_ROW tokens would trace thousands of chunks (max_seq_len=10000000 took minutes):
+        # the chunked head is linear in tokens, so it is extrapolated from rows of LONG_ROW tokens and of one chunk
+        # more, as micro-batches are below.
+        lo, hi = traced(1, LONG_ROW), traced(1, LONG_ROW + CHUNK_TOKENS)
+        tokens = micro_batch_size * seq_len
+        est = _extrapolated(lo, hi, steps=CHUNK_TOKENS, more=tokens - LONG_ROW - CHUNK_TOKENS)
+        # The peak's share of a chunk's logits fades as rows grow: past about 2 x LONG_ROW tokens it is the hidden
+        # states and their gradient, whole (traced: exactly, at 16K and 32K tokens).
+        return replace(est, peak=max(est.peak, 2 * tokens * spec.embed_dim * dtype.itemsize))
 
     # Two micro-batches to extrapolate from: for the chunked loss, ones that run whole chunks, two of
     # them at least (each chunk also adds the output projection's gradient to its sum, so a partial
@@ -110,9 +125,12 @@ def trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked:
         b = a + 1
     if micro_batch_size <= b:
         return traced(micro_batch_size)
-    lo, hi = traced(a), traced(b)
-    per = lambda f: (f(hi) - f(lo)) / (b - a)
-    more = micro_batch_size - b
+    return _extrapolated(traced(a), traced(b), steps=b - a, more=micro_batch_size - b)
+
+
+def _extrapolated(lo: HeadTrace, hi: HeadTrace, *, steps: int, more: int) -> HeadTrace:
+    """`hi` and `more` units beyond it, each unit costing (hi - lo) / steps."""
+    per = lambda f: (f(hi) - f(lo)) / steps
     return HeadTrace(peak=int(hi.peak + more * per(lambda t: t.peak)), flops=int(hi.flops + more * per(lambda t: t.flops)),
                      traffic=int(hi.traffic + more * per(lambda t: t.traffic)), ops=int(hi.ops + more * per(lambda t: t.ops)))
 
