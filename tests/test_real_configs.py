@@ -165,3 +165,46 @@ def test_a_tokenizer_of_another_model_is_refused_naming_its_file(tmp_path):
     write_tokenizer(folder, demo_texts() * 3, vocab_size=1024)  # another model's, larger tokenizer
     with pytest.raises(UserError, match="tokenizer.json has .* tokens, but config.json's vocab_size is .* another model"):
         checked_tokenizer(HFFolder.open(folder))
+
+
+LINEAR = {"rope_type": "linear", "factor": 4.0}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("rope", [
+    {"rope_theta": 5e5, "rope_scaling": LINEAR},  # transformers 4's layout
+    {"rope_parameters": {"rope_theta": 5e5, **LINEAR}},  # transformers 5's
+    {"rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}, "rope_scaling": LINEAR},  # both: the legacy wins
+    {"rope_theta": 2e5, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}, "rope_scaling": LINEAR},
+    {"rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}},
+], ids=["legacy", "parameters", "both", "both-top-theta", "plain"])
+def test_rope_is_read_from_config_json_as_transformers_reads_it(family, rope):
+    """A config.json may carry RoPE in either layout, or both (transformers 5 keeps a legacy rope_scaling and
+    prefers it): we read the theta and the scaling transformers reads, or we would train another model."""
+    from moai_recipes.models.spec import spec_from_hf_config
+
+    config = {"model_type": family, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384, "max_position_embeddings": 1024,
+              "rms_norm_eps": 1e-5, "tie_word_embeddings": False, **json.loads(json.dumps(rope))}
+    theirs = transformers.AutoConfig.for_model(**json.loads(json.dumps(config))).rope_parameters
+    spec = spec_from_hf_config(config)
+    assert spec.rope_base == pytest.approx(theirs["rope_theta"])
+    kind = theirs.get("rope_type", "default")
+    if kind == "default":
+        assert spec.rope_scaling is None
+    else:
+        assert spec.rope_scaling["rope_type"] == kind and spec.rope_scaling["factor"] == theirs["factor"]
+
+
+def test_a_scaling_we_cannot_build_is_refused_in_either_layout():
+    """YaRN beside a plain rope_parameters is YaRN for transformers: refused by name, never trained as plain RoPE."""
+    from moai_recipes.errors import UserError
+    from moai_recipes.models.spec import spec_from_hf_config
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384, "max_position_embeddings": 1024,
+              "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}, "rope_scaling": yarn}
+    assert transformers.AutoConfig.for_model(**json.loads(json.dumps(config))).rope_parameters["rope_type"] == "yarn"
+    with pytest.raises(UserError, match="rope_type 'yarn'"):
+        spec_from_hf_config(config)

@@ -60,12 +60,15 @@ class ModelSpec:
 
 def _rope(config: Mapping) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) from either config.json layout."""
-    params = config.get("rope_parameters")  # transformers >= 5 folds rope_theta and the scaling into one dict
+    # transformers >= 5 folds rope_theta and the scaling into `rope_parameters`; where a config.json also carries the
+    # legacy `rope_scaling`, transformers takes that one (`rope_scaling or rope_parameters`), with rope_theta from it
+    # or from the top level: so do we, or we would train another model than the one the user has.
+    params = config.get("rope_scaling") or config.get("rope_parameters")
     if params:
         theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
         scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
     else:
-        theta, scaling = config.get("rope_theta", 10000.0), config.get("rope_scaling")
+        theta, scaling = config.get("rope_theta", 10000.0), None
     if not scaling:
         return float(theta), None
     scaling = dict(scaling)
