@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from moai_recipes.models.spec import ModelSpec
+from moai_recipes.planner.plan import stages_per_device
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # What the embedding lookup costs next to a matmul of the same parameters: a read of a few rows.
@@ -51,8 +52,6 @@ def _split(n: int, costs: tuple[float, float, float], stages: int) -> tuple[int,
     return tuple(counts[::-1])
 
 
-
-
 def tensor_degrees(spec: ModelSpec, limit: int) -> list[int]:
     """The tensor-parallel degrees up to `limit` that cut the model evenly: its query and key/value heads, its
     MLP and its vocabulary (powers of two, as devices come)."""
@@ -79,7 +78,7 @@ def why_not_pipeline(spec: ModelSpec, stages: int, schedule: str) -> str | None:
     """Why `stages` devices running `schedule` cannot cut this model's layers (None: they can)."""
     if spec.tie_word_embeddings:
         return "its output projection is its embedding (tie_word_embeddings): the first and last stages would share it"
-    per = 2 if schedule == "interleaved_1f1b" else 1
+    per = stages_per_device(schedule)
     if stages * per > spec.num_layers:
         return (f"{stages * per} stages need at least as many layers, and the model has {spec.num_layers}"
                 + (" (interleaved 1F1B runs two stages a device)" if per == 2 else ""))
@@ -109,9 +108,8 @@ def layouts(work, flavor, forced: dict) -> list[dict]:
             for schedule in ([s_forced] if s_forced else SCHEDULES):
                 if why_not_pipeline(spec, p, schedule):
                     continue
-                per = 2 if schedule == "interleaved_1f1b" else 1
                 out.append(dict(tensor_parallel=t, pipeline_stages=p, pipeline_schedule=schedule,
-                                stage_layers=split_layers(spec, p * per)))
+                                stage_layers=split_layers(spec, p * stages_per_device(schedule))))
     return out
 
 
@@ -128,8 +126,9 @@ def _check_forced(spec: ModelSpec, n: int, tensor: int | None, stages: int | Non
     if tensor and stages and n % (tensor * stages):
         raise UserError(f"plan.tensor_parallel={tensor} x plan.pipeline_stages={stages} must divide the flavor's "
                         f"{n} devices")
-    if tensor and why_not_tensor(spec, tensor):
-        raise UserError(f"plan.tensor_parallel={tensor} cannot cut this model: {why_not_tensor(spec, tensor)}. "
+    why = why_not_tensor(spec, tensor) if tensor else None
+    if why:
+        raise UserError(f"plan.tensor_parallel={tensor} cannot cut this model: {why}. "
                         f"Degrees that can: {', '.join(map(str, tensor_degrees(spec, n)))}")
     if schedule is not None and schedule not in SCHEDULES:
         raise UserError(f"plan.pipeline_schedule={schedule} is not a schedule; valid: {', '.join(SCHEDULES)}")

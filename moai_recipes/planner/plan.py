@@ -54,6 +54,11 @@ class Workload:
         return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in items)
 
 
+def stages_per_device(schedule: str) -> int:
+    """Pipeline stages a device runs under `schedule`: interleaved 1F1B two, the others one."""
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
 @dataclass(frozen=True)
 class Plan:
     batch_size: int  # global, in sequences
@@ -94,7 +99,7 @@ class Plan:
 
     @property
     def stages_per_device(self) -> int:
-        return 2 if self.pipeline_schedule == "interleaved_1f1b" else 1
+        return stages_per_device(self.pipeline_schedule)
 
     def stage_ranges(self) -> list[range]:
         """The layers of each stage (stage s runs on the pipeline devices' s mod pipeline_stages)."""

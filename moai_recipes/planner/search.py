@@ -163,26 +163,23 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
     compute = "bfloat16" if (work.dtype == "bf16" or (work.dtype == "auto" and gpu)) else "float32"
     budget = int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
     host_budget = int(flavor.host_memory_gb * GiB * (1 - SAFETY_MARGIN))
-    options = []
+    # Each layout's copies of the model split the global batch: its options, with the sequences a copy gets.
+    options, fewest = [], None
     for layout in layouts(work, flavor, forced):
-        per_device = Plan.device_share(work.batch_size, n // (layout["tensor_parallel"] * layout["pipeline_stages"]))
-        if forced.get("micro_batch_size", 0) > per_device:
-            if forced.get("tensor_parallel") or forced.get("pipeline_stages"):
-                raise UserError(f"plan.micro_batch_size={forced['micro_batch_size']} is larger than the batch per copy "
-                                f"of the model ({per_device} = batch_size {work.batch_size} over "
-                                f"{n // (layout['tensor_parallel'] * layout['pipeline_stages'])} copies); use at most "
-                                f"{per_device}")
-            continue
-        options += _options(layout, per_device, flavor, forced, work, compute)
-    if not options and forced.get("micro_batch_size", 0) > Plan.device_share(work.batch_size, n):
-        per_device = Plan.device_share(work.batch_size, n)
-        raise UserError(f"plan.micro_batch_size={forced['micro_batch_size']} is larger than the batch per device "
-                        f"({per_device} = batch_size {work.batch_size} over {n} devices); use at most {per_device}")
+        copies = n // (layout["tensor_parallel"] * layout["pipeline_stages"])
+        per_device = Plan.device_share(work.batch_size, copies)
+        fewest = copies if fewest is None else min(fewest, copies)
+        if forced.get("micro_batch_size", 0) <= per_device:
+            options += [(o, per_device) for o in _options(layout, per_device, flavor, forced, work, compute)]
+    if not options and fewest and forced.get("micro_batch_size", 0) > Plan.device_share(work.batch_size, fewest):
+        most = Plan.device_share(work.batch_size, fewest)
+        raise UserError(f"plan.micro_batch_size={forced['micro_batch_size']} is larger than the batch per copy of the "
+                        f"model ({most} = batch_size {work.batch_size} over {fewest} "
+                        f"{'copies' if fewest > 1 else 'copy'}); use at most {most}")
     if not options:
         raise UserError(_impossible(forced, flavor, work))
     candidates, scales = [], calibration.scales(flavor.device.name)
-    for o in options:
-        per_device = Plan.device_share(work.batch_size, n // (o["tensor_parallel"] * o["pipeline_stages"]))
+    for o, per_device in options:
         plan = Plan(batch_size=work.batch_size, num_devices=n, max_seq_len=work.seq_len,
                     accumulation_steps=math.ceil(per_device / o["micro_batch_size"]),
                     param_dtype=compute, master_dtype="float32", attention_length=work.spec.attention_length, **o)

@@ -30,8 +30,8 @@ class Answers:
         tensor or pipeline parallelism: generating there would need its own cut of the model (recipes.generate
         answers from the saved model instead)."""
         cut = plan.tensor_parallel > 1 or plan.pipeline_stages > 1
-        answers = cls(tokenizer, prompts=[] if cut else list(cfg.dataset.sample_prompts), chat=cfg.dataset.kind != "text",
-                      max_new_tokens=cfg.sample_max_new_tokens, device=device)
+        answers = cls(tokenizer, prompts=[] if cut else list(cfg.dataset.sample_prompts),
+                      chat=cfg.dataset.kind != "text", max_new_tokens=cfg.sample_max_new_tokens, device=device)
         if cut and cfg.sample_max_new_tokens > 0 and cfg.dataset.sample_prompts:
             answers.skipped = ("Sample answers are not generated on a model cut by tensor or pipeline parallelism; "
                                "python -m recipes.generate answers from the saved model")

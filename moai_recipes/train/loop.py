@@ -35,7 +35,7 @@ from moai_recipes.train.out_of_memory import (
     is_out_of_memory,
 )
 from moai_recipes.train.parallel import all_reduce_gradients
-from moai_recipes.train.pipeline import PipelineRun
+from moai_recipes.train.pipeline import run_pipeline
 from moai_recipes.train.tensor_parallel import parallel_loss
 from moai_recipes.train.peak_memory import PeakMemory, host_peak_bytes
 from moai_recipes.train.plan_accuracy import Measured
@@ -87,9 +87,23 @@ def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM)
     return t.tolist()
 
 
-def _local(loss: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor (under tensor parallelism it is a replicated DTensor)."""
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+def _losses(model: torch.nn.Module, batches: list[dict], *, plan: Plan, world: World, pad_id: int,
+            scale: float | None) -> torch.Tensor:
+    """The summed loss of this process's micro-batches (model_inputs), and with `scale` their backward, the loss
+    scaled by it: through the pipeline's schedule, or one micro-batch at a time. Every device of a tensor-parallel
+    group holds the same sum; under a pipeline only the last stage holds any (0 elsewhere)."""
+    if plan.pipeline_stages > 1:
+        return run_pipeline(model, batches, plan=plan, pad_id=pad_id, scale=scale)
+    total = torch.zeros((), device=world.device, dtype=torch.float64)
+    for batch in batches:
+        with parallel_loss(plan.tensor_parallel > 1):  # vocabulary-cut logits: the loss and its backward
+            loss = token_loss_sum(model, batch["tokens"].to(world.device), batch["labels"].to(world.device),
+                                  chunked=plan.chunked_loss, documents=batch.get("documents"))
+            if scale is not None:
+                (loss * scale).backward()
+        loss = loss.detach()
+        total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).double()  # a replicated DTensor under TP
+    return total
 
 
 def evaluate(model: torch.nn.Module, dataset, *, plan: Plan, world: World, batch_size: int, pad_id: int) -> dict:
@@ -103,14 +117,7 @@ def evaluate(model: torch.nn.Module, dataset, *, plan: Plan, world: World, batch
         for first in range(0, len(dataset), batch_size):
             samples = [dataset[i] for i in range(first, min(first + batch_size, len(dataset)))]
             batches = [model_inputs(micro, plan, pad_id) for micro in rank_micro_batches(plan, samples, world)]
-            if plan.pipeline_stages > 1:
-                loss_sum += PipelineRun(model, plan, world).step(batches, pad_id=pad_id, scale=1.0,
-                                                                 backward=False).item()
-            for batch in batches if plan.pipeline_stages == 1 else ():
-                with parallel_loss(plan.tensor_parallel > 1):
-                    loss = token_loss_sum(model, batch["tokens"].to(world.device), batch["labels"].to(world.device),
-                                          chunked=plan.chunked_loss, documents=batch.get("documents"))
-                loss_sum += _local(loss).double().item()
+            loss_sum += _losses(model, batches, plan=plan, world=world, pad_id=pad_id, scale=None).item()
             targets += sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     model.train()
     copies = plan.tensor_parallel * plan.pipeline_stages  # as in train_step
@@ -132,21 +139,13 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
     # FSDP averages gradients over the data ranks: scaling by their number makes that a sum over the global batch.
     # Replicas (and one process) sum them (all_reduce_gradients).
     scale = (plan.data_parallel if plan.sharded else 1) / max(global_targets, 1)
-    loss_sum = torch.zeros((), device=world.device, dtype=torch.float64)
     try:
         batches = []
         for micro in micro_batches:
             batch = model_inputs(micro, plan, pad_id)
             injected_fault(batch["tokens"].numel(), settings.fault_oom_tokens)
             batches.append(batch)
-        if plan.pipeline_stages > 1:
-            loss_sum = PipelineRun(state.model, plan, world).step(batches, pad_id=pad_id, scale=scale)
-        for batch in batches if plan.pipeline_stages == 1 else ():
-            with parallel_loss(plan.tensor_parallel > 1):
-                loss = token_loss_sum(state.model, batch["tokens"].to(world.device), batch["labels"].to(world.device),
-                                      chunked=plan.chunked_loss, documents=batch.get("documents"))
-                (loss * scale).backward()
-            loss_sum += _local(loss.detach()).double()
+        loss_sum = _losses(state.model, batches, plan=plan, world=world, pad_id=pad_id, scale=scale)
     except Exception as e:
         if is_out_of_memory(e):
             raise StepOutOfMemory(e) from e

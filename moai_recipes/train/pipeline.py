@@ -1,8 +1,8 @@
 """Pipeline parallelism: a decoder cut into stages of consecutive layers, run by torch.distributed.pipelining.
 
-The layers are split by their cost, not their count (the planner's `planner.layouts.split_layers`): the first stage also embeds, the last
-also runs the final norm, the output projection and the loss, so with a large vocabulary the last stage holds
-fewer layers. Each device of the `pipeline` mesh dimension holds one stage (GPipe, 1F1B) or two (interleaved
+The layers are split by their cost, not their count (the planner's `planner.layouts.split_layers`): the first
+stage also embeds, the last also runs the final norm, the output projection and the loss, so with a large
+vocabulary the last stage holds fewer layers. Each device of the `pipeline` mesh dimension holds one stage (GPipe, 1F1B) or two (interleaved
 1F1B: stages d and d + P of P devices, which halves the bubble).
 
 A device's stages keep the decoder's own parameter names (`PipelinedModel`: `layers.7.attn.q_proj.weight`),
@@ -25,6 +25,7 @@ from moai_recipes.models.loss import IGNORE_INDEX, cross_entropy_sum
 from moai_recipes.planner.plan import Plan
 from moai_recipes.train.tensor_parallel import parallel_loss
 from moai_recipes.train.world import World
+
 
 class Stage(nn.Module):
     """One stage: the embedding (first stage), its layers, the final norm and output projection (last stage)."""
@@ -53,9 +54,9 @@ class Stage(nn.Module):
 
 class PipelinedModel(nn.Module):
     """This device's stages of a decoder, its parameters named as in the decoder. `stages` (not children: the
-    names stay the decoder's) are what the schedule runs."""
+    names stay the decoder's) are what the schedule runs; they are the plan's stages `stage_ids`."""
 
-    def __init__(self, decoder: nn.Module, stages: list[Stage], *, split: list[range], world: World, plan: Plan):
+    def __init__(self, decoder: nn.Module, stages: list[Stage], *, world: World, plan: Plan):
         super().__init__()
         for name in ("tok_embeddings", "norm", "output"):
             held = [getattr(s, name) for s in stages if getattr(s, name) is not None]
@@ -63,10 +64,14 @@ class PipelinedModel(nn.Module):
         self.layers = nn.ModuleDict({k: v for s in stages for k, v in s.layers.items()})
         self.__dict__["stages"] = stages
         self.__dict__["decoder"] = decoder  # on the meta device: the whole model's names and shapes
-        self.split, self.world, self.plan = split, world, plan
+        self.world, self.plan = world, plan
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipelined model runs through its schedule (train/pipeline.py), not as a module")
+
+    @property
+    def stage_ids(self) -> range:
+        return _stage_ids(self.plan, self.world)
 
     @cached_property
     def _params(self) -> dict[str, nn.Parameter]:
@@ -75,13 +80,13 @@ class PipelinedModel(nn.Module):
     @cached_property
     def _owners(self) -> dict[str, int]:
         """The pipeline rank holding each parameter of the decoder."""
-        P = self.plan.pipeline_stages
-        n = len(self.split)
+        P, split = self.plan.pipeline_stages, self.plan.stage_ranges()
+        n = len(split)
         owners = {}
         for name, _ in self.decoder.named_parameters():
             if name.startswith("layers."):
                 i = int(name.split(".")[1])
-                stage = next(s for s, r in enumerate(self.split) if i in r)
+                stage = next(s for s, r in enumerate(split) if i in r)
             else:
                 stage = 0 if name.startswith("tok_embeddings.") else n - 1
             owners[name] = stage % P
@@ -109,58 +114,55 @@ class PipelinedModel(nn.Module):
 
 def pipeline_stages(decoder: nn.Module, plan: Plan, world: World) -> PipelinedModel:
     """This device's stages of `decoder` (built on meta), as the plan splits its layers (Plan.stage_layers)."""
-    P, per = plan.pipeline_stages, plan.stages_per_device
     split = plan.stage_ranges()
-    me = world.coordinate("pipeline")
-    stages = [Stage(decoder, split[s], first=s == 0, last=s == len(split) - 1) for s in range(me, P * per, P)]
-    return PipelinedModel(decoder, stages, split=split, world=world, plan=plan)
+    stages = [Stage(decoder, split[s], first=s == 0, last=s == len(split) - 1) for s in _stage_ids(plan, world)]
+    return PipelinedModel(decoder, stages, world=world, plan=plan)
 
 
-class PipelineRun:
-    """The micro-batches of one step (or of a validation batch) through the schedule, on every stage."""
+def _stage_ids(plan: Plan, world: World) -> range:
+    """The plan's stages this device runs: d, d + P, ... on device d of the pipeline's P."""
+    P = plan.pipeline_stages
+    return range(world.coordinate("pipeline"), P * plan.stages_per_device, P)
 
-    def __init__(self, model: PipelinedModel, plan: Plan, world: World):
-        self.model, self.plan, self.world = model, plan, world
 
-    def step(self, batches: list[dict], *, pad_id: int, scale: float, backward: bool = True) -> torch.Tensor:
-        """Forward (and backward, scaled by `scale`) of `batches` (train/micro_batches.model_inputs); returns the
-        summed loss on the last stage (0 elsewhere), unscaled."""
-        from torch.distributed.pipelining import PipelineStage
+def run_pipeline(model: PipelinedModel, batches: list[dict], *, plan: Plan, pad_id: int,
+                 scale: float | None) -> torch.Tensor:
+    """Forward of a step's (or a validation batch's) `batches` (train/micro_batches.model_inputs) through the
+    schedule, and with `scale` their backward, the loss scaled by it. Returns the summed loss, unscaled, on the
+    last stage (0 elsewhere). `plan`: the model's, or a smaller one of the same layout (an out-of-memory step)."""
+    from torch.distributed.pipelining import PipelineStage
 
-        plan, world = self.plan, self.world
-        inputs = _stacked(batches, self._count(len(batches)), pad_id)
-        group = world.mesh["pipeline"].get_group()
-        P, per = plan.pipeline_stages, plan.stages_per_device
-        me = world.coordinate("pipeline")
-        stages = [PipelineStage(stage, s, P * per, world.device, group=group)
-                  for stage, s in zip(self.model.stages, range(me, P * per, P))]
-        def loss_fn(output, target):
-            return cross_entropy_sum(output, target) * scale
+    world = model.world
+    inputs = _stacked(batches, _count(plan, len(batches)), pad_id)
+    group = world.mesh["pipeline"].get_group()
+    count = plan.pipeline_stages * plan.stages_per_device
+    stages = [PipelineStage(stage, s, count, world.device, group=group)
+              for stage, s in zip(model.stages, model.stage_ids)]
 
-        schedule = _schedule(plan.pipeline_schedule, stages, inputs["count"], loss_fn)
-        last = any(s.is_last for s in stages)
-        first = any(s.is_first for s in stages)
-        args = (inputs["tokens"].to(world.device),) if first else ()
-        kwargs = {k: inputs[k].to(world.device) for k in ("document_lengths", "input_pos") if k in inputs}
-        target = inputs["labels"].to(world.device) if last else None
-        losses = []  # the schedule's, one per micro-batch (its first forward also infers the stages' shapes)
-        with parallel_loss(plan.tensor_parallel > 1):
-            if backward:
-                schedule.step(*args, target=target, losses=losses, **kwargs)
-            else:
-                schedule.eval(*args, target=target, losses=losses, **kwargs)
-        total = torch.zeros((), dtype=torch.float64, device=world.device)
-        for loss in losses:
-            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double()
-        return total / scale
+    def loss_fn(output, target):
+        return cross_entropy_sum(output, target) * (scale or 1.0)
 
-    def _count(self, n: int) -> int:
-        """Micro-batches the schedule runs (empty ones added): 1F1B's take at least one per device, interleaved
-        1F1B a multiple of the devices."""
-        P = self.plan.pipeline_stages
-        if self.plan.pipeline_schedule == "gpipe":
-            return n
-        return -(-n // P) * P if self.plan.pipeline_schedule == "interleaved_1f1b" else max(n, P)
+    schedule = _schedule(plan.pipeline_schedule, stages, inputs["count"], loss_fn)
+    args = (inputs["tokens"].to(world.device),) if any(s.is_first for s in stages) else ()
+    kwargs = {k: inputs[k].to(world.device) for k in ("document_lengths", "input_pos") if k in inputs}
+    target = inputs["labels"].to(world.device) if any(s.is_last for s in stages) else None
+    losses = []  # the schedule's, one per micro-batch (its first forward also infers the stages' shapes)
+    with parallel_loss(plan.tensor_parallel > 1):
+        run = schedule.step if scale is not None else schedule.eval
+        run(*args, target=target, losses=losses, **kwargs)
+    total = torch.zeros((), dtype=torch.float64, device=world.device)
+    for loss in losses:
+        total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double()
+    return total / (scale or 1.0)
+
+
+def _count(plan: Plan, n: int) -> int:
+    """Micro-batches the schedule runs (empty ones added): 1F1B's take at least one per device, interleaved 1F1B a
+    multiple of the devices."""
+    P = plan.pipeline_stages
+    if plan.pipeline_schedule == "gpipe":
+        return n
+    return -(-n // P) * P if plan.pipeline_schedule == "interleaved_1f1b" else max(n, P)
 
 
 def _schedule(name: str, stages: list, count: int, loss_fn):

@@ -55,10 +55,6 @@ class World:
     def data_rank(self) -> int:
         return self.coordinate("data")
 
-    @property
-    def data_size(self) -> int:
-        return self.size("data")
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -99,7 +95,8 @@ def stop_with_launcher(launcher_pid: int) -> None:
 @contextmanager
 def join_world(flavor: Flavor, given: env.GivenWorld | None, *, restarts: int = 0):
     """Initialise the process group of the `given` world (None: a world of one; gloo on CPU, NCCL/RCCL on GPUs)
-    and a mesh of data-parallel devices (World.laid_out gives it the plan's shape); tear it down after. `restarts`: how many times its launcher has started it again."""
+    and a mesh of data-parallel devices (World.laid_out gives it the plan's shape); tear it down after.
+    `restarts`: how many times its launcher has started it again."""
     if given is None:
         given = env.GivenWorld(rank=0, world_size=1, local_rank=0, init_method=f"tcp://127.0.0.1:{free_port()}")
     if flavor.device.kind == "gpu":
