@@ -11,6 +11,7 @@ Exit codes of every recipe and of `moai`:
     1 or other: a failure (a crash, a dead worker after max_restarts)
 """
 
+import errno
 import functools
 import sys
 
@@ -46,6 +47,25 @@ EXIT_INTERRUPTED = 130  # Ctrl-C outside a training loop (inside one, the run sa
 EXIT_FAILURE = 1
 
 
+def is_disk_full(error: BaseException | None, _seen=None) -> bool:
+    """Whether `error`, its causes, or the failures DCP gathered from its ranks, is a full disk or quota."""
+    seen = _seen or set()
+    if error is None or id(error) in seen:
+        return False
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    failures = getattr(error, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException) and is_disk_full(inner, seen):
+                return True
+    if "No space left on device" in str(error) or "Disk quota exceeded" in str(error):
+        return True  # a failure another rank sent as text
+    return is_disk_full(error.__cause__, seen) or is_disk_full(error.__context__, seen)
+
+
 def exit_on_user_error(main):
     """Wrap an entry point: a UserError prints one clean message and exits with code 2."""
 
@@ -57,6 +77,13 @@ def exit_on_user_error(main):
             # Every worker of a launched group hits the same mistake: one message is enough.
             if env.rank() == 0:
                 print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+        except Exception as e:
+            if not is_disk_full(e):
+                raise
+            # A write no writer of ours wraps (they name the file, the bytes and the checkpoint that resumes).
+            print(f"error: the disk is full ({e}). Free space there or write to another disk (output_dir=...); "
+                  "the same command resumes from the last complete checkpoint", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr, flush=True)

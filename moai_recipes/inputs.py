@@ -14,7 +14,8 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from moai_recipes.checkpoint.output_dir import check_output_dir, read_hint, read_meta
+from moai_recipes.checkpoint.disk import CHECKPOINT_BYTES_PER_TRAINABLE, check_room
+from moai_recipes.checkpoint.output_dir import check_output_dir, complete_checkpoints, read_hint, read_meta
 from moai_recipes.config.schema import DEFAULT_MODEL
 from moai_recipes.data.training_data import RunData, read_data
 from moai_recipes.data.tokenizer import Tokenizer
@@ -88,9 +89,14 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     without a checkpoint."""
     out = resume_from = None
     if output:
-        out, resume_from = check_output_dir(cfg, restarting=not dry and restarting)
-        if not dry and dist.is_initialized():
-            dist.barrier()  # every rank has checked before rank 0 writes anything
+        if not dry and dist.is_initialized() and dist.get_world_size() > 1:
+            # Checked (the checkpoint read back against its checksums) once, on rank 0, before it writes anything;
+            # a UserError there ends the group (the launcher stops the others).
+            box = [check_output_dir(cfg, restarting=restarting) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            out, resume_from = box[0]
+        else:
+            out, resume_from = check_output_dir(cfg, restarting=not dry and restarting)
     m = cfg.model
     folder = resolve_model_dir(**model_source(cfg), download=not dry)
     hf = HFFolder.open(folder) if folder else None
@@ -109,9 +115,24 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     workload = Workload(spec=spec, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, lora=lora, dtype=cfg.dtype,
                         lengths=data.lengths if data is not None else None,
                         steps=data.total_steps if data is not None else cfg.max_steps)
+    if out is not None and hf is not None and data is not None:
+        _check_room(cfg, out, hf=hf, workload=workload, resume_from=resume_from)
     return RunInputs(model_name=m.name, spec=spec, hf=hf, tokenizer=tokenizer, lora=lora, data=data,
                      total_steps=data.total_steps if data else None, out=out, resume_from=resume_from,
                      workload=workload, out_of_memory_hint=read_hint(out))
+
+
+def _check_room(cfg: DictConfig, out: Path, *, hf: HFFolder, workload: Workload, resume_from: Path | None) -> None:
+    """Before the first step: the checkpoints this run keeps at once and its export must fit the disk of `out`."""
+    first = read_meta(resume_from)["step"] if resume_from else 0
+    every = cfg.checkpoint_every
+    saves = sum(1 for s in range(first + 1, workload.steps or 0) if s % every == 0) if every else 0
+    model_bytes = sum((hf.folder / f).stat().st_size for f in hf.files)
+    trainable = workload.sizes.trainable
+    export = model_bytes if workload.lora is None else trainable * 4 + (model_bytes if cfg.get("save_merged", True) else 0)
+    reclaimable = sum(f.stat().st_size for c in complete_checkpoints(out) for f in c.iterdir()) if saves else 0
+    check_room(out, checkpoint=trainable * CHECKPOINT_BYTES_PER_TRAINABLE, saves=saves, keep=cfg.checkpoint_keep,
+               export=export, reclaimable=reclaimable)
 
 
 @dataclass

@@ -20,6 +20,7 @@ import psutil
 import pytest
 import torch
 
+from moai_recipes.checkpoint.integrity import checksums
 from moai_recipes.errors import EXIT_STOPPED
 from tests.helpers import FSDP, ROOT, command_env, layout, metrics, run_recipe, tensors
 
@@ -222,6 +223,39 @@ def test_a_killed_launcher_takes_its_workers_down_with_a_checkpoint(tmp_path, re
     assert losses(out) == losses(reference)
 
 
+def test_a_damaged_newest_checkpoint_is_named_and_passed_over_for_the_one_before(tmp_path):
+    """Every save records its files' sizes and SHA-256; resume=auto reads the newest back, and a truncated or changed
+    one is named and passed over; resume=PATH to it is refused."""
+    whole = tmp_path / "whole"
+    r = run_recipe(*COMMON, "flavor=cpu", "max_steps=5", f"output_dir={whole}")  # saves steps 2 and 4
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = shutil.copytree(whole, tmp_path / "run")
+    shutil.rmtree(out / "model")  # as if stopped after step 4's checkpoint
+    damaged = out / "checkpoints" / "step-000004" / "__0_0.distcp"
+    damaged.write_bytes(damaged.read_bytes()[:1000])  # a copy cut short, a disk that lost its tail
+    kept = shutil.copytree(damaged.parent, tmp_path / "step-000004")
+
+    given = run_recipe(*COMMON, "flavor=cpu", "max_steps=5", f"resume={kept}", f"output_dir={tmp_path / 'other'}")
+    assert given.returncode == 2 and "Traceback" not in given.stderr, given.stdout + given.stderr
+    assert f"resume={kept}: {kept / '__0_0.distcp'} is truncated (1000 of " in given.stderr
+
+    r = run_recipe(*COMMON, "flavor=cpu", "max_steps=5", f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"warning: {damaged} is truncated (1000 of " in r.stderr and "step-000004 is damaged" in r.stderr
+    assert "continuing at step 3" in r.stdout
+    assert losses(out) == losses(whole)
+    ref, got = tensors(whole / "model"), tensors(out / "model")
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+    changed = out / "checkpoints" / "step-000004" / "train_state.pt"  # saved again by the resumed run: whole
+    data = bytearray(changed.read_bytes())
+    data[-20] ^= 0xFF  # one flipped byte, same size
+    changed.write_bytes(bytes(data))
+    flipped = run_recipe(*COMMON, "flavor=cpu", "max_steps=5", f"resume={changed.parent}",
+                         f"output_dir={tmp_path / 'flipped'}")
+    assert flipped.returncode == 2 and "its SHA-256 differs from the one saved" in flipped.stderr, flipped.stderr
+
+
 class _Planted:
     """What a planted pickle does: unpickled, it runs a command (here: it leaves a file behind)."""
 
@@ -248,6 +282,9 @@ def test_a_pickle_planted_in_a_checkpoint_is_refused_not_run(tmp_path, stopped_c
         (checkpoint / planted).write_bytes(pickle.dumps(_Planted(marker)))
     else:  # torch.save's files
         torch.save(_Planted(marker), checkpoint / planted)
+    # The planter rewrites the checksums too (else the resume would refuse the changed file as damaged, first).
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    (checkpoint / "meta.json").write_text(json.dumps({**meta, "files": checksums(checkpoint)}))
     r = run_recipe(*COMMON, "flavor=cpu", "max_steps=4", f"resume={checkpoint}", f"output_dir={tmp_path / 'resumed'}")
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"{checkpoint / planted}: not loaded" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -163,6 +163,12 @@ def test_malformed_inputs_are_user_errors(checkpoints, tmp_path):
     with pytest.raises(UserError, match="model-00002-of-00006.safetensors, missing"):
         HFFolder.open(missing_file)
 
+    truncated = shutil.copytree(checkpoints["llama_sharded"], tmp_path / "truncated")
+    shard = truncated / "model-00003-of-00006.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])  # an interrupted download or copy
+    with pytest.raises(UserError, match=r"model-00003-of-00006.safetensors: truncated \(\d+ of \d+ bytes\); download"):
+        HFFolder.open(truncated)
+
     int_weights = shutil.copytree(checkpoints["mistral"], tmp_path / "int_weights")
     tensors = load_file(int_weights / "model.safetensors")
     tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int8)

@@ -6,10 +6,13 @@
 
 import copy
 import json
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from moai_recipes import env
+from moai_recipes.checkpoint.integrity import damage
 from moai_recipes.errors import UserError
 from moai_recipes.files import write_json, write_text
 
@@ -53,17 +56,23 @@ def write_hint(out: Path, *, micro_batch_size: int, changes: list[dict]) -> None
     write_json(out / OUT_OF_MEMORY_HINT, {"micro_batch_size": micro_batch_size, "changes": changes})
 
 
-def check_output_dir(cfg: DictConfig, *, restarting: bool = False) -> tuple[Path, Path | None]:
+def check_output_dir(cfg: DictConfig, *, restarting: bool = False, verify: bool = True) -> tuple[Path, Path | None]:
     """Return the run folder and the checkpoint to resume from (None: start afresh), or a UserError.
 
     `restarting`: the launcher restarted the workers of this very run; without a checkpoint yet,
-    it starts over instead of refusing its own folder.
+    it starts over instead of refusing its own folder. `verify`: read the checkpoint's files back against their
+    checksums (resume=auto passes over a damaged newest one to the one before; resume=PATH refuses it).
     """
     out = Path(cfg.output_dir).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise UserError(f"output_dir={cfg.output_dir} is a file; give a folder")
     if cfg.resume not in ("auto", "never"):
-        return out, _given_checkpoint(cfg.resume)
+        checkpoint = _given_checkpoint(cfg.resume)
+        why = damage(checkpoint) if verify else None
+        if why:
+            raise UserError(f"resume={cfg.resume}: {why}; the checkpoint is damaged. Resume from an earlier one "
+                            f"({checkpoint.parent}) or with resume=auto, which takes the newest whole one")
+        return out, checkpoint
     found = [name for name in RUN_FILES if (out / name).exists()]
     if not found:
         return out, None
@@ -77,7 +86,20 @@ def check_output_dir(cfg: DictConfig, *, restarting: bool = False) -> tuple[Path
     if not checkpoints:
         return out, None
     _check_same_config(out / "config.yaml", cfg)
-    return out, checkpoints[-1]
+    return out, _newest_whole(checkpoints) if verify else checkpoints[-1]
+
+
+def _newest_whole(checkpoints: list[Path]) -> Path | None:
+    """The newest checkpoint whose files are as saved; a damaged newer one is named, and passed over."""
+    for checkpoint in reversed(checkpoints):
+        why = damage(checkpoint)
+        if why is None:
+            return checkpoint
+        if env.rank() == 0:
+            print(f"warning: {why}: the checkpoint {checkpoint.name} is damaged and is not loaded; "
+                  "resuming from the one before it", file=sys.stderr, flush=True)
+    raise UserError(f"every checkpoint in {checkpoints[0].parent} is damaged (see above); start afresh with another "
+                    "output_dir=..., or resume=PATH from a copy of a whole one")
 
 
 def run_finished(cfg: DictConfig) -> bool:
@@ -149,7 +171,12 @@ def record_plan_change(out: Path, plan: dict, change: dict) -> None:
 def _truncate_jsonl(path: Path, last_step: int) -> list[dict]:
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line a kill or a full disk cut short: the step it was about runs again
+            continue
     kept = [r for r in rows if r["step"] <= last_step]
     write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
     return kept

@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 
+from moai_recipes.checkpoint.disk import Writes, disk_full, remove
+from moai_recipes.checkpoint.integrity import checksums
 from moai_recipes.checkpoint.no_code import SafeLoadPlanner, SafeReader, UnsafeCheckpoint, load_data
 from moai_recipes.errors import UserError
 from moai_recipes.checkpoint.output_dir import (
@@ -63,25 +65,55 @@ def save_checkpoint(out: Path, state: TrainState, meta: dict, *, world, keep: in
     tmp = final.with_name(f".{final.name}.tmp")
     if world.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(_trainable_state(state.model, state.optimizer), checkpoint_id=str(tmp))
-    torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-               tmp / f"rng-rank{world.rank}.pt")
-    dist.barrier()  # every shard is on disk before the checkpoint becomes visible
-    size = 0
-    if world.is_main:
+    trainable = _trainable_state(state.model, state.optimizer)
+
+    def shards():  # every rank's part
+        dcp.save(trainable, checkpoint_id=str(tmp))  # a failure on any rank is raised on every rank
+        torch.save({"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                   tmp / f"rng-rank{world.rank}.pt")
+
+    def complete():  # the main rank's, once every shard is on disk: the checkpoint becomes visible
         torch.save({"scheduler": state.scheduler.state_dict()}, tmp / "train_state.pt")
-        meta = {**meta, "world_size": world.world_size, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        about = {**meta, "world_size": world.world_size, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "files": checksums(tmp)}
+        (tmp / "meta.json").write_text(json.dumps(about, indent=2) + "\n")
         if final.exists():  # a resumed run saving the same step again
             shutil.rmtree(final)
         os.rename(tmp, final)
+
+    # A full disk on any rank ends the save on every rank (they agree after each part), leaves no .tmp and keeps
+    # the last complete checkpoint, which the same command resumes.
+    writes = Writes()
+    if world.is_main:
+        writes.run(lambda: tmp.mkdir(parents=True))
+    if not writes.failed_anywhere():  # also the barrier: the folder exists
+        writes.run(shards)
+        if not writes.failed_anywhere() and world.is_main:
+            writes.run(complete)
+    if writes.failed_anywhere():
+        if world.is_main:
+            remove([tmp])
+        raise disk_full(final.parent, f"the checkpoint of step {meta['step']}", needed=_global_bytes(trainable),
+                        run=out)
+    size = 0
+    if world.is_main:
         for old in complete_checkpoints(out)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         size = sum(f.stat().st_size for f in final.iterdir())
     dist.barrier()
     return final, time.perf_counter() - start, size
+
+
+def _global_bytes(state: dict) -> int:
+    """Bytes of a state dict's tensors, whole (a DTensor's shape is the whole tensor's)."""
+    total = 0
+    for value in state.values():
+        if isinstance(value, dict):
+            total += _global_bytes(value)
+        elif isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+    return total
 
 
 def load_checkpoint(path: Path, state: TrainState, world) -> dict:

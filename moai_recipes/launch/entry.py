@@ -69,7 +69,7 @@ def launch(job: Job) -> int:
     cfg, flavor = job.cfg, job.flavor
     # What must not differ between the processes, decided here once: the folder (a timestamped default would
     # differ) and the model's folder (the tiny default made, a Hub download fetched once).
-    check_output_dir(cfg)
+    check_output_dir(cfg, verify=False)  # refused early; the workers' rank 0 reads the checkpoint back
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
     cfg.model.checkpoint_dir = str(resolve_model_dir(**model_source(cfg)))
     # This process only waits now: what it holds (torch's modules) lives until it exits, when the last collection

@@ -20,6 +20,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from moai_recipes.checkpoint.disk import Writes, disk_full
+from moai_recipes.checkpoint.integrity import safetensors_damage
 from moai_recipes.errors import UserError
 from moai_recipes.models.build import is_nf4
 from moai_recipes.models.spec import ModelSpec, read_spec
@@ -68,7 +70,8 @@ def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as e:
-        raise UserError(f"cannot read {path} ({e}); download the checkpoint again") from None
+        why = safetensors_damage(path) or str(e)  # "truncated (N of M bytes)" says more than the parser's words
+        raise UserError(f"cannot read {path}: {why}; download the checkpoint again") from None
 
 
 def _weight_map(folder: Path) -> dict[str, list[str]]:
@@ -280,23 +283,30 @@ def save_weights(model: torch.nn.Module, hf: HFFolder, out_dir: Path, *, rank: i
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists")
     names, params = tune_names(hf), dict(model.named_parameters())
-    tmp = None
+    # Rank 0 writes; a full disk there stops its writing but not its part in the gathers, and every rank learns of it
+    # at the end (a collective), so none is left waiting in a gather that never comes.
+    writes, tmp = Writes(), None
     if rank == 0:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        def make_tmp():
+            nonlocal tmp
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        writes.run(make_tmp)
     try:
         export = lambda tune: _export_tensor(model, params, hf, tune, transform)
-        total_size = sum(_save_file(export, hf, names, fname, tmp) for fname in hf.files)
+        total_size = sum(_save_file(export, hf, names, fname, tmp, writes) for fname in hf.files)
         if rank == 0:
-            _write_index_and_extras(hf, tmp, total_size)
-            os.rename(tmp, out_dir)
+            writes.run(lambda: _write_index_and_extras(hf, tmp, total_size))
+            writes.run(lambda: os.rename(tmp, out_dir))
+        if writes.failed_anywhere():
+            raise disk_full(out_dir.parent, f"the model {out_dir}", needed=total_size, run=out_dir.parent)
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _save_file(export, hf: HFFolder, names: dict, fname: str, tmp: Path | None) -> int:
+def _save_file(export, hf: HFFolder, names: dict, fname: str, tmp: Path | None, writes: Writes) -> int:
     """Gather, convert and (if `tmp`, i.e. on rank 0) write one input file's tensors; returns its byte size."""
     tensors, size = {}, 0
     with _open(hf.folder / fname) as f:
@@ -312,7 +322,7 @@ def _save_file(export, hf: HFFolder, names: dict, fname: str, tmp: Path | None) 
             del tensor  # on every rank, before the next gather: only the file's kept tensors stay
         metadata = {**(f.metadata() or {}), "format": "pt"}
     if tmp is not None:
-        save_file(tensors, str(tmp / fname), metadata=metadata)
+        writes.run(lambda: save_file(tensors, str(tmp / fname), metadata=metadata))
     return size
 
 

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from moai_recipes.checkpoint.disk import Writes, disk_full
 from moai_recipes.errors import UserError
 from moai_recipes.models.build import nf4_weights
 from moai_recipes.models.hf_format import (
@@ -154,9 +155,21 @@ def merge_into(adapters: dict[str, torch.Tensor], scale: float):
     return transform
 
 
-def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_dir: Path,
-                 base_model: str) -> None:
-    """Write a PEFT adapter folder (written aside, then renamed): what PeftModel.from_pretrained loads."""
+def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_dir: Path, base_model: str,
+                 rank: int = 0) -> None:
+    """Write a PEFT adapter folder (written aside, then renamed): what PeftModel.from_pretrained loads.
+
+    Every rank calls it, rank 0 writes; a full disk there is every rank's DiskFull (none goes on alone into the
+    merged model's gathers)."""
+    writes = Writes()
+    if rank == 0:
+        writes.run(lambda: _write_adapter(adapters, opts=opts, out_dir=out_dir, base_model=base_model))
+    if writes.failed_anywhere():
+        raise disk_full(out_dir.parent, f"the adapter {out_dir}", needed=sum(t.nbytes for t in adapters.values() if t is not None),
+                        run=out_dir.parent)
+
+
+def _write_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_dir: Path, base_model: str) -> None:
     tensors, targets = {}, set()
     for name, t in adapters.items():
         stem, kind = name.rsplit(".lora_", 1)  # layers.0.attn.q_proj, a.weight
@@ -173,11 +186,13 @@ def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_di
     if out_dir.exists():
         raise FileExistsError(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = None
     try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         os.rename(tmp, out_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -91,9 +91,8 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     if log:
         log.close()
     adapters = gather_adapters(model)
-    if world.is_main:
-        save_adapter(adapters, opts=lora, out_dir=inputs.out / "adapter",
-                     base_model=base_model_name(inputs.hf.folder, cfg.model.hf_repo))
+    save_adapter(adapters, opts=lora, out_dir=inputs.out / "adapter",
+                 base_model=base_model_name(inputs.hf.folder, cfg.model.hf_repo), rank=world.rank)
     if cfg.save_merged:
         save_weights(model, inputs.hf, inputs.out / "model", rank=world.rank, transform=merge_into(adapters, lora.scale))
     say(f"Adapter saved in {inputs.out / 'adapter'}" + (f", merged model in {inputs.out / 'model'}"

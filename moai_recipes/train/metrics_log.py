@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 from tqdm import tqdm
 
 from moai_recipes import env
+from moai_recipes.checkpoint.disk import room_for
 
 @dataclass(frozen=True)
 class StepMetrics:
@@ -98,7 +99,7 @@ class MetricsLog:
         """
         self.info(f"Checkpoint of step {step} saved in {seconds:.2f} s ({size / 2**20:.1f} MiB): {path}")
         row = {"step": step, "seconds": seconds, "bytes": size, "path": os.path.relpath(path, self.output_dir)}
-        with open(self.output_dir / "checkpoints.jsonl", "a") as f:
+        with self._room("checkpoints.jsonl"), open(self.output_dir / "checkpoints.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         if self._wandb is not None:
             self._wandb.log({"checkpoint_seconds": seconds, "checkpoint_bytes": size}, step=step)
@@ -120,26 +121,34 @@ class MetricsLog:
     def step(self, metrics: StepMetrics) -> None:
         m = metrics.row()
         self.rows.append(m)
-        self._jsonl.write(json.dumps(m) + "\n")
+        with self._room("metrics.jsonl"):
+            self._jsonl.write(json.dumps(m) + "\n")
         self.info(f"[Step {m['step']}/{self.total_steps}] | Loss: {m['loss']:.8g} | Duration: {m['step_time_s']:.2f} | "
                   f"Throughput: {m['tokens_per_sec']:.2f} tokens/sec"
                   + (f" | Eval loss: {m['eval_loss']:.8g} ({m['eval_time_s']:.2f} s)" if "eval_loss" in m else ""))
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{m['loss']:.4f}")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in m.items() if k != "step"}, step=m["step"])
+            with self._room("W&B's run files"):
+                self._wandb.log({k: v for k, v in m.items() if k != "step"}, step=m["step"])
 
     def summary(self, **values) -> None:
         if self._wandb is not None:
             self._wandb.summary.update(values)
 
+    def _room(self, what: str):
+        return room_for(self.output_dir, what, run=self.output_dir)
+
     def close(self) -> None:
         self._bar.close()
-        self._jsonl.close()
+        with self._room("metrics.jsonl"):
+            self._jsonl.close()
         if self.rows:
-            plot_loss(self.rows, self.output_dir / "loss.png")
+            with self._room("loss.png"):
+                plot_loss(self.rows, self.output_dir / "loss.png")
         if self._wandb is not None:
-            self._wandb.finish()
+            with self._room("W&B's run files"):
+                self._wandb.finish()
             if self._wandb.settings.mode == "offline":
                 self.info(f"W&B run saved offline; upload it with: wandb sync {self._wandb.dir.rsplit('/files', 1)[0]}")
 
@@ -174,6 +183,9 @@ def plot_loss(rows: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-drawn file
