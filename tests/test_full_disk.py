@@ -6,8 +6,6 @@ The disks are real: a tmpfs of a few MB mounted for the test (root only; elsewhe
 by a ballast file as another user of a shared disk would fill it.
 """
 
-import json
-import shutil
 import subprocess
 import sys
 import time
