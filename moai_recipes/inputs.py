@@ -15,7 +15,13 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from moai_recipes.checkpoint.disk import CHECKPOINT_BYTES_PER_TRAINABLE, check_room
-from moai_recipes.checkpoint.output_dir import check_output_dir, complete_checkpoints, read_hint, read_meta
+from moai_recipes.checkpoint.output_dir import (
+    check_output_dir,
+    check_same_identity,
+    complete_checkpoints,
+    read_hint,
+    read_meta,
+)
 from moai_recipes.config.schema import DEFAULT_MODEL
 from moai_recipes.data.training_data import RunData, read_data
 from moai_recipes.data.tokenizer import Tokenizer
@@ -47,6 +53,7 @@ class RunInputs:
     resume_from: Path | None  # a complete checkpoint to continue from
     workload: Workload  # what the planner plans: this model, this batch, these sequences
     out_of_memory_hint: dict | None = None  # the smaller plan an out-of-memory step of this run left (restarts)
+    identity: dict | None = None  # what a checkpoint of this run belongs to: model, tokenizer, data, global batch
 
     @property
     def batches(self):
@@ -115,11 +122,16 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     workload = Workload(spec=spec, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, lora=lora, dtype=cfg.dtype,
                         lengths=data.lengths if data is not None else None,
                         steps=data.total_steps if data is not None else cfg.max_steps)
+    identity = None
     if out is not None and hf is not None and data is not None:
         _check_room(cfg, out, hf=hf, workload=workload, resume_from=resume_from)
+        identity = {"model": hf.fingerprint(), "tokenizer": tokenizer.fingerprint(),
+                    "data": data.train.fingerprint() if data.train is not None else None, "batch_size": cfg.batch_size}
+        if resume_from is not None:
+            check_same_identity(resume_from, identity, force=cfg.resume_force)
     return RunInputs(model_name=m.name, spec=spec, hf=hf, tokenizer=tokenizer, lora=lora, data=data,
                      total_steps=data.total_steps if data else None, out=out, resume_from=resume_from,
-                     workload=workload, out_of_memory_hint=read_hint(out))
+                     workload=workload, out_of_memory_hint=read_hint(out), identity=identity)
 
 
 def _check_room(cfg: DictConfig, out: Path, *, hf: HFFolder, workload: Workload, resume_from: Path | None) -> None:

@@ -19,10 +19,11 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from moai_recipes.checkpoint.integrity import checksums
 from moai_recipes.errors import EXIT_STOPPED
-from tests.helpers import FSDP, ROOT, command_env, layout, metrics, run_recipe, tensors
+from tests.helpers import FSDP, ROOT, command_env, layout, make_hf_checkpoint, metrics, run_recipe, tensors
 
 pytestmark = pytest.mark.slow
 
@@ -254,6 +255,38 @@ def test_a_damaged_newest_checkpoint_is_named_and_passed_over_for_the_one_before
     flipped = run_recipe(*COMMON, "flavor=cpu", "max_steps=5", f"resume={changed.parent}",
                          f"output_dir={tmp_path / 'flipped'}")
     assert flipped.returncode == 2 and "its SHA-256 differs from the one saved" in flipped.stderr, flipped.stderr
+
+
+def test_resume_refuses_other_inputs_by_name_unless_forced(tmp_path, stopped_checkpoint):
+    """A checkpoint records what it belongs to (the model as read, the tokenizer, the data's tokens, the global batch);
+    resuming it into other inputs is refused by name, resume_force=true resumes anyway; max_steps may change."""
+    given = [*COMMON, "flavor=cpu", "max_steps=4", f"resume={stopped_checkpoint}"]
+    batch = run_recipe(*given, "batch_size=16", f"output_dir={tmp_path / 'batch'}")
+    assert batch.returncode == 2 and "the global batch (8 -> 16) changed" in batch.stderr, batch.stderr
+    assert "resume_force=true" in batch.stderr and "Traceback" not in batch.stderr
+    data = run_recipe(*given, "dataset=facts", f"output_dir={tmp_path / 'data'}")
+    assert data.returncode == 2 and "(the training data (its tokens) changed)" in data.stderr, data.stderr
+    forced = run_recipe(*given, "batch_size=16", "resume_force=true", f"output_dir={tmp_path / 'forced'}")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert "warning: resume_force=true" in forced.stderr and f"Resumed from {stopped_checkpoint}" in forced.stdout
+
+    # The same model folder holding other weights (a copy trained further, put in its place): resume=auto.
+    hf = make_hf_checkpoint(tmp_path / "hf")
+    out = tmp_path / "run"
+    first = run_recipe(*COMMON, "flavor=cpu", "max_steps=3", f"model.checkpoint_dir={hf}", f"output_dir={out}")
+    assert first.returncode == 0, first.stdout + first.stderr
+    shutil.rmtree(out / "model")  # as if stopped after step 2's checkpoint
+    weights = hf / "model.safetensors"
+    original = weights.read_bytes()
+    changed = load_file(weights)
+    changed["model.norm.weight"] = changed["model.norm.weight"] * 2
+    save_file(changed, weights)
+    other = run_recipe(*COMMON, "flavor=cpu", "max_steps=3", f"model.checkpoint_dir={hf}", f"output_dir={out}")
+    assert other.returncode == 2 and "(the model's weights or config.json changed)" in other.stderr, other.stderr
+    weights.write_bytes(original)
+    longer = run_recipe(*COMMON, "flavor=cpu", "max_steps=4", f"model.checkpoint_dir={hf}", f"output_dir={out}")
+    assert longer.returncode == 0 and "continuing at step 3" in longer.stdout, longer.stdout + longer.stderr
+    assert len(metrics(out)) == 4
 
 
 class _Planted:

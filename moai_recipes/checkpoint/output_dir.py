@@ -19,7 +19,8 @@ from moai_recipes.files import write_json, write_text
 # What marks a folder as holding an earlier run.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "plan.json", "model", "adapter", "checkpoints")
 # What may change between a run and its resumption: where and how it runs, not what it computes.
-RESUMABLE_CHANGES = ("flavor", "plan", "logger", "output_dir", "resume", "checkpoint_every", "checkpoint_keep",
+RESUMABLE_CHANGES = ("flavor", "plan", "logger", "output_dir", "resume", "resume_force", "max_steps",
+                     "checkpoint_every", "checkpoint_keep",
                      "max_restarts", "skip_nonfinite_steps", "sample_max_new_tokens")
 STEP_PREFIX = "step-"  # checkpoints/step-000004: a complete step checkpoint (checkpoint/steps.py writes them)
 # The smaller plan the processes take when they start again after an out-of-memory step (train/out_of_memory.py).
@@ -129,10 +130,39 @@ def _check_same_config(saved: Path, cfg: DictConfig) -> None:
     if now.get("model", {}).get("checkpoint_dir") is None and "model" in before:
         now["model"]["checkpoint_dir"] = before["model"].get("checkpoint_dir")  # resolved when the run started
     changed = sorted(_diff(before, now))
-    if changed:
+    if changed and cfg.resume_force:
+        if env.rank() == 0:
+            print(f"warning: resume_force=true: resuming a run whose config was another ({', '.join(changed[:6])})",
+                  file=sys.stderr, flush=True)
+    elif changed:
         raise UserError(f"output_dir={cfg.output_dir} holds a run with another config (changed: {', '.join(changed[:6])}); "
-                        "resume it with the same settings, or start afresh with another output_dir "
-                        "(flavor, plan and logger may change on resume)")
+                        "resume it with the same settings, or start afresh with another output_dir, or resume anyway "
+                        "with resume_force=true (flavor, plan, max_steps, checkpoint_every and logger may change on "
+                        "resume)")
+
+
+def check_same_identity(checkpoint: Path, identity: dict, *, force: bool) -> None:
+    """Refuse (unless `force`) to resume `checkpoint` into a run of another model, tokenizer, data or global batch:
+    what `identity` says of this run against what the checkpoint's save recorded of its own."""
+    saved = read_meta(checkpoint).get("identity")
+    if not saved:  # saved before identities were recorded
+        return
+    changed = [k for k in identity if identity[k] != saved.get(k)]
+    if "tokenizer" in changed and "data" in changed:
+        changed.remove("data")  # the same data tokenised anew: the tokenizer is what changed
+    if not changed:
+        return
+    what = ", ".join(f"the global batch ({saved.get(k)} -> {identity[k]})" if k == "batch_size" else
+                     {"model": "the model's weights or config.json", "tokenizer": "the tokenizer",
+                      "data": "the training data (its tokens)"}[k] for k in changed)
+    if force:
+        if env.rank() == 0:
+            print(f"warning: resume_force=true: resuming {checkpoint} although {what} differ(s) from its run's",
+                  file=sys.stderr, flush=True)
+        return
+    raise UserError(f"{checkpoint} was saved by a run of other inputs ({what} changed): resuming it would train on "
+                    "from a state that belongs to other inputs. Use the same model, tokenizer, data and batch_size; start "
+                    "afresh (another output_dir=..., or without resume=); or resume anyway with resume_force=true")
 
 
 def _diff(a, b, prefix: str = "") -> list[str]:

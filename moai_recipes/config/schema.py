@@ -186,6 +186,8 @@ class RecipeConfig:
     dtype: Dtype = setting(Dtype.auto, "auto: bf16 compute with fp32 master weights on GPUs, fp32 on the CPU")
     sample_max_new_tokens: int = setting(24, "tokens of the sample answers before and after training (0: none)")
     resume: str = setting("auto", "auto: continue output_dir's newest checkpoint; never; or a checkpoint folder")
+    resume_force: bool = setting(False, "resume even where the model, tokenizer, data, global batch or settings "
+                                        "differ from the checkpoint's run")
     checkpoint_every: Optional[int] = setting(None, "save the whole training state every N steps")
     checkpoint_keep: int = setting(2, "newest checkpoints kept")
     skip_nonfinite_steps: int = setting(0, "steps with a NaN/inf loss or gradient skipped before the run stops")

@@ -7,6 +7,7 @@ max_seq_len, and kept as flat arrays, cached on disk (token_cache.py). Tested by
 `python -m pytest tests/test_data.py tests/test_hf_datasets.py`.
 """
 
+import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -104,6 +105,13 @@ class SFTDataset(torch.utils.data.Dataset):
     def __getitem__(self, i) -> dict:
         span = self._span(i)
         return {"tokens": self._a.tokens[span].tolist(), "labels": self._a.labels[span].tolist()}
+
+    def fingerprint(self) -> str:
+        """A digest of the samples as tokenised: their tokens, labels and bounds, in this subset's order."""
+        digest = hashlib.sha256(np.ascontiguousarray(self._index).data)
+        for array in (self._a.tokens, self._a.labels, self._a.offsets):
+            digest.update(np.ascontiguousarray(array).data)  # a memory map is hashed in place, not copied
+        return digest.hexdigest()
 
     def length(self, i) -> int:
         j = self._index[i]

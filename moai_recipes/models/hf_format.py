@@ -5,11 +5,13 @@ Test: `python -m pytest tests/test_hf_checkpoint.py -q`. The model may be plain 
 input file's tensors at a time, so a 70B model never has to fit whole in one process.
 """
 
+import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +66,22 @@ class HFFolder:
         hf = cls(folder=folder, spec=spec, files=files, dtypes=dtypes, shapes=shapes)
         tune_names(hf)  # a tensor no converter knows is a UserError now, not halfway through loading
         return hf
+
+
+    def fingerprint(self) -> str:
+        """A digest of the model as read: config.json, and each weights file's header and its first and last MiB of
+        weights (another model, or the same one trained further, differs there; reading all of a 70B model would
+        take minutes)."""
+        digest = hashlib.sha256((self.folder / "config.json").read_bytes())
+        for fname in self.files:
+            path = self.folder / fname
+            with open(path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                end = path.stat().st_size
+                digest.update(fname.encode() + f.read(length) + f.read(2**20))
+                f.seek(max(8 + length, end - 2**20))
+                digest.update(f.read())
+        return digest.hexdigest()
 
 
 def _open(path: Path):

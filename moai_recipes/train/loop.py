@@ -224,7 +224,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             every = settings.checkpoint_every
             if stopping or (every and done % every == 0 and done < inputs.total_steps):
                 about = {"step": done, **batches.position(done), "flavor": runner.choice.flavor,
-                         "plan": runner.choice.chosen.as_dict()}
+                         "plan": runner.choice.chosen.as_dict(), "identity": inputs.identity}
                 path, seconds, size = save_checkpoint(inputs.out, state, about, world=world,
                                                       keep=settings.checkpoint_keep)
                 if log:
