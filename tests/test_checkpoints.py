@@ -224,6 +224,42 @@ def test_a_killed_launcher_takes_its_workers_down_with_a_checkpoint(tmp_path, re
     assert losses(out) == losses(reference)
 
 
+def test_killed_outright_mid_save_and_mid_export_the_same_command_ends_bit_for_bit(tmp_path, reference):
+    """SIGKILL to the launcher and both workers at once (no handler runs), inside a step checkpoint and then inside the
+    export (each held half-written by MOAI_FAULT_SAVE_DELAY), and once before the first checkpoint: each time the same
+    command goes on, and the run ends with the uninterrupted run's losses and weights. bench/chaos.py draws many such
+    moments at random."""
+    out = tmp_path / "run"
+    env = command_env({"MOAI_FAULT_SAVE_DELAY": "0.6"})
+
+    def killed_when(ready):
+        proc = subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *COMMON, "flavor=cpu-2",
+                                 f"output_dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        end = time.time() + 300
+        while not ready():
+            assert proc.poll() is None and time.time() < end, proc.communicate()[0]
+            time.sleep(0.005)
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        for p in family:
+            p.kill()
+        proc.communicate()
+        psutil.wait_procs(family, timeout=30)
+
+    killed_when(lambda: (out / "metrics.jsonl").exists())  # before any checkpoint: the same command starts over
+    killed_when(lambda: any((out / "checkpoints").glob(".step-*.tmp")))
+    assert any((out / "checkpoints").glob(".step-*.tmp"))  # it died inside the save
+    killed_when(lambda: any(out.glob(".model.tmp-*")))
+    assert any(out.glob(".model.tmp-*")) and not (out / "model").exists()  # inside the export
+    r = run_recipe(*COMMON, "flavor=cpu-2", f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "continuing at step 11" in r.stdout  # the last checkpoint before the export: step 10
+    assert not any(out.glob(".*.tmp*")) and not any((out / "checkpoints").glob(".*.tmp"))
+    assert layout(out) == layout(reference) and losses(out) == losses(reference)
+    ref, got = tensors(reference / "model"), tensors(out / "model")
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
 def test_a_damaged_newest_checkpoint_is_named_and_passed_over_for_the_one_before(tmp_path):
     """Every save records its files' sizes and SHA-256; resume=auto reads the newest back, and a truncated or changed
     one is named and passed over; resume=PATH to it is refused."""

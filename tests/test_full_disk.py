@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moai_recipes.checkpoint.disk import DiskFull
+from moai_recipes.files import DiskFull
 from tests.helpers import FSDP, ROOT, command_env, losses, make_hf_checkpoint, run_recipe, tensors
 
 COMMON = ["logger=stdout", "epochs=2", "batch_size=8", "max_steps=12", "optimizer.lr=3e-3", "optimizer.warmup_steps=2",

@@ -6,9 +6,11 @@ Run: pytest tests/test_multinode.py   (the SLURM test skips, saying why, where S
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -30,8 +32,8 @@ def cpu_2_losses(tmp_path_factory):
     return [row["loss"] for row in metrics(out)]
 
 
-def assert_same(losses: list[float], reference: list[float]) -> None:
-    assert len(losses) == len(reference) == 3
+def assert_same(losses: list[float], reference: list[float], steps: int = 3) -> None:
+    assert len(losses) == len(reference) == steps
     for a, b in zip(reference, losses):
         assert abs(a - b) <= 1e-4 * a, (reference, losses)
 
@@ -51,31 +53,88 @@ def test_two_torchrun_agents_with_c10d_rendezvous_train_as_cpu_2(tmp_path, cpu_2
     assert_same([row["loss"] for row in metrics(out)], cpu_2_losses)
 
 
-def _slurm_or_skip(tmp_path) -> dict:
-    """Start a one-node SLURM cluster of this machine (scripts/local_slurm.sh); skip, saying why, if it cannot."""
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A one-node SLURM cluster of this machine (scripts/local_slurm.sh), for the module; the environment that reaches
+    it. Skips, saying why, where it cannot start."""
     if not shutil.which("slurmctld") or not shutil.which("srun"):
         pytest.skip("SLURM is not installed (Debian: apt-get install slurm-wlm munge)")
     if os.geteuid() != 0:
         pytest.skip("starting slurmctld, slurmd and munged here needs root")
-    started = subprocess.run(["bash", str(ROOT / "scripts" / "local_slurm.sh"), "start", str(tmp_path / "slurm")],
-                             capture_output=True, text=True, timeout=180)
+    folder = tmp_path_factory.mktemp("slurm")
+    script = str(ROOT / "scripts" / "local_slurm.sh")
+    started = subprocess.run(["bash", script, "start", str(folder)], capture_output=True, text=True, timeout=180)
     if started.returncode != 0:
         pytest.skip(f"SLURM did not start: {(started.stdout + started.stderr).strip()[-500:]}")
-    return {**os.environ, "SLURM_CONF": str(tmp_path / "slurm" / "slurm.conf")}
+    yield {**os.environ, "SLURM_CONF": str(folder / "slurm.conf"), "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    subprocess.run(["bash", script, "stop", str(folder)], capture_output=True, timeout=60)
 
 
-def test_srun_two_tasks_join_the_world_slurm_gives(tmp_path, cpu_2_losses):
-    env = _slurm_or_skip(tmp_path)
+def test_srun_two_tasks_join_the_world_slurm_gives(tmp_path, slurm, cpu_2_losses):
+    out = tmp_path / "run"
+    r = subprocess.run(["srun", "-n", "2", "--cpus-per-task", "1", "--chdir", str(ROOT),
+                        sys.executable, "-m", "recipes.full_finetune", *COMMON, "flavor=cpu-2", "plan.replicate=true",
+                        f"output_dir={out}"], env=slurm, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 process(es)" in r.stdout and layout(out) == "replicated"
+    assert_same([row["loss"] for row in metrics(out)], cpu_2_losses)
+
+
+def documented_sbatch_script() -> str:
+    text = (ROOT / "docs" / "multinode.md").read_text()
+    return re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", text, re.S).group(1)
+
+
+def test_the_documented_sbatch_script_saves_on_the_signal_and_requeues(tmp_path, slurm):
+    """docs/multinode.md's script, its sizes made one node of two CPU tasks: the tasks are signalled as at the time
+    limit or a preemption (SIGTERM to the job's steps, not to the batch shell), save and exit 75; the script requeues
+    the job, which resumes and ends with the losses of an uninterrupted run."""
+    args = [*COMMON, "max_steps=6", "flavor=cpu-2", "plan.replicate=true"]
+    reference = tmp_path / "reference"
+    assert run_recipe(*args, f"output_dir={reference}").returncode == 0
+
+    out, log = tmp_path / "run", tmp_path / "job.out"
+    script = documented_sbatch_script()
+    for documented, local in [("--nodes=4", "--nodes=1"), ("--ntasks-per-node=8", "--ntasks-per-node=2"),
+                              ("--cpus-per-task=12", "--cpus-per-task=1"), ("--time=24:00:00", "--time=10:00"),
+                              ("--output=%x-%j.out", f"--output={log}"), ("cd /path/to/moai-recipes", f"cd {ROOT}")]:
+        assert documented in script
+        script = script.replace(documented, local)
+    script = re.sub(r"#SBATCH --gpus-per-node=8.*\n", "", script)
+    script, n = re.subn(r"srun python -m recipes\.full_finetune .*?resume=auto",
+                        f"srun {sys.executable} -m recipes.full_finetune {' '.join(args)} output_dir={out} resume=auto",
+                        script, flags=re.S)
+    assert n == 1 and "--signal=TERM@" in script and "scontrol requeue" in script
+    (tmp_path / "train.sbatch").write_text(script)
+    env = {**slurm, "MOAI_FAULT_STEP_DELAY": "1.5"}  # the steps outlast the signal's way to the tasks
+    job = subprocess.run(["sbatch", "--parsable", str(tmp_path / "train.sbatch")], env=env, capture_output=True,
+                         text=True, check=True).stdout.strip()
     try:
-        out = tmp_path / "run"
-        r = subprocess.run(["srun", "-n", "2", "--cpus-per-task", "1", "--chdir", str(ROOT),
-                            sys.executable, "-m", "recipes.full_finetune", *COMMON, "flavor=cpu-2", "plan.replicate=true",
-                            f"output_dir={out}"],
-                           env={**env, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}, capture_output=True,
-                           text=True, timeout=600)
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert "2 process(es)" in r.stdout and layout(out) == "replicated"
-        assert_same([row["loss"] for row in metrics(out)], cpu_2_losses)
+        end = time.time() + 300
+        while not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= 2):
+            assert time.time() < end, log.read_text() if log.exists() else "the job never started"
+            time.sleep(0.2)
+        subprocess.run(["scancel", "--signal=TERM", job], env=env, check=True)  # the steps' tasks, as --signal does
+        requeued = False
+        while _state(job, env) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            assert time.time() < end, log.read_text()
+            if "Reason=BeginTime" in _show(job, env):  # requeued: SLURM holds it two minutes, which we spare
+                requeued = True
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
+            time.sleep(0.5)
     finally:
-        subprocess.run(["bash", str(ROOT / "scripts" / "local_slurm.sh"), "stop", str(tmp_path / "slurm")],
-                       capture_output=True, timeout=60)
+        subprocess.run(["scancel", job], env=env)
+    text = log.read_text()
+    assert _state(job, env) == "COMPLETED" and requeued, text
+    assert "SIGTERM: stopped after step" in text and "Resumed from" in text, text
+    assert (out / "model").is_dir() and len(metrics(out)) == 6
+    assert_same([row["loss"] for row in metrics(out)], [row["loss"] for row in metrics(reference)], steps=6)
+
+
+def _show(job: str, env: dict) -> str:
+    return subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+
+
+def _state(job: str, env: dict) -> str:
+    found = re.search(r"JobState=(\w+)", _show(job, env))
+    return found.group(1) if found else "UNKNOWN"

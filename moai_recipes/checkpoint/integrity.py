@@ -1,14 +1,13 @@
-"""Whether a folder holds what was written to it: a step checkpoint's checksums, a Hugging Face folder's shards.
+"""Whether a step checkpoint holds what was written to it.
 
-A step checkpoint's meta.json lists each of its files with its size and SHA-256 (`checksums`, at save). `damage`
-reads them back: a missing, truncated or changed file is named, so a resume never loads a damaged checkpoint
-silently (checkpoint/output_dir.py falls back to the one before). A Hugging Face folder is checked against its own
-headers: every shard its index lists must exist and hold the bytes its safetensors header promises.
+Its meta.json lists each of its files with its size and SHA-256 (`checksums`, at save). `damage` reads them back: a
+missing, truncated or changed file is named, so a resume never loads a damaged checkpoint silently
+(checkpoint/output_dir.py passes over it to the one before). A Hugging Face folder's shards are checked against their
+own headers (models/hf_format.py).
 """
 
 import hashlib
 import json
-import struct
 from pathlib import Path
 
 _CHUNK = 8 * 2**20
@@ -44,24 +43,4 @@ def damage(checkpoint: Path) -> str | None:
             return f"{path} is {'truncated' if have < want['bytes'] else 'longer than saved'} ({have} of {want['bytes']} bytes)"
         if _sha256(path) != want["sha256"]:
             return f"{path} is damaged (its SHA-256 differs from the one saved)"
-    return None
-
-
-def safetensors_damage(path: Path) -> str | None:
-    """What is wrong with one .safetensors file, in a few words (None: its header reads and its data is all
-    there)."""
-    if not path.is_file():
-        return "missing"
-    have = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > have:
-                raise ValueError("header longer than the file")
-            header = json.loads(f.read(length))
-    except (OSError, ValueError, struct.error) as e:
-        return f"not a readable safetensors file ({e})"
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if have < 8 + length + end:
-        return f"truncated ({have} of {8 + length + end} bytes)"
     return None

@@ -5,8 +5,13 @@
 """
 
 import copy
+import fcntl
+import hashlib
 import json
+import os
+import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -25,6 +30,43 @@ RESUMABLE_CHANGES = ("flavor", "plan", "logger", "output_dir", "resume", "resume
 STEP_PREFIX = "step-"  # checkpoints/step-000004: a complete step checkpoint (checkpoint/steps.py writes them)
 # The smaller plan the processes take when they start again after an out-of-memory step (train/out_of_memory.py).
 OUT_OF_MEMORY_HINT = ".out-of-memory.json"
+
+
+@contextmanager
+def holding_run_folder(output_dir: str, *, workers: bool = False):
+    """Hold the run folder while this run lives: the same folder given to a second command is refused until every
+    process of this run has ended (a lock of the kernel's: a process killed outright lets go of it too).
+
+    The process that starts a run holds it alone; with `workers`, it then shares it with the workers it starts
+    (`shared_by_worker`), so that the folder stays held while a worker outlives it (saving on SIGTERM). The lock is
+    of this machine (MOAI_HOME/locks): runs on two machines must not be given one shared folder.
+    """
+    out = Path(output_dir).expanduser().resolve()
+    fd = _lock_file(out)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(f"output_dir={output_dir} is in use by a run that is still going (`moai smi` lists it); let it "
+                        "end or stop it (SIGTERM saves it, the same command resumes it), or pass another "
+                        "output_dir=...") from None
+    try:
+        if workers:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def shared_by_worker(output_dir: str) -> None:
+    """A worker of a launched run shares its launcher's hold on the run folder until the worker exits."""
+    fcntl.flock(_lock_file(Path(output_dir).expanduser().resolve()), fcntl.LOCK_SH)  # held until the process ends
+
+
+def _lock_file(out: Path) -> int:
+    folder = env.moai_home() / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    return os.open(folder / f"{hashlib.sha256(str(out).encode()).hexdigest()[:20]}.lock", os.O_RDWR | os.O_CREAT)
 
 
 def checkpoint_dir(out: Path, step: int) -> Path:
@@ -79,6 +121,10 @@ def check_output_dir(cfg: DictConfig, *, restarting: bool = False, verify: bool 
         return out, None
     finished = [name for name in ("model", "adapter") if (out / name).exists()]
     checkpoints = complete_checkpoints(out)
+    if not checkpoints and not finished and cfg.resume == "auto" and _same_config(out / "config.yaml", cfg):
+        # This command's own earlier run, which no process runs any more (the folder is held while one does), ended
+        # before its first checkpoint (killed outright, a machine lost): it starts again from the first step.
+        return out, None
     if cfg.resume == "never" or finished or (not checkpoints and not restarting):
         why = (f"a finished run ({', '.join(finished)})" if finished else
                f"an earlier run ({', '.join(found)})" + ("" if checkpoints or cfg.resume == "never" else
@@ -122,14 +168,26 @@ def _identity(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k not in RESUMABLE_CHANGES}
 
 
-def _check_same_config(saved: Path, cfg: DictConfig) -> None:
-    if not saved.exists():
-        return
+def _changed_config(saved: Path, cfg: DictConfig) -> list[str]:
+    """The keys (but those that may change on resume) whose value in `cfg` is not the one in the config.yaml `saved`."""
     before = _identity(OmegaConf.to_container(OmegaConf.load(saved), resolve=True))
     now = _identity(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     if now.get("model", {}).get("checkpoint_dir") is None and "model" in before:
         now["model"]["checkpoint_dir"] = before["model"].get("checkpoint_dir")  # resolved when the run started
-    changed = sorted(_diff(before, now))
+    return sorted(_diff(before, now))
+
+
+def _same_config(saved: Path, cfg: DictConfig) -> bool:
+    try:
+        return saved.exists() and not _changed_config(saved, cfg)
+    except (OSError, ValueError):  # a config.yaml a kill cut short is no run's config
+        return False
+
+
+def _check_same_config(saved: Path, cfg: DictConfig) -> None:
+    if not saved.exists():
+        return
+    changed = _changed_config(saved, cfg)
     if changed and cfg.resume_force:
         if env.rank() == 0:
             print(f"warning: resume_force=true: resuming a run whose config was another ({', '.join(changed[:6])})",
@@ -184,6 +242,10 @@ def start_run_folder(out: Path, cfg: DictConfig, *, model_dir: Path, plan: dict,
     resolved = copy.deepcopy(cfg)
     resolved.model.checkpoint_dir = str(model_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # What a killed earlier process of this run left half-written (saves, exports: written aside, never renamed).
+    # This run holds the folder: no live writer owns them.
+    for tmp in [*out.glob(".*.tmp*"), *out.glob("checkpoints/.*.tmp")]:
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
     write_config(out, resolved)
     write_json(out / "plan.json", {**plan, "changes": hint["changes"]} if hint else plan)
     kept = _truncate_jsonl(out / "metrics.jsonl", resume_step)

@@ -30,10 +30,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 
-from moai_recipes.checkpoint.disk import Writes, disk_full, remove
+from moai_recipes import env
 from moai_recipes.checkpoint.integrity import checksums
 from moai_recipes.checkpoint.no_code import SafeLoadPlanner, SafeReader, UnsafeCheckpoint, load_data
 from moai_recipes.errors import UserError
+from moai_recipes.files import Writes, disk_full, remove
 from moai_recipes.checkpoint.output_dir import (
     checkpoint_dir,
     complete_checkpoints,
@@ -74,6 +75,7 @@ def save_checkpoint(out: Path, state: TrainState, meta: dict, *, world, keep: in
                    tmp / f"rng-rank{world.rank}.pt")
 
     def complete():  # the main rank's, once every shard is on disk: the checkpoint becomes visible
+        time.sleep(env.fault_save_delay())
         torch.save({"scheduler": state.scheduler.state_dict()}, tmp / "train_state.pt")
         about = {**meta, "world_size": world.world_size, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                  "files": checksums(tmp)}
@@ -95,7 +97,7 @@ def save_checkpoint(out: Path, state: TrainState, meta: dict, *, world, keep: in
         if world.is_main:
             remove([tmp])
         raise disk_full(final.parent, f"the checkpoint of step {meta['step']}", needed=_global_bytes(trainable),
-                        run=out)
+                        resumes_from=(complete_checkpoints(out) or [None])[-1])
     size = 0
     if world.is_main:
         for old in complete_checkpoints(out)[:-keep]:

@@ -16,10 +16,11 @@ import gc
 import os
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 from moai_recipes import env
-from moai_recipes.checkpoint.output_dir import check_output_dir, read_hint, run_finished
+from moai_recipes.checkpoint.output_dir import check_output_dir, holding_run_folder, read_hint, run_finished
 from moai_recipes.config.compose import load_config
 from moai_recipes.errors import (
     EXIT_OUT_OF_MEMORY,
@@ -46,10 +47,11 @@ def main(recipe: str, argv: list[str] | None = None) -> int:
     given = env.given_world()
     check_world(flavor, given)
     job = Job(recipe=recipe, cfg=cfg, flavor=flavor, job_id=new_job_id())
-    with registered(flavor, job_id=job.job_id):  # `moai smi` lists the run until it ends
-        if given is None and flavor.num_devices > 1:
-            return launch(job)
-        return run(job, given)
+    launching = given is None and flavor.num_devices > 1
+    # The run folder is this run's while it lives (torchrun's and SLURM's processes: rank 0 holds it for them).
+    holding = holding_run_folder(cfg.output_dir, workers=launching) if given is None or given.rank == 0 else nullcontext()
+    with holding, registered(flavor, job_id=job.job_id):  # `moai smi` lists the run until it ends
+        return launch(job) if launching else run(job, given)
 
 
 def check_world(flavor: Flavor, given: env.GivenWorld | None) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from moai_recipes import env
+from moai_recipes.checkpoint.output_dir import shared_by_worker
 from moai_recipes.config.compose import resolved_config
 from moai_recipes.errors import EXIT_OUT_OF_MEMORY, EXIT_STOPPED, RestartSmaller, Stopped, exit_on_user_error
 from moai_recipes.files import write_json
@@ -75,6 +76,7 @@ def run(job: Job, given: env.GivenWorld | None) -> int:
 def main(argv: list[str]) -> int:
     (path,) = argv
     job = Job.read(Path(path))
+    shared_by_worker(job.cfg.output_dir)  # the folder stays held while this worker lives, its launcher gone or not
     with registered(job.flavor, job_id=job.job_id, launcher=job.launcher):
         return run(job, env.given_world())
 

@@ -13,6 +13,7 @@ import re
 import shutil
 import struct
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,9 +23,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from moai_recipes.checkpoint.disk import Writes, disk_full
-from moai_recipes.checkpoint.integrity import safetensors_damage
+from moai_recipes import env
 from moai_recipes.errors import UserError
+from moai_recipes.files import Writes, disk_full
 from moai_recipes.models.build import is_nf4
 from moai_recipes.models.spec import ModelSpec, read_spec
 
@@ -88,8 +89,28 @@ def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as e:
-        why = safetensors_damage(path) or str(e)  # "truncated (N of M bytes)" says more than the parser's words
+        why = _safetensors_damage(path) or str(e)  # "truncated (N of M bytes)" says more than the parser's words
         raise UserError(f"cannot read {path}: {why}; download the checkpoint again") from None
+
+
+def _safetensors_damage(path: Path) -> str | None:
+    """What is wrong with one .safetensors file, in a few words (None: its header reads and its data is all
+    there)."""
+    if not path.is_file():
+        return "missing"
+    have = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > have:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, struct.error) as e:
+        return f"not a readable safetensors file ({e})"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if have < 8 + length + end:
+        return f"truncated ({have} of {8 + length + end} bytes)"
+    return None
 
 
 def _weight_map(folder: Path) -> dict[str, list[str]]:
@@ -315,9 +336,10 @@ def save_weights(model: torch.nn.Module, hf: HFFolder, out_dir: Path, *, rank: i
         total_size = sum(_save_file(export, hf, names, fname, tmp, writes) for fname in hf.files)
         if rank == 0:
             writes.run(lambda: _write_index_and_extras(hf, tmp, total_size))
+            time.sleep(env.fault_save_delay())
             writes.run(lambda: os.rename(tmp, out_dir))
         if writes.failed_anywhere():
-            raise disk_full(out_dir.parent, f"the model {out_dir}", needed=total_size, run=out_dir.parent)
+            raise disk_full(out_dir.parent, f"the model {out_dir}", needed=total_size)
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from moai_recipes.checkpoint.disk import Writes, disk_full
 from moai_recipes.errors import UserError
+from moai_recipes.files import Writes, disk_full
 from moai_recipes.models.build import nf4_weights
 from moai_recipes.models.hf_format import (
     copy_full_into,
@@ -165,8 +165,7 @@ def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_di
     if rank == 0:
         writes.run(lambda: _write_adapter(adapters, opts=opts, out_dir=out_dir, base_model=base_model))
     if writes.failed_anywhere():
-        raise disk_full(out_dir.parent, f"the adapter {out_dir}", needed=sum(t.nbytes for t in adapters.values() if t is not None),
-                        run=out_dir.parent)
+        raise disk_full(out_dir.parent, f"the adapter {out_dir}", needed=sum(t.nbytes for t in adapters.values() if t is not None))
 
 
 def _write_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_dir: Path, base_model: str) -> None:

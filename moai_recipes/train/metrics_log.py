@@ -15,7 +15,8 @@ from urllib.parse import urlparse
 from tqdm import tqdm
 
 from moai_recipes import env
-from moai_recipes.checkpoint.disk import room_for
+from moai_recipes.checkpoint.output_dir import complete_checkpoints
+from moai_recipes.files import room_for
 
 @dataclass(frozen=True)
 class StepMetrics:
@@ -137,7 +138,8 @@ class MetricsLog:
             self._wandb.summary.update(values)
 
     def _room(self, what: str):
-        return room_for(self.output_dir, what, run=self.output_dir)
+        last = complete_checkpoints(self.output_dir)
+        return room_for(self.output_dir, what, resumes_from=last[-1] if last else None)
 
     def close(self) -> None:
         self._bar.close()
