@@ -14,6 +14,7 @@ XDG_CONFIG_HOME = "XDG_CONFIG_HOME"  # where MOAI_HOME is when unset
 MOAI_CACHE = "MOAI_CACHE"  # this machine's caches (the tiny checkpoint, converted models, CPU speed, traces)
 FAULT_OOM_TOKENS = "MOAI_FAULT_OOM_TOKENS"  # test hook: a micro-batch of more tokens runs out of memory
 FAULT_STEP_DELAY = "MOAI_FAULT_STEP_DELAY"  # test hook: seconds each step waits first, as on a slower machine
+FAULT_MEMORY_HEADROOM = "MOAI_FAULT_MEMORY_HEADROOM"  # test hook: bytes of address space a step may add, for real
 FAULT_SAVE_DELAY = "MOAI_FAULT_SAVE_DELAY"  # test hook: seconds a save waits, half-written, as on a slower disk
 OMP_NUM_THREADS = "OMP_NUM_THREADS"  # a user's choice of threads per process, honoured as torchrun does
 # The world a launcher gives a process (torchrun, our elastic launch) and the process group's rendezvous.
@@ -56,6 +57,14 @@ def fault_step_delay() -> float:
     """MOAI_FAULT_STEP_DELAY: seconds each step waits before it runs (0: none), so that a test can signal a run
     mid-way whatever the machine's speed."""
     return float(_get(FAULT_STEP_DELAY) or 0)
+
+
+def fault_memory_headroom() -> int | None:
+    """MOAI_FAULT_MEMORY_HEADROOM: after the first step, the process may grow its address space by this many bytes
+    more (RLIMIT_AS), so that a larger micro-batch runs out of memory for real, wherever in its forward or backward
+    the allocation fails (None: no limit)."""
+    value = _get(FAULT_MEMORY_HEADROOM)
+    return int(value) if value else None
 
 
 def fault_save_delay() -> float:

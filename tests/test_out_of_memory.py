@@ -1,6 +1,7 @@
 """An out-of-memory step is redone with the next smaller plan: the same global batch, the same losses.
 The error is injected (MOAI_FAULT_OOM_TOKENS: any micro-batch of more tokens runs out of memory, as a smaller
-device would). Run: pytest tests/test_out_of_memory.py"""
+device would), or real (MOAI_FAULT_MEMORY_HEADROOM: the process's address space is limited after its first step,
+and an allocation fails wherever it does). Run: pytest tests/test_out_of_memory.py"""
 
 import json
 
@@ -64,3 +65,29 @@ def test_on_two_processes_they_start_again_smaller_with_the_same_losses(tmp_path
     chosen = plan["chosen"]["micro_batch_size"]
     assert chosen * 32 <= 64 and chosen == plan["changes"][-1]["to"]["micro_batch_size"]
     assert_same_losses(tmp_path / "oom", uninterrupted[1])
+
+
+def test_a_real_out_of_memory_mid_step_is_redone_smaller_with_a_clean_graph(tmp_path):
+    """No injected error: after step 1 the process may grow its address space by 16 MB only (RLIMIT_AS), and a
+    micro-batch of 64 rows fails in the middle of its forward or backward, in torch's allocator. The step runs again
+    in micro-batches of 32 under the same limit, which it could not if the failed pass's graph and activations were
+    still held; the losses are those of the run without a limit."""
+    args = ["logger=stdout", "max_steps=4", "epochs=4", "batch_size=64", "plan.packing=false", "optimizer.lr=3e-3",
+            "sample_max_new_tokens=0"]
+    ref = run_recipe(*args, "flavor=cpu", f"output_dir={tmp_path / 'ref'}")
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    assert json.loads((tmp_path / "ref" / "plan.json").read_text())["chosen"]["micro_batch_size"] == 64
+
+    r = run_recipe(*args, "flavor=cpu", f"output_dir={tmp_path / 'oom'}", isolated=True,
+                   env={"MOAI_FAULT_MEMORY_HEADROOM": str(16 * 10**6)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    changes = json.loads((tmp_path / "oom" / "plan.json").read_text())["changes"]
+    assert changes and all(c["step"] > 1 for c in changes), changes
+    assert all("can't allocate memory" in c["error"] for c in changes), changes  # the CPU allocator's own failure
+    # One step down fits: had the failed pass's graph and activations outlived it (held by the error's traceback),
+    # they would have taken the room of the redo, and it would have failed again at 32 rows (tried: 64 -> 32 -> 16).
+    assert [c["to"]["micro_batch_size"] for c in changes] == [32], changes
+    reference = [row["loss"] for row in metrics(tmp_path / "ref")]
+    for a, b in zip(reference, [row["loss"] for row in metrics(tmp_path / "oom")], strict=True):
+        assert abs(a - b) <= 1e-4 * a
+    assert (tmp_path / "oom" / "model" / "model.safetensors").exists()

@@ -31,6 +31,7 @@ from moai_recipes.train.optim import clip_gradients
 from moai_recipes.train.out_of_memory import (
     SmallerOnOutOfMemory,
     StepOutOfMemory,
+    address_space_limit,
     injected_fault,
     is_out_of_memory,
 )
@@ -55,13 +56,14 @@ class LoopSettings:
     eval_every: int | None = None  # steps between validation losses; None: at the end only
     fault_oom_tokens: int | None = None  # micro-batches of more tokens fail as out of memory (tests; ProcessSettings)
     fault_step_delay: float = 0.0  # seconds each step waits first (tests; ProcessSettings)
+    fault_memory_headroom: int | None = None  # a real address-space limit after the first step (tests; ProcessSettings)
 
     @classmethod
     def from_config(cls, cfg, process: ProcessSettings) -> "LoopSettings":
         return cls(max_grad_norm=cfg.optimizer.max_grad_norm, checkpoint_every=cfg.checkpoint_every,
                    checkpoint_keep=cfg.checkpoint_keep, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
                    eval_every=cfg.eval_every, fault_oom_tokens=process.fault_oom_tokens,
-                   fault_step_delay=process.fault_step_delay)
+                   fault_step_delay=process.fault_step_delay, fault_memory_headroom=process.fault_memory_headroom)
 
 
 @dataclass
@@ -147,9 +149,13 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
             batches.append(batch)
         loss_sum = _losses(state.model, batches, plan=plan, world=world, pad_id=pad_id, scale=scale)
     except Exception as e:
-        if is_out_of_memory(e):
-            raise StepOutOfMemory(e) from e
-        raise
+        if not is_out_of_memory(e):
+            raise
+        failed = str(e)  # not the error itself: its frames hold the partial forward's graph and activations
+    else:
+        failed = None
+    if failed is not None:
+        raise StepOutOfMemory(failed)
     if plan.replicate:
         all_reduce_gradients(state.model)
     # Every tensor-parallel device holds the same loss; only a pipeline's last stage holds any.
@@ -185,7 +191,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     meter, step_times, nonfinite = PeakMemory(world.device, compiled=runner.plan.compile,
                                                    pipelined=runner.plan.pipeline_stages > 1), [], 0
     state.model.train()
-    with _StopRequest() as stop:
+    with _StopRequest() as stop, address_space_limit(settings.fault_memory_headroom) as limit_memory:
         for step in range(first, inputs.total_steps):
             done = step + 1
             if settings.fault_step_delay:  # tests that signal a run mid-way, whatever the machine's speed
@@ -199,6 +205,8 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()
             step_times.append(timer.seconds)
+            if done == first + 1:
+                limit_memory()  # tests: a real memory limit from the second step (MOAI_FAULT_MEMORY_HEADROOM)
             if not result.finite:
                 nonfinite += 1
                 if nonfinite > settings.skip_nonfinite_steps:

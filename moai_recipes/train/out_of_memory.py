@@ -16,10 +16,13 @@ the same global batches, the same losses. Without a launcher that restarts, the 
 again and it does the same.
 
 `MOAI_FAULT_OOM_TOKENS=N` makes any micro-batch of more than N tokens run out of memory, as a device that
-size would: how the recovery is tested on the CPU (tests/test_out_of_memory.py). train/process.py reads it once.
+size would; `MOAI_FAULT_MEMORY_HEADROOM=BYTES` limits the process's address space after its first step, so that an
+allocation fails for real, in the middle of a forward or a backward: how the recovery is tested on the CPU
+(tests/test_out_of_memory.py). train/process.py reads them once.
 """
 
 import gc
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,11 +38,13 @@ from moai_recipes.train.world import World
 
 
 class StepOutOfMemory(Exception):
-    """A step's forward or backward ran out of memory before anything was applied."""
+    """A step's forward or backward ran out of memory before anything was applied. It carries the error's words only:
+    the error's traceback holds the failed pass's frames, and with them its graph and activations, which must be gone
+    before the step runs again (tests/test_out_of_memory.py checks that the redo fits where they would not)."""
 
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.error = message
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -54,6 +59,27 @@ def injected_fault(tokens: int, limit: int | None) -> None:
         raise torch.OutOfMemoryError(f"{env.FAULT_OOM_TOKENS}={limit}: a micro-batch of {tokens} tokens is out of memory")
 
 
+@contextmanager
+def address_space_limit(headroom: int | None):
+    """Within the block, from the first time `limit()` is called, this process's address space may grow by `headroom`
+    bytes more and no further (MOAI_FAULT_MEMORY_HEADROOM; None: no limit): an allocation past it fails as on a
+    machine that size, wherever it happens. Lifted at the end (the export and the plots load libraries)."""
+    import resource
+
+    import psutil
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
+
+    def limit():
+        if headroom is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (psutil.Process().memory_info().vms + headroom, before[1]))
+
+    try:
+        yield limit
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, before)
+
+
 def release_memory(optimizer: torch.optim.Optimizer) -> None:
     """Drop the failed step's gradients and give the caches back before it runs again."""
     optimizer.zero_grad(set_to_none=True)
@@ -62,7 +88,7 @@ def release_memory(optimizer: torch.optim.Optimizer) -> None:
         torch.cuda.empty_cache()
 
 
-def smaller_plan(choice: PlanChoice, plan: Plan, *, step: int, error: BaseException) -> Candidate:
+def smaller_plan(choice: PlanChoice, plan: Plan, *, step: int, error: str) -> Candidate:
     """The fastest candidate that differs from `plan` only by a smaller token budget; a UserError when none does."""
     smaller = [c for c in choice.candidates
                if replace(c.plan, micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.accumulation_steps) == plan

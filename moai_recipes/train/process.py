@@ -4,8 +4,8 @@ What it sets is process-wide, so it is set once, here, and nowhere below:
 - threads: the process's share of this machine's cores (the planner priced its steps with that many);
 - the C allocator (CPU): glibc keeps the memory freed tensors held, where a step's tensors are large (below);
 - the garbage collector: what exists before the loop is frozen out of its reach;
-- fault injection (tests): MOAI_FAULT_OOM_TOKENS and MOAI_FAULT_STEP_DELAY read once into the settings the loop
-  gets.
+- fault injection (tests): MOAI_FAULT_OOM_TOKENS, MOAI_FAULT_MEMORY_HEADROOM and MOAI_FAULT_STEP_DELAY read once
+  into the settings the loop gets.
 
 The allocator. glibc serves an allocation above its mmap threshold (at most 32 MiB) with fresh pages from the
 kernel and returns them on free; every new tensor that large then pays a page fault per 4 KiB and the kernel's
@@ -59,6 +59,7 @@ class ProcessSettings:
 
     fault_oom_tokens: int | None  # MOAI_FAULT_OOM_TOKENS: larger micro-batches fail as out of memory (tests)
     fault_step_delay: float  # MOAI_FAULT_STEP_DELAY: seconds each step waits first (tests)
+    fault_memory_headroom: int | None = None  # MOAI_FAULT_MEMORY_HEADROOM: a real memory limit after step 1 (tests)
 
 
 def prepare_process(plan: Plan, work: Workload, flavor: Flavor, world: World) -> ProcessSettings:
@@ -70,4 +71,5 @@ def prepare_process(plan: Plan, work: Workload, flavor: Flavor, world: World) ->
     # collector's reach, neither the full collections during training nor the one at exit walk it again (that
     # last one took 1.0 s of a 3M model's run here; with it frozen, 0.02 s).
     gc.freeze()
-    return ProcessSettings(fault_oom_tokens=env.fault_oom_tokens(), fault_step_delay=env.fault_step_delay())
+    return ProcessSettings(fault_oom_tokens=env.fault_oom_tokens(), fault_step_delay=env.fault_step_delay(),
+                           fault_memory_headroom=env.fault_memory_headroom())
