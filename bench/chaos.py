@@ -6,8 +6,8 @@ with the weights and the losses of an uninterrupted run, bit for bit.
 
 Moments are drawn from three kinds, a third each:
 - `time`: a uniform moment of the run (start-up, tokenising, a step, a save, the export, the exit);
-- `save`: while a step checkpoint is half-written (its .step-*.tmp folder exists; MOAI_FAULT_SAVE_DELAY holds it
-  open 0.5 s so that the kill lands inside it);
+- `save`: while one of the step checkpoints still to come, drawn, is half-written (its .step-*.tmp folder exists;
+  MOAI_FAULT_SAVE_DELAY holds it open 0.5 s so that the kill lands inside it);
 - `export`: while the final model is half-written (its .model.tmp-* folder exists, held open alike).
 A trial is one run folder killed up to 3 times, then let to finish. Prints one line per kill and a summary; exit 1
 if any trial ends unlike the reference.
@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["flavor=cpu-2", "logger=stdout", "epochs=2", "batch_size=8", "max_steps=12", "optimizer.lr=3e-3",
         "optimizer.warmup_steps=2", "checkpoint_every=2", "sample_max_new_tokens=0"]
+SAVES = [2, 4, 6, 8, 10]  # the step checkpoints ARGS make (none at the last step: the model is written instead)
 ENV = {"WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "MOAI_FAULT_SAVE_DELAY": "0.5"}
 
 
@@ -98,8 +99,10 @@ def main() -> int:
             proc = start(out)
             if kind == "time":
                 hit = not wait_until(proc, lambda: False, timeout=rng.uniform(0, duration))
-            elif kind == "save":
-                hit = wait_until(proc, lambda: any((out / "checkpoints").glob(".step-*.tmp")))
+            elif kind == "save":  # one of the saves still to come, drawn: not always the first
+                saved = [int(p.name[5:]) for p in (out / "checkpoints").glob("step-*")] if out.exists() else []
+                target = rng.choice([s for s in SAVES if s > max(saved, default=0)] or SAVES)
+                hit = wait_until(proc, lambda: (out / "checkpoints" / f".step-{target:06d}.tmp").exists())
             else:
                 hit = wait_until(proc, lambda: any(out.glob(".model.tmp-*")))
             if proc.poll() is not None:  # it ended first (finished, or nothing left to save): not a kill

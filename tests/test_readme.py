@@ -10,7 +10,6 @@ names, values, files and plan checked, no training: the README's own runs are 0.
 import json
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 
