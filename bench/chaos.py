@@ -73,6 +73,7 @@ def same(out: Path, reference: Path) -> bool:
 
 
 def main() -> int:
+    sys.stdout.reconfigure(line_buffering=True)  # each kill shows as it happens, also into a file
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)

@@ -21,6 +21,7 @@ from moai_recipes.checkpoint.output_dir import (
     complete_checkpoints,
     read_hint,
     read_meta,
+    verified,
 )
 from moai_recipes.config.schema import DEFAULT_MODEL
 from moai_recipes.data.training_data import RunData, read_data
@@ -97,11 +98,13 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     out = resume_from = None
     if output:
         if not dry and dist.is_initialized() and dist.get_world_size() > 1:
-            # Checked (the checkpoint read back against its checksums) once, on rank 0, before it writes anything;
-            # a UserError there ends the group (the launcher stops the others).
-            box = [check_output_dir(cfg, restarting=restarting) if dist.get_rank() == 0 else None]
+            # Checked once, on rank 0, before it writes anything (a UserError there ends the group: the launcher
+            # stops the others); then the checkpoint is read back against its checksums by all, each its share.
+            box = [check_output_dir(cfg, restarting=restarting, verify=False) if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(box, src=0)
             out, resume_from = box[0]
+            resume_from = verified(cfg, resume_from, share=(dist.get_rank(), dist.get_world_size()),
+                                   agree=_all_gathered)
         else:
             out, resume_from = check_output_dir(cfg, restarting=not dry and restarting)
     m = cfg.model
@@ -132,6 +135,12 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     return RunInputs(model_name=m.name, spec=spec, hf=hf, tokenizer=tokenizer, lora=lora, data=data,
                      total_steps=data.total_steps if data else None, out=out, resume_from=resume_from,
                      workload=workload, out_of_memory_hint=read_hint(out), identity=identity)
+
+
+def _all_gathered(value) -> list:
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def _check_room(cfg: DictConfig, out: Path, *, hf: HFFolder, workload: Workload, resume_from: Path | None) -> None:

@@ -288,9 +288,11 @@ def test_a_damaged_newest_checkpoint_is_named_and_passed_over_for_the_one_before
     data = bytearray(changed.read_bytes())
     data[-20] ^= 0xFF  # one flipped byte, same size
     changed.write_bytes(bytes(data))
-    flipped = run_recipe(*COMMON, "flavor=cpu", "max_steps=5", f"resume={changed.parent}",
+    # Two processes read it back, each hashing half of its files: the one whose half holds it finds it, both refuse.
+    flipped = run_recipe(*COMMON, "flavor=cpu-2", "max_steps=5", f"resume={changed.parent}",
                          f"output_dir={tmp_path / 'flipped'}")
-    assert flipped.returncode == 2 and "its SHA-256 differs from the one saved" in flipped.stderr, flipped.stderr
+    assert flipped.returncode == 2 and "Traceback" not in flipped.stderr, flipped.stdout + flipped.stderr
+    assert f"{changed} is damaged (its SHA-256 differs from the one saved)" in flipped.stderr, flipped.stderr
 
 
 def test_resume_refuses_other_inputs_by_name_unless_forced(tmp_path, stopped_checkpoint):

@@ -111,11 +111,7 @@ def check_output_dir(cfg: DictConfig, *, restarting: bool = False, verify: bool 
         raise UserError(f"output_dir={cfg.output_dir} is a file; give a folder")
     if cfg.resume not in ("auto", "never"):
         checkpoint = _given_checkpoint(cfg.resume)
-        why = damage(checkpoint) if verify else None
-        if why:
-            raise UserError(f"resume={cfg.resume}: {why}; the checkpoint is damaged. Resume from an earlier one "
-                            f"({checkpoint.parent}) or with resume=auto, which takes the newest whole one")
-        return out, checkpoint
+        return out, verified(cfg, checkpoint) if verify else checkpoint
     found = [name for name in RUN_FILES if (out / name).exists()]
     if not found:
         return out, None
@@ -133,19 +129,28 @@ def check_output_dir(cfg: DictConfig, *, restarting: bool = False, verify: bool 
     if not checkpoints:
         return out, None
     _check_same_config(out / "config.yaml", cfg)
-    return out, _newest_whole(checkpoints) if verify else checkpoints[-1]
+    return out, verified(cfg, checkpoints[-1]) if verify else checkpoints[-1]
 
 
-def _newest_whole(checkpoints: list[Path]) -> Path | None:
-    """The newest checkpoint whose files are as saved; a damaged newer one is named, and passed over."""
-    for checkpoint in reversed(checkpoints):
-        why = damage(checkpoint)
+def verified(cfg: DictConfig, checkpoint: Path | None, *, share: tuple[int, int] = (0, 1),
+             agree=lambda why: [why]) -> Path | None:
+    """`checkpoint` if its files read back as saved. Else, under resume=auto, the newest whole one before it (the
+    damaged ones named and passed over); under resume=PATH a UserError naming the file. Several processes share the
+    reading: `share` is this one's (rank, ranks), `agree(why)` every rank's finding (a collective)."""
+    if checkpoint is None:
+        return None
+    candidates = [c for c in complete_checkpoints(checkpoint.parent.parent) if c.name <= checkpoint.name][::-1]
+    for candidate in candidates if cfg.resume == "auto" else [checkpoint]:
+        why = next((w for w in agree(damage(candidate, share)) if w), None)
         if why is None:
-            return checkpoint
+            return candidate
+        if cfg.resume != "auto":
+            raise UserError(f"resume={cfg.resume}: {why}; the checkpoint is damaged. Resume from an earlier one "
+                            f"({checkpoint.parent}) or with resume=auto, which takes the newest whole one")
         if env.rank() == 0:
-            print(f"warning: {why}: the checkpoint {checkpoint.name} is damaged and is not loaded; "
+            print(f"warning: {why}: the checkpoint {candidate.name} is damaged and is not loaded; "
                   "resuming from the one before it", file=sys.stderr, flush=True)
-    raise UserError(f"every checkpoint in {checkpoints[0].parent} is damaged (see above); start afresh with another "
+    raise UserError(f"every checkpoint in {checkpoint.parent} is damaged (see above); start afresh with another "
                     "output_dir=..., or resume=PATH from a copy of a whole one")
 
 

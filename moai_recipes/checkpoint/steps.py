@@ -77,8 +77,9 @@ def save_checkpoint(out: Path, state: TrainState, meta: dict, *, world, keep: in
     def complete():  # the main rank's, once every shard is on disk: the checkpoint becomes visible
         time.sleep(env.fault_save_delay())
         torch.save({"scheduler": state.scheduler.state_dict()}, tmp / "train_state.pt")
+        files = {**shared_sums, **checksums(tmp, skip=tuple(shared_sums))}  # and train_state.pt
         about = {**meta, "world_size": world.world_size, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-                 "files": checksums(tmp)}
+                 "files": dict(sorted(files.items()))}
         (tmp / "meta.json").write_text(json.dumps(about, indent=2) + "\n")
         if final.exists():  # a resumed run saving the same step again
             shutil.rmtree(final)
@@ -89,10 +90,14 @@ def save_checkpoint(out: Path, state: TrainState, meta: dict, *, world, keep: in
     writes = Writes()
     if world.is_main:
         writes.run(lambda: tmp.mkdir(parents=True))
+    shared_sums = {}
     if not writes.failed_anywhere():  # also the barrier: the folder exists
         writes.run(shards)
-        if not writes.failed_anywhere() and world.is_main:
-            writes.run(complete)
+        if not writes.failed_anywhere():
+            # Every rank hashes its share of the files all ranks wrote; the main rank records them all.
+            shared_sums = _gathered(checksums(tmp, (world.rank, world.world_size)), world)
+            if world.is_main:
+                writes.run(complete)
     if writes.failed_anywhere():
         if world.is_main:
             remove([tmp])
@@ -105,6 +110,15 @@ def save_checkpoint(out: Path, state: TrainState, meta: dict, *, world, keep: in
         size = sum(f.stat().st_size for f in final.iterdir())
     dist.barrier()
     return final, time.perf_counter() - start, size
+
+
+def _gathered(part: dict, world) -> dict:
+    """Every rank's `part`, merged (a collective)."""
+    if world.world_size == 1:
+        return part
+    parts = [None] * world.world_size
+    dist.all_gather_object(parts, part)
+    return {k: v for p in parts for k, v in p.items()}
 
 
 def _global_bytes(state: dict) -> int:
