@@ -65,3 +65,19 @@ def _quiet_env(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("MOAI_CACHE", str(tmp_path_factory.getbasetemp() / "moai-cache"))
     # The developer's own `moai switch` choice (and running recipes) must never reach a test.
     monkeypatch.setenv("MOAI_HOME", str(tmp_path_factory.getbasetemp() / "moai-home"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """small_disk(megabytes): a tmpfs of that size mounted for the test (tests/helpers.SmallDisk), unmounted after."""
+    from tests.helpers import SmallDisk
+
+    disks = []
+
+    def make(megabytes: int) -> SmallDisk:
+        disks.append(SmallDisk(tmp_path / f"disk{len(disks)}", megabytes))
+        return disks[-1]
+
+    yield make
+    for disk in disks:
+        disk.close()

@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import traceback
+import uuid
 from pathlib import Path
 
 import torch
@@ -231,3 +232,32 @@ def wandb_records(run_dir: Path) -> dict:
             found["config"].update({k: v.get("value", v) if isinstance(v, dict) else v
                                     for k, v in values(update).items()})
     return found
+
+
+class SmallDisk:
+    """A tmpfs of `megabytes` at `path`; `fill()` takes what is left with a ballast file, `empty()` frees it."""
+
+    def __init__(self, path: Path, megabytes: int):
+        self.path, self.ballast = path, path / f"ballast-{uuid.uuid4().hex[:6]}"
+        path.mkdir(parents=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            import pytest
+
+            pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip()}); these tests need root")
+
+    def fill(self):
+        with open(self.ballast, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 2**16)
+                    f.flush()
+            except OSError:
+                pass
+
+    def empty(self):
+        self.ballast.unlink(missing_ok=True)
+
+    def close(self):
+        subprocess.run(["umount", "-l", str(self.path)], check=False)

@@ -225,12 +225,12 @@ def test_a_killed_launcher_takes_its_workers_down_with_a_checkpoint(tmp_path, re
 
 
 def test_killed_outright_mid_save_and_mid_export_the_same_command_ends_bit_for_bit(tmp_path, reference):
-    """SIGKILL to the launcher and both workers at once (no handler runs), inside a step checkpoint and then inside the
-    export (each held half-written by MOAI_FAULT_SAVE_DELAY), and once before the first checkpoint: each time the same
-    command goes on, and the run ends with the uninterrupted run's losses and weights. bench/chaos.py draws many such
-    moments at random."""
+    """SIGKILL to the launcher and both workers at once (no handler runs), inside the first step checkpoint (so the
+    folder holds no checkpoint: the same command starts over) and then inside the export (each held half-written by
+    MOAI_FAULT_SAVE_DELAY): each time the same command goes on, and the run ends with the uninterrupted run's losses
+    and weights. bench/chaos.py draws many such moments at random."""
     out = tmp_path / "run"
-    env = command_env({"MOAI_FAULT_SAVE_DELAY": "0.6"})
+    env = command_env({"MOAI_FAULT_SAVE_DELAY": "0.3"})
 
     def killed_when(ready):
         proc = subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *COMMON, "flavor=cpu-2",
@@ -246,9 +246,8 @@ def test_killed_outright_mid_save_and_mid_export_the_same_command_ends_bit_for_b
         proc.communicate()
         psutil.wait_procs(family, timeout=30)
 
-    killed_when(lambda: (out / "metrics.jsonl").exists())  # before any checkpoint: the same command starts over
-    killed_when(lambda: any((out / "checkpoints").glob(".step-*.tmp")))
-    assert any((out / "checkpoints").glob(".step-*.tmp"))  # it died inside the save
+    killed_when(lambda: (out / "checkpoints" / ".step-000002.tmp").exists())
+    assert (out / "checkpoints" / ".step-000002.tmp").exists() and not (out / "checkpoints" / "step-000002").exists()
     killed_when(lambda: any(out.glob(".model.tmp-*")))
     assert any(out.glob(".model.tmp-*")) and not (out / "model").exists()  # inside the export
     r = run_recipe(*COMMON, "flavor=cpu-2", f"output_dir={out}")
@@ -256,6 +255,39 @@ def test_killed_outright_mid_save_and_mid_export_the_same_command_ends_bit_for_b
     assert "continuing at step 11" in r.stdout  # the last checkpoint before the export: step 10
     assert not any(out.glob(".*.tmp*")) and not any((out / "checkpoints").glob(".*.tmp"))
     assert layout(out) == layout(reference) and losses(out) == losses(reference)
+    ref, got = tensors(reference / "model"), tensors(out / "model")
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_a_disk_that_fills_mid_run_ends_it_cleanly_and_the_last_checkpoint_resumes(references, small_disk):
+    """cpu-2, FSDP2: the disk is filled by someone else after the step-2 checkpoint; the step-4 save finds no room on
+    its ranks. Exit 2, one message, no .tmp; freed, the same command resumes from step 2 and ends as an
+    uninterrupted run does, bit for bit."""
+    reference = references("sharded")
+    disk = small_disk(48)
+    out = disk.path / "run"
+    args = [*COMMON, "flavor=cpu-2", *FSDP, f"output_dir={out}"]
+    proc = subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *args], cwd=ROOT,
+                            env=command_env({"MOAI_FAULT_STEP_DELAY": "0.3"}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    end = time.time() + 300
+    while not (out / "checkpoints" / "step-000002" / "meta.json").exists():
+        assert proc.poll() is None and time.time() < end, proc.communicate()
+        time.sleep(0.02)
+    disk.fill()
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2, stdout + stderr
+    assert "Traceback" not in stderr and stderr.count("error:") == 1, stderr
+    assert f"the disk of {out / 'checkpoints'} is full: the checkpoint of step 4 could not be written" in stderr
+    assert f"resumes from the last complete checkpoint ({out / 'checkpoints' / 'step-000002'})" in stderr
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000002"]  # no .step-000004.tmp
+    assert not (out / "model").exists()
+
+    disk.empty()
+    again = run_recipe(*args)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "continuing at step 3" in again.stdout
+    assert losses(out) == losses(reference)
     ref, got = tensors(reference / "model"), tensors(out / "model")
     assert all(torch.equal(ref[k], got[k]) for k in ref)
 

@@ -3,63 +3,18 @@
 message, no .tmp left, the last complete checkpoint still resuming.
 
 The disks are real: a tmpfs of a few MB mounted for the test (root only; elsewhere these tests are skipped), filled
-by a ballast file as another user of a shared disk would fill it.
+by a ballast file as another user of a shared disk would fill it (tests/helpers.SmallDisk). The step checkpoint that
+finds the disk full on two processes is in tests/test_checkpoints.py, beside the uninterrupted run it is compared with.
 """
-
-import subprocess
-import sys
-import time
-import uuid
-from pathlib import Path
 
 import pytest
 import torch
 
 from moai_recipes.files import DiskFull
-from tests.helpers import FSDP, ROOT, command_env, losses, make_hf_checkpoint, run_recipe, tensors
+from tests.helpers import make_hf_checkpoint, run_recipe
 
 COMMON = ["logger=stdout", "epochs=2", "batch_size=8", "max_steps=12", "optimizer.lr=3e-3", "optimizer.warmup_steps=2",
           "checkpoint_every=2", "sample_max_new_tokens=0"]
-
-
-class SmallDisk:
-    """A tmpfs of `megabytes` at `path`; `fill()` takes what is left with a ballast file, `empty()` frees it."""
-
-    def __init__(self, path: Path, megabytes: int):
-        self.path, self.ballast = path, path / f"ballast-{uuid.uuid4().hex[:6]}"
-        path.mkdir(parents=True)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip()}); these tests need root")
-
-    def fill(self):
-        with open(self.ballast, "wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * 2**16)
-                    f.flush()
-            except OSError:
-                pass
-
-    def empty(self):
-        self.ballast.unlink(missing_ok=True)
-
-    def close(self):
-        subprocess.run(["umount", "-l", str(self.path)], check=False)
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    disks = []
-
-    def make(megabytes: int) -> SmallDisk:
-        disks.append(SmallDisk(tmp_path / f"disk{len(disks)}", megabytes))
-        return disks[-1]
-
-    yield make
-    for disk in disks:
-        disk.close()
 
 
 def test_a_run_that_cannot_fit_is_refused_before_its_first_step(small_disk):
@@ -74,42 +29,6 @@ def test_a_run_that_cannot_fit_is_refused_before_its_first_step(small_disk):
     fits = run_recipe(*COMMON, "flavor=cpu", "checkpoint_every=null", "max_steps=2",
                       f"output_dir={small_disk(12).path / 'run'}")
     assert fits.returncode == 0, fits.stdout + fits.stderr  # no checkpoints: the model and the logs fit 12 MB
-
-
-def test_a_disk_that_fills_mid_run_ends_it_cleanly_and_the_last_checkpoint_resumes(tmp_path, small_disk):
-    """cpu-2, FSDP2: the disk is filled by someone else after the step-2 checkpoint; the step-4 save finds no room on
-    its ranks. Exit 2, one message, no .tmp; freed, the same command resumes from step 2 and ends as an
-    uninterrupted run does, bit for bit."""
-    reference = tmp_path / "reference"
-    r = run_recipe(*COMMON, "flavor=cpu-2", *FSDP, f"output_dir={reference}")
-    assert r.returncode == 0, r.stdout + r.stderr
-
-    disk = small_disk(48)
-    out = disk.path / "run"
-    args = [*COMMON, "flavor=cpu-2", *FSDP, f"output_dir={out}"]
-    proc = subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *args], cwd=ROOT,
-                            env=command_env({"MOAI_FAULT_STEP_DELAY": "0.3"}), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    end = time.time() + 300
-    while not (out / "checkpoints" / "step-000002" / "meta.json").exists():
-        assert proc.poll() is None and time.time() < end, proc.communicate()
-        time.sleep(0.02)
-    disk.fill()
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 2, stdout + stderr
-    assert "Traceback" not in stderr and stderr.count("error:") == 1, stderr
-    assert f"the disk of {out / 'checkpoints'} is full: the checkpoint of step 4 could not be written" in stderr
-    assert f"resumes from the last complete checkpoint ({out / 'checkpoints' / 'step-000002'})" in stderr
-    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000002"]  # no .step-000004.tmp
-    assert not (out / "model").exists()
-
-    disk.empty()
-    again = run_recipe(*args)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert "continuing at step 3" in again.stdout
-    assert losses(out) == losses(reference)
-    ref, got = tensors(reference / "model"), tensors(out / "model")
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
 
 
 def test_the_model_adapter_and_logs_on_a_full_disk_raise_disk_full_and_leave_nothing_half_written(tmp_path, small_disk):

@@ -117,6 +117,8 @@ def _real(argv: list[str], made: dict) -> list[str]:
 
 def test_the_readme_commands_run_as_typed(placeholders, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # `moai cp` writes here
+    # A machine of its own: `moai calibrate` must neither see the suite's recorded runs nor refit the suite's planner.
+    monkeypatch.setenv("MOAI_HOME", str(tmp_path / "home"))
     commands = readme_commands()
     assert any(c[2] == "recipes.lora_finetune" for c in commands if c[0] == "python")
     ran = []
