@@ -20,15 +20,6 @@ from moai_recipes.models.tiny import demo_texts  # noqa: E402
 from tests.helpers import make_hf_checkpoint  # noqa: E402
 
 FAMILIES = ("llama", "mistral", "qwen2")
-# The longest modules first. Under `make test` (pytest -n 2 --dist loadfile) each worker takes the next whole module
-# as it frees, and a long module taken last would run alone at the end while the other core idles.
-LONGEST_FIRST = ("test_checkpoints", "test_layouts", "test_smollm2", "test_compile", "test_full_finetune",
-                 "test_lora_finetune", "test_out_of_memory", "test_multinode", "test_cli", "test_install")
-
-
-def pytest_collection_modifyitems(items):
-    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: order.get(item.module.__name__.rpartition(".")[2], len(order)))  # stable otherwise
 
 
 @pytest.fixture(scope="session")
