@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moai_recipes.models.tiny import demo_texts  # noqa: E402
-from tests.helpers import make_hf_checkpoint  # noqa: E402
+from tests.helpers import machine_cache, make_hf_checkpoint  # noqa: E402
 
 FAMILIES = ("llama", "mistral", "qwen2")
 
@@ -62,7 +62,7 @@ def _quiet_env(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("WANDB_MODE", os.environ.get("WANDB_MODE", "offline"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("MOAI_CACHE", str(tmp_path_factory.getbasetemp() / "moai-cache"))
+    monkeypatch.setenv("MOAI_CACHE", str(machine_cache(tmp_path_factory)))
     # The developer's own `moai switch` choice (and running recipes) must never reach a test.
     monkeypatch.setenv("MOAI_HOME", str(tmp_path_factory.getbasetemp() / "moai-home"))
 

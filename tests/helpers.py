@@ -38,6 +38,15 @@ def run_recipe(*args, module: str = "recipes.full_finetune", env: dict | None = 
     return _in_process(args, module=module, env=env)
 
 
+def machine_cache(tmp_path_factory) -> Path:
+    """The suite's MOAI_CACHE: the tiny checkpoint, this CPU's measured speed, the planner's layer traces, tokenised
+    data. One for the whole run, also under `pytest -n 2`, whose workers would otherwise each measure and trace the
+    same things (the cache is made for concurrent processes: written aside and renamed, tokenising under a lock).
+    Tests about the cache itself give their own."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "moai-cache"
+
+
 def command_env(changes: dict | None = None) -> dict:
     """The environment of a recipe's process: this one, quiet and offline, with `changes` (None removes one)."""
     full = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", **(changes or {})}

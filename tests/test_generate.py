@@ -27,7 +27,7 @@ from moai_recipes.inference.device_map import (
     setup_caches,
 )
 from moai_recipes.models.tiny import DEMO_DATA
-from tests.helpers import make_hf_checkpoint
+from tests.helpers import machine_cache, make_hf_checkpoint
 from tests.helpers import run_recipe
 
 FRANCE, COW = "What is the capital of France?", "What sound does a cow make?"
@@ -45,7 +45,7 @@ def runs(tmp_path_factory) -> Runs:
     rows = [json.loads(line) for line in DEMO_DATA.read_text().splitlines() if line.strip()]
     data = root / "facts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows if r["instruction"] in (FRANCE, COW)))
-    env = {"MOAI_CACHE": str(tmp_path_factory.getbasetemp() / "moai-cache"), "OMP_NUM_THREADS": "1"}
+    env = {"MOAI_CACHE": str(machine_cache(tmp_path_factory)), "OMP_NUM_THREADS": "1"}
     common = ["dataset=instruct", f"dataset.path={data}", "flavor=cpu", "logger=stdout", "batch_size=2",
               "optimizer.warmup_steps=0", "sample_max_new_tokens=0"]
     full = run_recipe("model=tiny", *common, "epochs=20", "optimizer.lr=3e-3", f"output_dir={root / 'full'}", env=env)
