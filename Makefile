@@ -28,7 +28,7 @@ demo-tiny: $(STAMP)
 
 # Two pytest workers, one per core, each taking whole test modules (a module's shared runs stay in one process):
 # run one after the other the tests leave a core idle 30% of the time (a process starting, a signal on its way, a
-# file written); 12:20 serial, 10:34 and 11:01 on two workers, when the suite needs 20 core-minutes.
+# file written). Measured: 12:20 serial, 10:31 on two workers sharing one cache (the suite is ~19 core-minutes).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
