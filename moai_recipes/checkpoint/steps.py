@@ -81,9 +81,14 @@ def save_checkpoint(out: Path, state: TrainState, meta: dict, *, world, keep: in
         about = {**meta, "world_size": world.world_size, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                  "files": dict(sorted(files.items()))}
         (tmp / "meta.json").write_text(json.dumps(about, indent=2) + "\n")
-        if final.exists():  # a resumed run saving the same step again
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        if final.exists():  # a resumed run saving the same step again: the old one goes only once the new is in place
+            old = final.with_name(f".{final.name}.old.tmp")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
 
     # A full disk on any rank ends the save on every rank (they agree after each part), leaves no .tmp and keeps
     # the last complete checkpoint, which the same command resumes.
