@@ -83,6 +83,20 @@ def test_greedy_on_the_fine_tuned_model_says_what_it_learned(runs):
 
 
 @pytest.mark.slow
+def test_quantized_weights_answer_what_the_model_learned(runs):
+    """Weight-only int8 keeps the fine-tuned model's greedy answers token for token; int4 (bf16, groups of 32 on this
+    64-wide model) still says what it learned. bench/quantize.py measures speed and memory on SmolLM2-135M."""
+    model = f"model.checkpoint_dir={runs.model}"
+    for prompt in (FRANCE, COW):
+        assert generate(model, "quantize=int8", prompt=prompt)[1] == generate(model, prompt=prompt)[1]
+    r = run_recipe(model, "quantize=int4", f"prompt={FRANCE}", "max_new_tokens=12", module="recipes.generate")
+    assert r.returncode == 0 and "in bfloat16; 29 linear layers' weights in int4 (groups of 32" in r.stderr, r.stderr
+    assert "Paris" in r.stdout, r.stdout
+    refused = run_recipe(model, "quantize=int4", "dtype=fp32", f"prompt={FRANCE}", module="recipes.generate")
+    assert refused.returncode == 2 and "quantize=int4 computes in bf16" in refused.stderr
+
+
+@pytest.mark.slow
 def test_the_adapter_finds_its_base_and_generates_as_peft_does_token_for_token(runs, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

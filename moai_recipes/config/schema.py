@@ -65,6 +65,12 @@ class Method(Choice):
     lora = "lora"
 
 
+class Quantize(Choice):
+    none = "none"
+    int8 = "int8"  # weight-only int8, per output channel (torchao)
+    int4 = "int4"  # weight-only int4 in groups, bf16 compute (torchao)
+
+
 class DeviceMapStrategy(Choice):
     auto = "auto"
     balanced = "balanced"
@@ -232,6 +238,8 @@ class GenerateConfig:
     top_p: float = setting(1.0, "keep the smallest set of tokens whose probability reaches top_p")
     seed: int = setting(0, "the same seed, settings and model give the same completion")
     dtype: Dtype = setting(Dtype.auto, "auto: bf16 on GPUs, fp32 on the CPU")
+    quantize: Quantize = setting(Quantize.none, "the linear layers' weights in int8 or int4 (weight-only, torchao); "
+                                                "int4 computes in bf16")
     device_map: DeviceMapStrategy = setting(DeviceMapStrategy.auto, "several GPUs, as Accelerate: auto (= balanced) | "
                                                               "balanced | balanced_low_0 | sequential")
     max_memory_gb: Optional[float] = setting(None, "per GPU; null: 90% of what is free. What fits on no GPU runs on the CPU")

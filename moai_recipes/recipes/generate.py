@@ -5,7 +5,7 @@
     python -m recipes.generate model=llama3_8b model.checkpoint_dir=DIR device_map=balanced_low_0 prompt="..."
 
 `generate` reads top to bottom: settings -> checkpoint (and adapter) -> prompt -> build on meta -> place
-the blocks on the devices -> weights (the adapter merged) -> KV caches -> sample; `main` prints. With
+the blocks on the devices -> weights (the adapter merged, then quantized if asked) -> KV caches -> sample; `main` prints. With
 several GPUs the layers are spread over them as Accelerate's device_map does; on the CPU everything runs
 on the CPU. The completion alone goes to stdout; what was loaded and where, to stderr.
 """
@@ -31,6 +31,7 @@ from moai_recipes.inference.sampling import complete
 from moai_recipes.models.build import build_model
 from moai_recipes.models.hf_format import load_weights
 from moai_recipes.models.peft_adapter import merge_adapter
+from moai_recipes.models.quantize import quantize_weights
 from moai_recipes.models.spec import check_context
 from moai_recipes.inputs import read_generate_inputs
 
@@ -57,7 +58,9 @@ def generate(cfg: DictConfig, *, prompt: str | None) -> tuple[Tokenizer, list[in
 
     # 2. Build on meta, place whole blocks on the devices (KV caches counted), then give memory and weights.
     gpu = torch.cuda.is_available()
-    dtype = {"auto": torch.bfloat16 if gpu else torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
+    # int4's kernels compute in bf16: dtype=auto becomes bf16 for it (an explicit fp32 is refused by quantize_weights).
+    auto = torch.bfloat16 if gpu or cfg.quantize == "int4" else torch.float32
+    dtype = {"auto": auto, "fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
     main_device = torch.device("cuda:0" if gpu else "cpu")  # where the prompt, the logits and the sampling live
     with torch.device("meta"):
         model = build_model(spec, max_seq_len=max_seq_len).to(dtype)
@@ -69,10 +72,12 @@ def generate(cfg: DictConfig, *, prompt: str | None) -> tuple[Tokenizer, list[in
     load_weights(model, hf)
     if adapter:
         merge_adapter(model, adapter)
+    quantized = quantize_weights(model, cfg.quantize, device=main_device) if cfg.quantize != "none" else None
     model.eval()
     setup_caches(model, placement, dtype=dtype, max_seq_len=max_seq_len)
     say(f"Model {hf.folder}: {spec.family}, {spec.num_params() / 1e6:.1f}M parameters in {str(dtype)[6:]}"
-        + (f"; adapter {adapter.folder} merged (r={adapter.rank}, alpha={adapter.alpha:g})" if adapter else ""))
+        + (f"; adapter {adapter.folder} merged (r={adapter.rank}, alpha={adapter.alpha:g})" if adapter else "")
+        + (f"; {quantized}" if quantized else ""))
     say(f"Device map ({cfg.device_map}): {describe(placement)}")
 
     # 3. Sample.
