@@ -95,7 +95,7 @@ def placeholders(tmp_path_factory) -> dict[str, str]:
     adapter = root / "OUT" / "adapter"
     peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).save_pretrained(adapter)
     return {"/data/Qwen2.5-0.5B": made["qwen2"], "chats.jsonl": str(chats), "OUT/adapter": str(adapter),
-            "outputs/full_finetune/DATE/model": made["llama"],
+            "outputs/full_finetune/DATE/model": made["llama"], "OUT/model": made["llama"],
             **{f"DIR of {family}": folder for family, folder in made.items()}}
 
 
