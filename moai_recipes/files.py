@@ -8,6 +8,7 @@ part in (a rank that finds the disk full goes on to the collective where they ag
 waiting in one). A full disk is ENOSPC or EDQUOT anywhere in what was raised (errors.is_disk_full).
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -18,6 +19,15 @@ from moai_recipes import env
 from moai_recipes.errors import UserError, is_disk_full
 
 cache_dir = env.cache_dir  # this machine's cache: where it is, env.py says
+
+
+def sha256_of(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_text(path: Path, text: str) -> None:
@@ -77,16 +87,16 @@ def remove(paths) -> None:
 
 
 @contextmanager
-def room_for(folder: Path, what: str, *, needed: int | None = None, aside=(), resumes_from: Path | None = None):
+def room_for(folder: Path, what: str, *, needed: int | None = None, aside=(), resumes_from=lambda: None):
     """Write `what` under `folder` (one process's write); a full disk removes the `aside` copies and raises
-    DiskFull."""
+    DiskFull. `resumes_from()`: the run's last complete checkpoint, looked up only then."""
     try:
         yield
     except BaseException as error:
         if not is_disk_full(error):
             raise
         remove(aside)
-        raise disk_full(folder, what, needed=needed, resumes_from=resumes_from) from None
+        raise disk_full(folder, what, needed=needed, resumes_from=resumes_from()) from None
 
 
 class Writes:

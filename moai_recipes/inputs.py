@@ -15,6 +15,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from moai_recipes.checkpoint.disk import CHECKPOINT_BYTES_PER_TRAINABLE, check_room
+from moai_recipes.checkpoint.integrity import all_gathered
 from moai_recipes.checkpoint.output_dir import (
     check_output_dir,
     check_same_identity,
@@ -104,7 +105,7 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
             dist.broadcast_object_list(box, src=0)
             out, resume_from = box[0]
             resume_from = verified(cfg, resume_from, share=(dist.get_rank(), dist.get_world_size()),
-                                   agree=_all_gathered)
+                                   agree=all_gathered)
         else:
             out, resume_from = check_output_dir(cfg, restarting=not dry and restarting)
     m = cfg.model
@@ -135,12 +136,6 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     return RunInputs(model_name=m.name, spec=spec, hf=hf, tokenizer=tokenizer, lora=lora, data=data,
                      total_steps=data.total_steps if data else None, out=out, resume_from=resume_from,
                      workload=workload, out_of_memory_hint=read_hint(out), identity=identity)
-
-
-def _all_gathered(value) -> list:
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
 
 
 def _check_room(cfg: DictConfig, out: Path, *, hf: HFFolder, workload: Workload, resume_from: Path | None) -> None:

@@ -8,19 +8,21 @@ process hashes every ranks-th file only (SHA-256 runs at about 1 GB/s a core; a 
 (models/hf_format.py).
 """
 
-import hashlib
 import json
 from pathlib import Path
 
-_CHUNK = 8 * 2**20
+from moai_recipes.files import sha256_of
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+def all_gathered(value) -> list:
+    """Every process's `value`, in rank order (a collective; one process: [value])."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def checksums(folder: Path, share: tuple[int, int] = (0, 1), *, skip: tuple[str, ...] = ()) -> dict[str, dict]:
@@ -28,7 +30,7 @@ def checksums(folder: Path, share: tuple[int, int] = (0, 1), *, skip: tuple[str,
     holds them) and `skip`."""
     names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name not in ("meta.json", *skip))
     rank, ranks = share
-    return {name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
+    return {name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_of(folder / name)}
             for name in names[rank::ranks]}
 
 
@@ -48,6 +50,6 @@ def damage(checkpoint: Path, share: tuple[int, int] = (0, 1)) -> str | None:
             return f"{path} is {'truncated' if have < want['bytes'] else 'longer than saved'} ({have} of {want['bytes']} bytes)"
     rank, ranks = share
     for name in sorted(files)[rank::ranks]:
-        if _sha256(checkpoint / name) != files[name]["sha256"]:
+        if sha256_of(checkpoint / name) != files[name]["sha256"]:
             return f"{checkpoint / name} is damaged (its SHA-256 differs from the one saved)"
     return None

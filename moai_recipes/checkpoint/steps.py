@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 
 from moai_recipes import env
-from moai_recipes.checkpoint.integrity import checksums
+from moai_recipes.checkpoint.integrity import all_gathered, checksums
 from moai_recipes.checkpoint.no_code import SafeLoadPlanner, SafeReader, UnsafeCheckpoint, load_data
 from moai_recipes.errors import UserError
 from moai_recipes.files import Writes, disk_full, remove
@@ -100,7 +100,8 @@ def save_checkpoint(out: Path, state: TrainState, meta: dict, *, world, keep: in
         writes.run(shards)
         if not writes.failed_anywhere():
             # Every rank hashes its share of the files all ranks wrote; the main rank records them all.
-            shared_sums = _gathered(checksums(tmp, (world.rank, world.world_size)), world)
+            shared_sums = {k: v for part in all_gathered(checksums(tmp, (world.rank, world.world_size)))
+                           for k, v in part.items()}
             if world.is_main:
                 writes.run(complete)
     if writes.failed_anywhere():
@@ -115,15 +116,6 @@ def save_checkpoint(out: Path, state: TrainState, meta: dict, *, world, keep: in
         size = sum(f.stat().st_size for f in final.iterdir())
     dist.barrier()
     return final, time.perf_counter() - start, size
-
-
-def _gathered(part: dict, world) -> dict:
-    """Every rank's `part`, merged (a collective)."""
-    if world.world_size == 1:
-        return part
-    parts = [None] * world.world_size
-    dist.all_gather_object(parts, part)
-    return {k: v for p in parts for k, v in p.items()}
 
 
 def _global_bytes(state: dict) -> int:

@@ -2,7 +2,6 @@
 so that whoever refuses it can say where it is. Tested by `python -m pytest tests/test_data.py`."""
 
 import csv
-import hashlib
 import io
 import json
 import os
@@ -10,6 +9,7 @@ import re
 from pathlib import Path
 
 from moai_recipes.errors import UserError
+from moai_recipes.files import sha256_of
 
 SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 
@@ -20,11 +20,7 @@ def type_name(value) -> str:
 
 def fingerprint(path: str) -> str:
     """A digest of the file's bytes: what a tokenisation cache is keyed by (a file edited in place is new data)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return sha256_of(path)
 
 
 

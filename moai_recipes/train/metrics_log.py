@@ -138,8 +138,7 @@ class MetricsLog:
             self._wandb.summary.update(values)
 
     def _room(self, what: str):
-        last = complete_checkpoints(self.output_dir)
-        return room_for(self.output_dir, what, resumes_from=last[-1] if last else None)
+        return room_for(self.output_dir, what, resumes_from=lambda: (complete_checkpoints(self.output_dir) or [None])[-1])
 
     def close(self) -> None:
         self._bar.close()
