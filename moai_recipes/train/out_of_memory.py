@@ -42,10 +42,6 @@ class StepOutOfMemory(Exception):
     the error's traceback holds the failed pass's frames, and with them its graph and activations, which must be gone
     before the step runs again (tests/test_out_of_memory.py checks that the redo fits where they would not)."""
 
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.error = message
-
 
 def is_out_of_memory(error: BaseException) -> bool:
     """A GPU's out-of-memory error, or the CPU allocator's ("can't allocate memory"), or Python's MemoryError."""
@@ -129,8 +125,8 @@ class SmallerOnOutOfMemory:
                 return step_fn(self.plan)
             except StepOutOfMemory as oom:
                 release_memory(optimizer)
-                smaller = smaller_plan(self.choice, self.plan, step=step, error=oom.error)
-                change = {"step": step, "error": str(oom.error).splitlines()[0][:300], "from": self.plan.as_dict(),
+                smaller = smaller_plan(self.choice, self.plan, step=step, error=str(oom))
+                change = {"step": step, "error": str(oom).splitlines()[0][:300], "from": self.plan.as_dict(),
                           "to": smaller.plan.as_dict()}
                 if self.world.world_size > 1:  # the others wait inside a collective: start them all again, smaller
                     mbs = smaller.plan.micro_batch_size
