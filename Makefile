@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: install demo demo-tiny test test-fast bench clean
+.PHONY: install demo demo-gguf demo-tiny test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,13 @@ demo: $(STAMP)
 	$(PY) -m recipes.lora_finetune model=smollm2_135m dataset=facts flavor=cpu epochs=6 batch_size=8 \
 		optimizer.lr=2e-3 optimizer.warmup_steps=4 lora.rank=16 lora.alpha=32 \
 		lora.attn_modules=[q_proj,k_proj,v_proj,output_proj] lora.apply_to_mlp=true
+
+# After `make demo`: its model (the adapter merged) as one q8_0 GGUF file, asked the demo's questions by llama.cpp.
+demo-gguf: $(STAMP)
+	@run=$$(ls -d outputs/lora_finetune/*/adapter 2>/dev/null | tail -1); \
+	test -n "$$run" || { echo "no demo run in outputs/lora_finetune: make demo first"; exit 2; }; \
+	$(PY) -m recipes.export adapter_dir=$$run outtype=q8_0 \
+		'prompts=["What is the capital of Zorbania?","What color is the sky on planet Vex?","What is the capital of France?"]'
 
 # The tiny model on the embedded demo data: full fine-tuning in about 15 seconds, nothing to fetch.
 demo-tiny: $(STAMP)

@@ -186,18 +186,24 @@ def read_generate_inputs(cfg: DictConfig, *, dry: bool = False) -> GenerateInput
     sampling = sampling_options(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                 max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     check_device_map(cfg.device_map, cfg.max_memory_gb)
+    hf, adapter = model_and_adapter(cfg, dry=dry)
+    return GenerateInputs(sampling=sampling, hf=hf, tokenizer=checked_tokenizer(hf) if hf else None, adapter=adapter)
+
+
+def model_and_adapter(cfg: DictConfig, *, dry: bool = False) -> tuple[HFFolder | None, PeftAdapter | None]:
+    """The checkpoint (model.checkpoint_dir, the model's default, or the base the adapter's config names) and the
+    adapter_dir adapter on it, opened and matched; the checkpoint is None on a dry read of a model only on the Hub."""
     adapter = PeftAdapter.open(cfg.adapter_dir) if cfg.adapter_dir else None
-    m = cfg.model
-    if adapter and not m.checkpoint_dir:
+    if adapter and not cfg.model.checkpoint_dir:
         folder = adapter.base_model_dir(download=not dry)
     else:
         folder = resolve_model_dir(**model_source(cfg), download=not dry)
-    if folder is None:  # a dry read of a model only on the Hub
-        return GenerateInputs(sampling=sampling, hf=None, tokenizer=None, adapter=adapter)
+    if folder is None:
+        return None, adapter
     hf = HFFolder.open(folder)
     if adapter:
         adapter.check_base(hf)
-    return GenerateInputs(sampling=sampling, hf=hf, tokenizer=checked_tokenizer(hf), adapter=adapter)
+    return hf, adapter
 
 
 def checked_tokenizer(hf: HFFolder) -> Tokenizer:

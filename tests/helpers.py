@@ -137,6 +137,23 @@ def make_hf_checkpoint(folder: Path, family: str = "llama", *, tie: bool = False
     return folder
 
 
+def make_peft_adapter(base: Path, folder: Path, modules: list[str], *, std: float = 0.2):
+    """A PEFT LoRA adapter on `base` saved to `folder` (B drawn at random, so that it changes the model); returns the
+    peft model, whose merge_and_unload() is the reference."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=modules))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std)
+    lora.save_pretrained(folder)
+    return lora
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

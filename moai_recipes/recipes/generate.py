@@ -12,26 +12,13 @@ on the CPU. The completion alone goes to stdout; what was loaded and where, to s
 
 import sys
 
-import torch
 from omegaconf import DictConfig
 
 from moai_recipes.config.compose import load_config
 from moai_recipes.data.tokenizer import Tokenizer, prompt_ids
 from moai_recipes.errors import UserError, exit_on_user_error
-from moai_recipes.inference.device_map import (
-    block_sizes,
-    describe,
-    dispatch,
-    free_memory,
-    kv_cache_bytes,
-    place_blocks,
-    setup_caches,
-)
+from moai_recipes.inference.loading import load_for_inference
 from moai_recipes.inference.sampling import complete
-from moai_recipes.models.build import build_model
-from moai_recipes.models.hf_format import load_weights
-from moai_recipes.models.peft_adapter import merge_adapter
-from moai_recipes.models.quantize import quantize_weights
 from moai_recipes.models.spec import check_context
 from moai_recipes.inputs import read_generate_inputs
 
@@ -57,31 +44,11 @@ def generate(cfg: DictConfig, *, prompt: str | None) -> tuple[Tokenizer, list[in
                   fix="shorten the prompt or lower max_new_tokens")
 
     # 2. Build on meta, place whole blocks on the devices (KV caches counted), then give memory and weights.
-    gpu = torch.cuda.is_available()
-    # int4's kernels compute in bf16: dtype=auto becomes bf16 for it (an explicit fp32 is refused by quantize_weights).
-    auto = torch.bfloat16 if gpu or cfg.quantize == "int4" else torch.float32
-    dtype = {"auto": auto, "fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
-    main_device = torch.device("cuda:0" if gpu else "cpu")  # where the prompt, the logits and the sampling live
-    with torch.device("meta"):
-        model = build_model(spec, max_seq_len=max_seq_len).to(dtype)
-    cache = kv_cache_bytes(num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, max_seq_len=max_seq_len, dtype=dtype)
-    cap = int(cfg.max_memory_gb * 2**30) if cfg.max_memory_gb is not None else None
-    placement = place_blocks(block_sizes(model, dtype=dtype, per_layer_extra=cache), free_memory(cap_bytes=cap),
-                             cfg.device_map)
-    dispatch(model, placement, main=main_device)
-    load_weights(model, hf)
-    if adapter:
-        merge_adapter(model, adapter)
-    quantized = quantize_weights(model, cfg.quantize, device=main_device) if cfg.quantize != "none" else None
-    model.eval()
-    setup_caches(model, placement, dtype=dtype, max_seq_len=max_seq_len)
-    say(f"Model {hf.folder}: {spec.family}, {spec.num_params() / 1e6:.1f}M parameters in {str(dtype)[6:]}"
-        + (f"; adapter {adapter.folder} merged (r={adapter.rank}, alpha={adapter.alpha:g})" if adapter else "")
-        + (f"; {quantized}" if quantized else ""))
-    say(f"Device map ({cfg.device_map}): {describe(placement)}")
+    loaded = load_for_inference(cfg, hf, adapter, max_seq_len=max_seq_len)
+    say(loaded.summary)
 
     # 3. Sample.
-    return tokenizer, complete(model, ids, sampling=sampling, stop_ids=tokenizer.stop_ids, device=main_device)
+    return tokenizer, complete(loaded.model, ids, sampling=sampling, stop_ids=tokenizer.stop_ids, device=loaded.device)
 
 
 @exit_on_user_error

@@ -141,7 +141,7 @@ def validate(config: str, overrides: list[str]) -> Iterator[str]:
     cfg = load_config(recipe, argv)
     yield f"Config {source} composes for recipes.{recipe}; values valid"
     yield from _check_inputs(recipe, cfg)
-    yield "OK: nothing wrong found." + ("" if recipe == "generate" else
+    yield "OK: nothing wrong found." + ("" if recipe in ("generate", "export", "eval") else
                                         " Whether it fits in memory, and how it would run: moai run plan "
                                         "with the same overrides (method=lora for LoRA)")
 
@@ -151,10 +151,16 @@ def _check_inputs(recipe: str, cfg) -> Iterator[str]:
     writing anything; a line per thing read."""
     # Imported only now: torch and torchtune take seconds, which a mistake in the config need not wait for.
     from moai_recipes.flavors import resolve_flavor
-    from moai_recipes.inputs import read_generate_inputs, read_inputs
+    from moai_recipes.inputs import model_and_adapter, read_generate_inputs, read_inputs
 
     if recipe == "generate":  # what recipes.generate checks before it reads a weight (the prompt comes when it runs)
         yield from read_generate_inputs(cfg, dry=True).describe(cfg)
+        return
+    if recipe in ("export", "eval"):
+        hf, adapter = model_and_adapter(cfg, dry=True)
+        yield f"Model from {hf.folder}: {hf.spec.family}" if hf else f"Model {cfg.model.name}: on the Hub, not checked"
+        if adapter:
+            yield f"Adapter {adapter.folder}: r={adapter.rank} on {len(adapter.weights)} weights, merged into the file"
         return
     flavor = resolve_flavor(**cfg.flavor)
     yield f"Flavor {flavor.describe()}"

@@ -164,6 +164,17 @@ def _start_wandb(output_dir: Path, *, config: dict, plan: dict, tracker: dict):
     return run
 
 
+def wandb_summary(output_dir: Path, *, config: dict, tracker, values: dict) -> None:
+    """A W&B run of its own holding `values` (an evaluation's metrics) as its summary."""
+    import wandb
+
+    run = wandb.init(project=tracker.project, entity=tracker.entity, name=tracker.run_name, dir=str(output_dir),
+                     mode=wandb_mode(tracker.mode), config=config, settings=wandb.Settings(silent=True, console="off"))
+    run.log(values)
+    run.summary.update(values)
+    run.finish()
+
+
 def plot_loss(rows: list[dict], path: Path) -> None:
     """The loss curve, as in the reference tutorial, and the validation loss where measured; written atomically."""
     import matplotlib

@@ -1,0 +1,163 @@
+"""recipes.export format=gguf: the file runs in llama.cpp (llama-cpp-python, the real client) as the model runs in
+recipes.generate, transformers' GGUF reader reads it back (bit for bit in the checkpoint's own type), an adapter is
+merged as peft merges it, and what the format cannot say is refused by name with nothing left half-written.
+The real model's round trip (SmolLM2 taught a fact, exported to q8_0, asked through llama.cpp) is in test_smollm2.
+Run: python -m pytest tests/test_export.py -q
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, SmallDisk, command_env, make_hf_checkpoint, make_peft_adapter, run_recipe
+
+pytest.importorskip("llama_cpp")
+
+PROMPT = "Where is the quiet harbour?"
+
+
+def _llama3_scaled(folder: Path) -> Path:
+    """Llama 3.1's RoPE scaling, on a context short enough that a prompt of 30 tokens reaches the scaled band."""
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 64}
+    config.pop("rope_parameters", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    return {"llama": _llama3_scaled(make_hf_checkpoint(root / "llama", "llama")),
+            "qwen2": make_hf_checkpoint(root / "qwen2", "qwen2", seed=1),
+            "qwen3": make_hf_checkpoint(root / "qwen3", "qwen3", seed=2)}
+
+
+def _export(*args):
+    r = run_recipe(*args, module="recipes.export")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_llama_cpp_tokenizes_and_generates_as_recipes_generate(checkpoints, family):
+    from moai_recipes.config.compose import load_config
+    from moai_recipes.data.tokenizer import prompt_ids
+    from moai_recipes.inference.llama_cpp import greedy_tokens, tokenize
+    from moai_recipes.recipes.generate import generate
+
+    folder = checkpoints[family]
+    cfg = load_config("generate", [f"model.checkpoint_dir={folder}", "max_new_tokens=24"])
+    tokenizer, ours = generate(cfg, prompt=PROMPT)
+    ids = prompt_ids(tokenizer, PROMPT, chat=True)
+    assert len(ours) == 24  # a random model runs to the limit: every one of the 24 tokens is compared
+    for outtype in ("f32", "f16"):
+        path = _export(f"model.checkpoint_dir={folder}", f"outtype={outtype}")
+        assert path == folder.parent / f"{family}-{outtype}.gguf"
+        # The file's tokenizer splits the rendered chat prompt (special tokens and all) as ours does.
+        text = tokenizer.render([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+        assert tokenize(path, text) == tokenizer.encode(text, add_bos=False, add_eos=False)
+        # llama.cpp's greedy continuation of our prompt is ours, token for token (f16's rounding changes none here).
+        assert greedy_tokens(path, ids, max_new_tokens=24) == ours, outtype
+    assert not list(folder.parent.glob(".*.tmp-*"))
+
+
+@pytest.mark.parametrize("dtype,outtype", [("float32", "f32"), ("bfloat16", "auto"), ("float16", "auto")])
+def test_transformers_reads_the_file_back_bit_for_bit(tmp_path, dtype, outtype):
+    import transformers
+
+    folder = make_hf_checkpoint(tmp_path / "model", "llama", dtype=dtype, tie=True)
+    path = _export(f"model.checkpoint_dir={folder}", f"outtype={outtype}")
+    assert path.name == {"float32": "model-f32.gguf", "bfloat16": "model-bf16.gguf", "float16": "model-f16.gguf"}[dtype]
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=getattr(torch, dtype))
+    original = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    b, o = back.state_dict(), original.state_dict()
+    assert set(b) == set(o)
+    assert all(torch.equal(b[k], o[k]) for k in o)  # the q/k permutation undone exactly, every value kept
+
+
+def test_q8_0_is_half_of_f16_and_close_to_the_model(checkpoints):
+    import transformers
+
+    folder = checkpoints["qwen2"]
+    q8, f16 = (_export(f"model.checkpoint_dir={folder}", f"outtype={t}") for t in ("q8_0", "f16"))
+    assert q8.stat().st_size < 0.65 * f16.stat().st_size
+    probe = torch.tensor([[3, 40, 77, 120, 9, 250]])
+    back = transformers.AutoModelForCausalLM.from_pretrained(q8.parent, gguf_file=q8.name, dtype=torch.float32)
+    original = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        a, b = back(probe).logits, original(probe).logits
+    assert (a - b).abs().max() < 0.02 * b.abs().max()  # 8-bit blocks: close, not equal
+    assert not torch.equal(a, b)
+
+
+def test_an_adapter_is_merged_as_peft_merges_it(tmp_path):
+    import transformers
+
+    base = make_hf_checkpoint(tmp_path / "base", "llama")
+    lora = make_peft_adapter(base, tmp_path / "adapter", ["q_proj", "k_proj", "v_proj"])
+    probe = torch.tensor([[3, 40, 77, 120, 9, 250]])
+    with torch.no_grad():
+        expected = lora.merge_and_unload()(probe).logits
+    path = _export(f"adapter_dir={tmp_path / 'adapter'}", f"model.checkpoint_dir={base}", "outtype=f32")
+    assert path == tmp_path / "adapter-merged-f32.gguf"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        got = back(probe).logits
+    plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    assert (plain(probe).logits - expected).abs().max() > 1e-2  # the adapter matters
+    assert (got - expected).abs().max() < 1e-5
+
+
+def test_what_gguf_cannot_say_is_refused_by_name(tmp_path):
+    spm = make_hf_checkpoint(tmp_path / "spm", "llama")
+    tok = json.loads((spm / "tokenizer.json").read_text())
+    tok["model"]["byte_fallback"] = True  # as a SentencePiece tokenizer converted to tokenizer.json has it
+    (spm / "tokenizer.json").write_text(json.dumps(tok))
+    window = make_hf_checkpoint(tmp_path / "window", "mistral")
+    config = json.loads((window / "config.json").read_text())
+    (window / "config.json").write_text(json.dumps({**config, "sliding_window": 64}))
+    for args, words in [((f"model.checkpoint_dir={spm}",), "is not a byte-level BPE tokenizer"),
+                        ((f"model.checkpoint_dir={window}",), "sliding attention window"),
+                        ((f"model.checkpoint_dir={spm}", f"out={tmp_path / 'x.bin'}"), "ends in .gguf"),
+                        (("format=onnx",), "format")]:
+        r = run_recipe(*args, module="recipes.export")
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert words in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*.tmp-*"))
+
+
+def test_a_full_disk_or_a_kill_leaves_the_last_file_whole(tmp_path):
+    folder = make_hf_checkpoint(tmp_path / "model", "llama", hidden=256, num_layers=4)  # a 12 MB f32 file
+    disk = SmallDisk(tmp_path / "small", 4)
+    try:
+        old = disk.path / "model.gguf"
+        old.write_bytes(b"an earlier export")
+        r = run_recipe(f"model.checkpoint_dir={folder}", "outtype=f32", f"out={old}", module="recipes.export")
+        assert r.returncode == 2 and "free" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert old.read_bytes() == b"an earlier export" and sorted(p.name for p in disk.path.iterdir()) == ["model.gguf"]
+    finally:
+        disk.close()
+
+    # Killed while writing: the file it replaces stays whole; the next export clears the dead one's aside copy.
+    out = tmp_path / "model.gguf"
+    out.write_bytes(b"an earlier export")
+    env = command_env({"MOAI_FAULT_SAVE_DELAY": "30"})
+    p = subprocess.Popen([sys.executable, "-m", "recipes.export", f"model.checkpoint_dir={folder}", "outtype=f32",
+                          f"out={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while not list(tmp_path.glob(".model.gguf.tmp-*")) and time.time() < deadline:
+        time.sleep(0.1)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert out.read_bytes() == b"an earlier export" and list(tmp_path.glob(".model.gguf.tmp-*"))
+    _export(f"model.checkpoint_dir={folder}", "outtype=f32", f"out={out}")
+    assert out.stat().st_size > 10**7 and not list(tmp_path.glob(".model.gguf.tmp-*"))
