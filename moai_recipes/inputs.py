@@ -9,6 +9,7 @@ only on the Hub is then described from its config and noted as not checked.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from moai_recipes.models.sources import model_source, resolve_model_dir
 from moai_recipes.models.spec import ModelSpec, check_context, spec_for
 from moai_recipes.planner.plan import Workload
 
+if TYPE_CHECKING:
+    from moai_recipes.inference.harness import Tasks
+
 
 @dataclass
 class RunInputs:
@@ -56,6 +60,7 @@ class RunInputs:
     workload: Workload  # what the planner plans: this model, this batch, these sequences
     out_of_memory_hint: dict | None = None  # the smaller plan an out-of-memory step of this run left (restarts)
     identity: dict | None = None  # what a checkpoint of this run belongs to: model, tokenizer, data, global batch
+    eval_tasks: "Tasks | None" = None  # eval_tasks=, their data read (inference/harness.py)
 
     @property
     def batches(self):
@@ -126,6 +131,12 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     workload = Workload(spec=spec, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, lora=lora, dtype=cfg.dtype,
                         lengths=data.lengths if data is not None else None,
                         steps=data.total_steps if data is not None else cfg.max_steps)
+    eval_tasks = None
+    if cfg.eval_tasks and not dry:  # their data read now: a task missing is said before step 1, not at its first eval
+        from moai_recipes.inference.harness import Tasks, load_tasks  # lm-eval: imported by the runs that use it
+
+        eval_tasks = Tasks(manager=load_tasks(list(cfg.eval_tasks), tasks_dir=cfg.eval_tasks_dir, key="eval_tasks"),
+                           names=list(cfg.eval_tasks), limit=cfg.eval_limit, stderr=False)
     identity = None
     if out is not None and hf is not None and data is not None:
         _check_room(cfg, out, hf=hf, workload=workload, resume_from=resume_from)
@@ -135,7 +146,7 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
             check_same_identity(resume_from, identity, force=cfg.resume_force)
     return RunInputs(model_name=m.name, spec=spec, hf=hf, tokenizer=tokenizer, lora=lora, data=data,
                      total_steps=data.total_steps if data else None, out=out, resume_from=resume_from,
-                     workload=workload, out_of_memory_hint=read_hint(out), identity=identity)
+                     workload=workload, out_of_memory_hint=read_hint(out), identity=identity, eval_tasks=eval_tasks)
 
 
 def _check_room(cfg: DictConfig, out: Path, *, hf: HFFolder, workload: Workload, resume_from: Path | None) -> None:

@@ -154,6 +154,55 @@ def make_peft_adapter(base: Path, folder: Path, modules: list[str], *, std: floa
     return lora
 
 
+QUESTIONS = [("What color is the sky on a clear day?", ["blue", "green", "red", "purple"], 0),
+             ("Which animal barks?", ["cat", "dog", "fish"], 1),
+             ("How many legs has a spider?", ["six", "eight", "four"], 1),
+             ("What do bees make?", ["milk", "silk", "honey"], 2),
+             ("Which is a planet?", ["Mars", "Paris", "Nile", "Everest"], 0),
+             ("What is frozen water?", ["steam", "ice"], 1)]
+
+
+def make_quiz_tasks(folder: Path) -> Path:
+    """Two lm-eval tasks of our own over local files: quiz_mc (multiple choice) and quiz_gen (generation)."""
+    folder.mkdir()
+    with open(folder / "mc.jsonl", "w") as f:
+        for q, choices, label in QUESTIONS:
+            f.write(json.dumps({"question": q, "choices": choices, "label": label}) + "\n")
+    with open(folder / "gen.jsonl", "w") as f:
+        for q, choices, label in QUESTIONS:
+            f.write(json.dumps({"prompt": f"Q: {q}\nA:", "answer": choices[label]}) + "\n")
+    (folder / "quiz_mc.yaml").write_text(f"""task: quiz_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {folder / 'mc.jsonl'}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - {{metric: acc, aggregation: mean, higher_is_better: true}}
+  - {{metric: acc_norm, aggregation: mean, higher_is_better: true}}
+metadata: {{version: 1.0}}
+""")
+    (folder / "quiz_gen.yaml").write_text(f"""task: quiz_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {folder / 'gen.jsonl'}
+output_type: generate_until
+test_split: test
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs: {{until: ["\\n"], max_gen_toks: 12, do_sample: false}}
+metric_list:
+  - {{metric: exact_match, aggregation: mean, higher_is_better: true}}
+metadata: {{version: 1.0}}
+""")
+    return folder
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

@@ -9,57 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import make_hf_checkpoint, make_peft_adapter, run_recipe
+from tests.helpers import FSDP, layout, make_hf_checkpoint, make_peft_adapter, make_quiz_tasks, metrics, run_recipe, wandb_records
 
 pytest.importorskip("lm_eval")
-
-QUESTIONS = [("What color is the sky on a clear day?", ["blue", "green", "red", "purple"], 0),
-             ("Which animal barks?", ["cat", "dog", "fish"], 1),
-             ("How many legs has a spider?", ["six", "eight", "four"], 1),
-             ("What do bees make?", ["milk", "silk", "honey"], 2),
-             ("Which is a planet?", ["Mars", "Paris", "Nile", "Everest"], 0),
-             ("What is frozen water?", ["steam", "ice"], 1)]
-
-
-def _tasks(folder: Path) -> Path:
-    folder.mkdir()
-    with open(folder / "mc.jsonl", "w") as f:
-        for q, choices, label in QUESTIONS:
-            f.write(json.dumps({"question": q, "choices": choices, "label": label}) + "\n")
-    with open(folder / "gen.jsonl", "w") as f:
-        for q, choices, label in QUESTIONS:
-            f.write(json.dumps({"prompt": f"Q: {q}\nA:", "answer": choices[label]}) + "\n")
-    (folder / "quiz_mc.yaml").write_text(f"""task: quiz_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {folder / 'mc.jsonl'}
-output_type: multiple_choice
-test_split: test
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - {{metric: acc, aggregation: mean, higher_is_better: true}}
-  - {{metric: acc_norm, aggregation: mean, higher_is_better: true}}
-metadata: {{version: 1.0}}
-""")
-    (folder / "quiz_gen.yaml").write_text(f"""task: quiz_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {folder / 'gen.jsonl'}
-output_type: generate_until
-test_split: test
-doc_to_text: "{{{{prompt}}}}"
-doc_to_target: "{{{{answer}}}}"
-generation_kwargs: {{until: ["\\n"], max_gen_toks: 12, do_sample: false}}
-metric_list:
-  - {{metric: exact_match, aggregation: mean, higher_is_better: true}}
-metadata: {{version: 1.0}}
-""")
-    return folder
-
 
 def _hf_backend(folder: Path, tasks_dir: Path) -> dict:
     """The same tasks through lm-eval's own Hugging Face backend."""
@@ -93,14 +45,17 @@ def _same_numbers(out: Path, reference: dict) -> None:
 
 
 def test_eval_equals_lm_eval_hf_backend_for_a_model_and_an_adapter(tmp_path):
-    tasks = _tasks(tmp_path / "tasks")
+    tasks = make_quiz_tasks(tmp_path / "tasks")
     base = make_hf_checkpoint(tmp_path / "base", "qwen2")
     out = tmp_path / "eval-model"
     r = run_recipe(f"model.checkpoint_dir={base}", f"tasks_dir={tasks}", "tasks=[quiz_mc,quiz_gen]", "batch_size=4",
-                   f"output_dir={out}", "logger=stdout", module="recipes.eval")
+                   f"output_dir={out}", "logger=wandb", module="recipes.eval", env={"WANDB_MODE": "offline"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "quiz_mc" in r.stdout and "acc" in r.stdout  # the table
     _same_numbers(out, _hf_backend(base, tasks))
+    (run,) = (out / "wandb").glob("offline-run-*")
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert wandb_records(run)["summary"]["eval/quiz_mc/acc"] == results["quiz_mc"]["acc,none"]
 
     # An adapter on its base: our merge against peft's merged model in the HF backend.
     lora = make_peft_adapter(base, tmp_path / "adapter", ["q_proj", "v_proj"], std=0.3)
@@ -119,10 +74,10 @@ def test_eval_equals_lm_eval_hf_backend_for_a_model_and_an_adapter(tmp_path):
 
 
 def test_a_task_that_is_not_there_or_whose_data_is_not_is_refused_by_name(tmp_path):
-    tasks = _tasks(tmp_path / "tasks")
+    tasks = make_quiz_tasks(tmp_path / "tasks")
     for args, words in [(("tasks=[no_such_task]",), "'no_such_task' is not an lm-eval task"),
                         ((f"tasks_dir={tmp_path / 'nowhere'}", "tasks=[quiz_mc]"), "is not a folder"),
-                        (("tasks=[]",), "tasks=[...] is required")]:
+                        (("tasks=[]",), "nothing to evaluate")]:
         r = run_recipe(*args, "logger=stdout", module="recipes.eval")
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
     # A built-in task whose data is not in the datasets cache (no network to the Hub here, and offline anyway).
@@ -130,3 +85,34 @@ def test_a_task_that_is_not_there_or_whose_data_is_not_is_refused_by_name(tmp_pa
                    env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, isolated=True)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "'arc_easy' needs its data (allenai/ai2_arc)" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_eval_tasks_while_training_on_two_sharded_ranks_equal_recipes_eval_on_the_saved_model(tmp_path):
+    """Each rank scores its share (FSDP2: in step, every forward with both ranks); rank 0 combines. The last eval's
+    numbers, and the validation loss, are those recipes.eval gives the model the run wrote, in one process."""
+    tasks = make_quiz_tasks(tmp_path / "tasks")
+    out = tmp_path / "run"
+    r = run_recipe("flavor=cpu-2", *FSDP, "max_steps=4", "batch_size=8", "optimizer.lr=3e-3", "eval_every=2",
+                   f"eval_tasks_dir={tasks}", "eval_tasks=[quiz_mc,quiz_gen]", "dataset.val_split=0.25", "max_seq_len=128",
+                   "seed=3", "logger=stdout", f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert layout(out) == "sharded"
+    rows = metrics(out)
+    assert [row["step"] for row in rows if "tasks" in row] == [2, 4]
+    assert set(rows[-1]["tasks"]) == {"quiz_mc/acc", "quiz_mc/acc_norm", "quiz_gen/exact_match"}
+    assert "quiz_mc/acc:" in r.stdout and (out / "loss.png").is_file()
+
+    after = tmp_path / "eval"
+    r = run_recipe(f"model.checkpoint_dir={out / 'model'}", f"tasks_dir={tasks}", "tasks=[quiz_mc,quiz_gen]",
+                   "dataset.val_split=0.25", "max_seq_len=128", "seed=3", f"output_dir={after}", "logger=stdout",
+                   module="recipes.eval")
+    assert r.returncode == 0, r.stdout + r.stderr
+    written = json.loads((after / "results.json").read_text())
+    # The same held-out samples, the same loss, from the model the run wrote, in one process.
+    assert abs(written["validation"]["eval_loss"] - rows[-1]["eval_loss"]) < 1e-5 * rows[-1]["eval_loss"]
+    assert "Validation: loss" in r.stdout
+    results = written["results"]
+    assert rows[-1]["tasks"] == {"quiz_mc/acc": results["quiz_mc"]["acc,none"],
+                                 "quiz_mc/acc_norm": results["quiz_mc"]["acc_norm,none"],
+                                 "quiz_gen/exact_match": results["quiz_gen"]["exact_match,none"]}

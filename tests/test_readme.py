@@ -16,7 +16,7 @@ import pytest
 from moai_recipes.config.compose import load_config
 from moai_recipes.errors import UserError
 from moai_recipes.tools import cli
-from tests.helpers import ROOT, make_hf_checkpoint, run_recipe
+from tests.helpers import ROOT, make_hf_checkpoint, make_quiz_tasks, run_recipe
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Code spans that quote another tool's settings, not ours (benchmarks.md compares against torchtune's).
@@ -27,6 +27,8 @@ VALIDATED_INSTEAD = {"run"}
 NOT_RUN = {"switch"}
 # What a command answers, as typed, on a machine that has recorded no training run yet.
 FRESH_MACHINE = {"calibrate": "calibrating needs 3 at least"}
+# lm-eval's built-in tasks read their data from the Hub, which this machine cannot reach: refused by name, as typed.
+OFFLINE = {"tasks=[arc_easy,hellaswag]": "'arc_easy' needs its data"}
 
 
 def documented_overrides() -> list[tuple[str, str]]:
@@ -90,11 +92,13 @@ def placeholders(tmp_path_factory) -> dict[str, str]:
     chats = root / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"},
                                                       {"role": "assistant", "content": f"Answer {i}."}]}) + "\n"
-                             for i in range(8)))
+                             for i in range(40)))
     base = transformers.AutoModelForCausalLM.from_pretrained(made["llama"])
     adapter = root / "OUT" / "adapter"
     peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).save_pretrained(adapter)
+    tasks = make_quiz_tasks(root / "my_tasks")
     return {"/data/Qwen2.5-0.5B": made["qwen2"], "chats.jsonl": str(chats), "OUT/adapter": str(adapter),
+            "my_tasks": str(tasks), "[my_task]": "[quiz_mc]",
             "outputs/full_finetune/DATE/model": made["llama"], "OUT/model": made["llama"],
             **{f"DIR of {family}": folder for family, folder in made.items()}}
 
@@ -147,6 +151,11 @@ def test_the_readme_commands_run_as_typed(placeholders, tmp_path, monkeypatch, c
                     code = e.code
                 output = capsys.readouterr()
                 result = (code or 0, output.out, output.err)
+            elif offline := next((OFFLINE[a] for a in args if a in OFFLINE), None):
+                r = run_recipe(*args, "logger=stdout", module=module, isolated=True,
+                               env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+                assert r.returncode == 2 and offline in r.stderr, r.stderr
+                result = (0, r.stdout, r.stderr)
             else:
                 r = run_recipe(*args, module=module)
                 result = (r.returncode, r.stdout, r.stderr)

@@ -210,6 +210,7 @@ def validate(cfg: DictConfig) -> None:
         _check(cfg.batch_size >= 1, f"batch_size={cfg.batch_size} must be at least 1 (sequences scored at once)")
         _check(cfg.max_length is None or cfg.max_length >= 2, f"max_length={cfg.max_length} must be at least 2")
         _check(cfg.limit is None or cfg.limit > 0, f"limit={cfg.limit} must be positive (a count, or a fraction < 1)")
+        _validate_dataset(cfg.dataset)
         return
     if "max_seq_len" not in cfg:  # generate, export: their options are checked where they are used
         return

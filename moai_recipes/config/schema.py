@@ -199,6 +199,10 @@ class RecipeConfig:
     max_steps: Optional[int] = setting(None, "stop early after this many optimizer steps")
     eval_every: Optional[int] = setting(None, "the validation loss every N steps (and always at the end) when the "
                                               "dataset has a validation set")
+    eval_tasks: list[str] = setting([], "lm-eval tasks run at each eval_every and at the end, on every rank's share "
+                                        "(recipes.eval's tasks=)")
+    eval_tasks_dir: Optional[str] = setting(None, "a folder of your own lm-eval task YAMLs named in eval_tasks")
+    eval_limit: Optional[float] = setting(None, "the first N documents of each of eval_tasks (a number < 1: a fraction)")
     seed: int = setting(0, "the data order, the initialisation of adapters, dropout")
     output_dir: Optional[str] = setting(None, "null: outputs/<recipe>/<date>_<time>; never overwrites an earlier run")
     dtype: Dtype = setting(Dtype.auto, "auto: bf16 compute with fp32 master weights on GPUs, fp32 on the CPU")
@@ -276,8 +280,8 @@ class EvalConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     adapter_dir: Optional[str] = setting(None, "a PEFT LoRA adapter, merged into model.checkpoint_dir or the base its "
                                          "config names")
-    tasks: list[str] = setting([], "required: lm-eval task or group names ([arc_easy,hellaswag]), or YAML files of "
-                                   "your own tasks")
+    tasks: list[str] = setting([], "lm-eval task or group names ([arc_easy,hellaswag]), or YAML files of your own "
+                                   "tasks; and/or a validation set: dataset.val_split= or dataset.val_path=")
     tasks_dir: Optional[str] = setting(None, "a folder of your own lm-eval task YAMLs, named in tasks=")
     num_fewshot: Optional[int] = setting(None, "examples before each question; null: each task's own")
     limit: Optional[float] = setting(None, "the first N documents of each task (a number < 1: that fraction)")
@@ -292,7 +296,9 @@ class EvalConfig:
     max_memory_gb: Optional[float] = setting(None, "per GPU; null: 90% of what is free")
     output_dir: Optional[str] = setting(None, "results.json and samples.jsonl go here; null: outputs/eval/<date>")
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    seed: int = setting(1234, "lm-eval's seeds (few-shot sampling)")
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)  # its validation set: the loss and perplexity
+    max_seq_len: int = setting(256, "the dataset's samples are cut there, as in the training run")
+    seed: int = setting(0, "the training run's seed: dataset.val_split holds out the same samples")
 
 
 SCHEMAS = {"full_finetune": RecipeConfig, "lora_finetune": LoraRecipeConfig, "plan": PlanRecipeConfig,

@@ -68,10 +68,10 @@ def read_data(cfg: DictConfig, tokenizer: Tokenizer, *, dry: bool, progress: boo
         val = load(_source(d, d.val_path, d.split, key="dataset.val_path", hf=False))
     elif isinstance(d.val_split, str):
         val = load(_source(d, None, d.val_split))
-    elif cfg.eval_every and d.val_split is None:
-        raise UserError(f"eval_every={cfg.eval_every} needs a validation set: hold out a fraction of the data "
+    elif cfg.eval_every and d.val_split is None and not cfg.eval_tasks:
+        raise UserError(f"eval_every={cfg.eval_every} needs a validation set or tasks: hold out a fraction of the data "
                         "(dataset.val_split=0.05), name a split (dataset.val_split=validation) or a file "
-                        "(dataset.val_path=FILE)")
+                        "(dataset.val_path=FILE), or name lm-eval tasks (eval_tasks=[...])")
     if d.streaming:
         _, _, rows = source.open(streaming=True)
         steps = cfg.max_steps or (math.ceil(rows * cfg.epochs / cfg.batch_size) if rows else None)

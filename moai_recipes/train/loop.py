@@ -127,6 +127,19 @@ def evaluate(model: torch.nn.Module, dataset, *, plan: Plan, world: World, batch
     return {"eval_loss": total / max(total_targets, 1), "eval_time_s": time.perf_counter() - start}
 
 
+def evaluate_tasks(model: torch.nn.Module, inputs: RunInputs, *, plan: Plan, world: World) -> dict | None:
+    """eval_tasks through lm-eval, each rank scoring its share of the documents in step with the others (a sharded
+    model's forwards need them all); rank 0 gets `task/metric` -> value, the others None."""
+    from moai_recipes.inference.harness import MoaiLM, Scoring, headline, run_tasks
+
+    model.eval()
+    scoring = Scoring(batch_size=max(1, plan.micro_batch_size), max_length=plan.row_length)
+    with torch.no_grad():
+        out = run_tasks(MoaiLM(model, inputs.tokenizer, scoring, device=world.device), inputs.eval_tasks)
+    model.train()
+    return headline(out["results"]) if out is not None else None
+
+
 def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, plan: Plan, world: World,
                settings: LoopSettings, pad_id: int) -> StepResult:
     """One optimizer step on this rank's micro-batches (rank_micro_batches). Out of memory before anything is
@@ -190,6 +203,11 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     runner = SmallerOnOutOfMemory(choice, world=world, out=inputs.out, hint=inputs.out_of_memory_hint, log=log)
     meter, step_times, nonfinite = PeakMemory(world.device, compiled=runner.plan.compile,
                                                    pipelined=runner.plan.pipeline_stages > 1), [], 0
+    if inputs.eval_tasks is not None and (runner.plan.pipeline_stages > 1 or runner.plan.tensor_parallel > 1):
+        raise UserError(f"eval_tasks run on data-parallel plans only, and this run's plan has "
+                        f"{runner.plan.pipeline_stages} pipeline stage(s) and tensor parallelism "
+                        f"{runner.plan.tensor_parallel}; drop eval_tasks here and run recipes.eval on the model the "
+                        "run writes (model.checkpoint_dir=OUTPUT_DIR/model tasks=[...])")
     state.model.train()
     with _StopRequest() as stop, address_space_limit(settings.fault_memory_headroom) as limit_memory:
         for step in range(first, inputs.total_steps):
@@ -219,10 +237,12 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             peak, host_peak, stopping = _all_reduce(
                 [meter.peak, host_peak_bytes(), float(stop.signame is not None)], world.device, op=dist.ReduceOp.MAX)
             evaluated = {}
-            if inputs.val_dataset is not None and (done == inputs.total_steps or (
-                    settings.eval_every and done % settings.eval_every == 0)):
-                evaluated = evaluate(state.model, inputs.val_dataset, plan=runner.plan, world=world,
-                                     batch_size=batches.batch_size, pad_id=pad_id)
+            if done == inputs.total_steps or (settings.eval_every and done % settings.eval_every == 0):
+                if inputs.val_dataset is not None:
+                    evaluated = evaluate(state.model, inputs.val_dataset, plan=runner.plan, world=world,
+                                         batch_size=batches.batch_size, pad_id=pad_id)
+                if inputs.eval_tasks is not None:
+                    evaluated["tasks"] = evaluate_tasks(state.model, inputs, plan=runner.plan, world=world)
             if log:
                 log.step(StepMetrics(step=done, loss=result.loss, lr=lr, tokens=result.tokens,
                                      tokens_per_sec=result.tokens / timer.seconds, step_time_s=timer.seconds,

@@ -35,6 +35,7 @@ class StepMetrics:
     skipped: bool  # not applied: its loss or gradient was not finite
     eval_loss: float | None = None  # the validation loss, where measured after this step
     eval_time_s: float | None = None
+    tasks: dict[str, float] | None = None  # eval_tasks' metrics, `task/metric` -> value, where run after this step
 
     def row(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -126,12 +127,14 @@ class MetricsLog:
             self._jsonl.write(json.dumps(m) + "\n")
         self.info(f"[Step {m['step']}/{self.total_steps}] | Loss: {m['loss']:.8g} | Duration: {m['step_time_s']:.2f} | "
                   f"Throughput: {m['tokens_per_sec']:.2f} tokens/sec"
-                  + (f" | Eval loss: {m['eval_loss']:.8g} ({m['eval_time_s']:.2f} s)" if "eval_loss" in m else ""))
+                  + (f" | Eval loss: {m['eval_loss']:.8g} ({m['eval_time_s']:.2f} s)" if "eval_loss" in m else "")
+                  + "".join(f" | {name}: {value:.4g}" for name, value in m.get("tasks", {}).items()))
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{m['loss']:.4f}")
         if self._wandb is not None:
             with self._room("W&B's run files"):
-                self._wandb.log({k: v for k, v in m.items() if k != "step"}, step=m["step"])
+                self._wandb.log({**{k: v for k, v in m.items() if k not in ("step", "tasks")},
+                                 **{f"eval/{k}": v for k, v in m.get("tasks", {}).items()}}, step=m["step"])
 
     def summary(self, **values) -> None:
         if self._wandb is not None:
@@ -188,10 +191,21 @@ def plot_loss(rows: list[dict], path: Path) -> None:
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], color="tab:orange", linewidth=1.5,
                 marker="o", markersize=3, label="validation")
-        ax.legend()
+        ax.legend(loc="upper right")
+    scored = [r for r in rows if r.get("tasks")]
+    if scored:  # eval_tasks' metrics (accuracies, mostly in [0, 1]) on an axis of their own
+        right = ax.twinx()
+        colors = ["tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray"]
+        for i, name in enumerate(scored[-1]["tasks"]):
+            points = [(r["step"], r["tasks"][name]) for r in scored if name in r["tasks"]]
+            right.plot(*zip(*points), linestyle="--", marker="s", markersize=3, label=name, color=colors[i % 8])
+        if all(0 <= v <= 1 for r in scored for v in r["tasks"].values()):
+            right.set_ylim(-0.02, 1.02)
+        right.set_ylabel("eval_tasks")
+        right.legend(loc="lower left", fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title("training and validation loss" if evals else "training loss")
+    ax.set_title(("training and validation loss" if evals else "training loss") + (", eval_tasks" if scored else ""))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
