@@ -103,11 +103,10 @@ def test_eval_tasks_while_training_on_two_sharded_ranks_equal_recipes_eval_on_th
     assert set(rows[-1]["tasks"]) == {"quiz_mc/acc", "quiz_mc/acc_norm", "quiz_gen/exact_match"}
     assert "quiz_mc/acc:" in r.stdout and (out / "loss.png").is_file()
 
-    after = tmp_path / "eval"
     r = run_recipe(f"model.checkpoint_dir={out / 'model'}", f"tasks_dir={tasks}", "tasks=[quiz_mc,quiz_gen]",
-                   "dataset.val_split=0.25", "max_seq_len=128", "seed=3", f"output_dir={after}", "logger=stdout",
-                   module="recipes.eval")
+                   "dataset.val_split=0.25", "max_seq_len=128", "seed=3", "logger=stdout", module="recipes.eval")
     assert r.returncode == 0, r.stdout + r.stderr
+    (after,) = out.glob("eval-*")  # the results go to the run's folder
     written = json.loads((after / "results.json").read_text())
     # The same held-out samples, the same loss, from the model the run wrote, in one process.
     assert abs(written["validation"]["eval_loss"] - rows[-1]["eval_loss"]) < 1e-5 * rows[-1]["eval_loss"]

@@ -72,6 +72,12 @@ def test_the_installed_wheel_runs_every_recipe_and_tool_from_any_folder(installe
     assert full.returncode == 0, full.stdout + full.stderr
     assert "[Step 2/2]" in full.stdout and (elsewhere / "full" / "model" / "config.json").exists()
 
+    export = run(installed, "run", "export", "model.checkpoint_dir=full/model", "out=full.gguf", cwd=elsewhere)
+    assert export.returncode == 0 and (elsewhere / "full.gguf").stat().st_size > 0, export.stdout + export.stderr
+    held_out = run(installed, "run", "eval", "model.checkpoint_dir=full/model", "dataset.val_split=0.25",
+                   "logger=stdout", "output_dir=eval", cwd=elsewhere)
+    assert held_out.returncode == 0 and "perplexity" in held_out.stdout, held_out.stdout + held_out.stderr
+
     lora = run(installed, "run", "lora_finetune", "flavor=cpu-2", "max_steps=2", "batch_size=4", "logger=stdout",
                "output_dir=lora", cwd=elsewhere)
     assert lora.returncode == 0, lora.stdout + lora.stderr

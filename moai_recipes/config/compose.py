@@ -139,7 +139,8 @@ def load_config(recipe: str, argv: list[str] | None = None) -> DictConfig:
             cfg = compose(config_name=flags["config_name"], overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise UserError(_explain(e, overrides, config_dir, flags["config_name"])) from None
-    if "output_dir" in cfg and cfg.output_dir is None:  # training recipes; generate writes nothing
+    # Training recipes; generate and export write no run folder, eval decides beside what it evaluates.
+    if "output_dir" in cfg and cfg.output_dir is None and "tasks" not in cfg:
         cfg.output_dir = f"outputs/{recipe}/{datetime.now():%Y-%m-%d_%H-%M-%S}"
     validate(cfg)
     if flags["cfg"]:

@@ -294,7 +294,8 @@ class EvalConfig:
     device_map: DeviceMapStrategy = setting(DeviceMapStrategy.auto, "several GPUs, as Accelerate: auto | balanced | "
                                                               "balanced_low_0 | sequential")
     max_memory_gb: Optional[float] = setting(None, "per GPU; null: 90% of what is free")
-    output_dir: Optional[str] = setting(None, "results.json and samples.jsonl go here; null: outputs/eval/<date>")
+    output_dir: Optional[str] = setting(None, "results.json and samples.jsonl go here; null: beside a run's model or "
+                                              "adapter, RUN/eval-<date>; else outputs/eval/<date>")
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)  # its validation set: the loss and perplexity
     max_seq_len: int = setting(256, "the dataset's samples are cut there, as in the training run")

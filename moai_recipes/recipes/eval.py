@@ -14,6 +14,7 @@ to W&B.
 
 import json
 import sys
+from datetime import datetime
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -72,7 +73,7 @@ def evaluate(cfg: DictConfig) -> dict:
         metrics.update(headline(out["results"]))
 
     # 4. Written down: the results, every scored sample, the metrics to W&B.
-    run = Path(cfg.output_dir)
+    run = results_dir(cfg, adapter.folder if adapter else hf.folder)
     run.mkdir(parents=True, exist_ok=True)
     write_json(run / "results.json", results)
     if out is not None:
@@ -84,6 +85,15 @@ def evaluate(cfg: DictConfig) -> dict:
     say(f"Results: {run / 'results.json'}" + (f"; every scored sample: {run / 'samples.jsonl'}" if out else ""))
     _to_wandb(cfg, run, metrics)
     return results
+
+
+def results_dir(cfg: DictConfig, evaluated: Path) -> Path:
+    """output_dir, else beside what is evaluated when it is a run's model/ or adapter/ (its folder has plan.json):
+    RUN/eval-<date>, else outputs/eval/<date>."""
+    if cfg.output_dir:
+        return Path(cfg.output_dir)
+    stamp = f"{datetime.now():%Y-%m-%d_%H-%M-%S}"
+    return evaluated.parent / f"eval-{stamp}" if (evaluated.parent / "plan.json").is_file() else Path("outputs/eval") / stamp
 
 
 def validation_set(cfg: DictConfig, tokenizer):
