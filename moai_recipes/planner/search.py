@@ -17,7 +17,8 @@ from moai_recipes.planner.memory import (
 )
 from moai_recipes.planner.layouts import layouts
 from moai_recipes.planner.plan import Plan, Workload
-from moai_recipes.planner.timing import TimeEstimate, predict_time
+from moai_recipes.planner.flops import ModelFlops
+from moai_recipes.planner.timing import TimeEstimate, device_speed, predict_time
 
 GiB = 2**30
 SAFETY_MARGIN = 0.10  # of the device memory, kept free
@@ -30,11 +31,12 @@ class Candidate:
     time: TimeEstimate
     fits: bool  # on the devices and in the host memory of a node
     host: HostMemory | None = None  # GPU flavors: a node's host memory (the CPU's is its device memory)
+    mfu: float = 0.0  # predicted: a mean step's model FLOPs over its predicted time at the devices' peak
 
     def as_dict(self) -> dict:
         host = {"predicted_host_bytes_per_node": self.host.total, "host": self.host.as_dict()} if self.host else {}
         return {**self.plan.as_dict(), "fits": self.fits, "predicted_peak_bytes": self.memory.total,
-                "predicted_step_s": self.time.total_s, "memory": self.memory.as_dict(), "time": self.time.as_dict(),
+                "predicted_step_s": self.time.total_s, "predicted_mfu": self.mfu, "memory": self.memory.as_dict(), "time": self.time.as_dict(),
                 **host}
 
 
@@ -53,7 +55,7 @@ class PlanChoice:
         return self._long_run() + [f"The number of candidates is {len(self.candidates)}.",
                 f"The number of possible candidates is {fit} (predicted peak within {self.budget_bytes / GiB:.3g} GiB "
                 f"per device).",
-                f"Chosen: the fastest that fits: predicted {c.time.total_s:.3g} s/step"
+                f"Chosen: the fastest that fits: predicted {c.time.total_s:.3g} s/step (MFU {100 * c.mfu:.0f}%)"
                 + (f" after {c.time.once_s:.3g} s compiling" if c.time.once_s else "")
                 + f", peak {c.memory.total / GiB:.3g} GiB per device"]
 
@@ -179,6 +181,10 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
     if not options:
         raise UserError(_impossible(forced, flavor, work))
     candidates, scales = [], calibration.scales(flavor.device.name)
+    flops, (peak, _) = ModelFlops.of(work.spec, work.lora), device_speed(flavor.device, compute_dtype=compute, num_devices=n)
+    lengths = work.lengths or (work.seq_len,)
+    tokens, pairs = (work.batch_size / len(lengths) * sum(f(k) for k in lengths)
+                     for f in (lambda k: k, lambda k: k * (k + 1) // 2))  # a mean step's
     for o, per_device in options:
         plan = Plan(batch_size=work.batch_size, num_devices=n, max_seq_len=work.seq_len,
                     accumulation_steps=math.ceil(per_device / o["micro_batch_size"]),
@@ -187,7 +193,9 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
         time = predict_time(plan, work, flavor.device, scales=scales)
         host = predict_host_memory(plan, work, flavor.processes_per_node) if flavor.device.kind == "gpu" else None
         fits = memory.total <= budget and (host is None or host.total <= host_budget)
-        candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=fits, host=host))
+        mfu, _ = flops.of_totals(tokens, pairs, recompute=plan.recompute, chunked_loss=plan.chunked_loss).utilisation(
+            time.total_s, peak, n)
+        candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=fits, host=host, mfu=mfu))
         if until_fit and fits:
             break
     return candidates, budget

@@ -20,6 +20,7 @@ from moai_recipes.checkpoint.steps import TrainState, resume, save_checkpoint
 from moai_recipes.errors import Stopped, UserError
 from moai_recipes.inputs import RunInputs
 from moai_recipes.models.loss import IGNORE_INDEX, token_loss_sum
+from moai_recipes.planner.flops import ModelFlops
 from moai_recipes.planner.plan import Plan
 from moai_recipes.planner.search import PlanChoice
 from moai_recipes.train.micro_batches import (
@@ -57,13 +58,15 @@ class LoopSettings:
     fault_oom_tokens: int | None = None  # micro-batches of more tokens fail as out of memory (tests; ProcessSettings)
     fault_step_delay: float = 0.0  # seconds each step waits first (tests; ProcessSettings)
     fault_memory_headroom: int | None = None  # a real address-space limit after the first step (tests; ProcessSettings)
+    peak_flops: float = 0.0  # one device's, in the compute dtype (ProcessSettings): MFU's denominator
 
     @classmethod
     def from_config(cls, cfg, process: ProcessSettings) -> "LoopSettings":
         return cls(max_grad_norm=cfg.optimizer.max_grad_norm, checkpoint_every=cfg.checkpoint_every,
                    checkpoint_keep=cfg.checkpoint_keep, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
                    eval_every=cfg.eval_every, fault_oom_tokens=process.fault_oom_tokens,
-                   fault_step_delay=process.fault_step_delay, fault_memory_headroom=process.fault_memory_headroom)
+                   fault_step_delay=process.fault_step_delay, fault_memory_headroom=process.fault_memory_headroom,
+                   peak_flops=process.peak_flops)
 
 
 @dataclass
@@ -200,6 +203,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
         if log:
             log.info(f"Resumed from {inputs.resume_from} (step {first}, saved on {meta['flavor']} with "
                      f"{meta['world_size']} process(es)); continuing at step {first + 1}")
+    flops = ModelFlops.of(inputs.spec, inputs.lora)
     runner = SmallerOnOutOfMemory(choice, world=world, out=inputs.out, hint=inputs.out_of_memory_hint, log=log)
     meter, step_times, nonfinite = PeakMemory(world.device, compiled=runner.plan.compile,
                                                    pipelined=runner.plan.pipeline_stages > 1), [], 0
@@ -223,6 +227,9 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()
             step_times.append(timer.seconds)
+            work = flops.step([len(s["tokens"]) for s in samples], recompute=runner.plan.recompute,
+                              chunked_loss=runner.plan.chunked_loss)
+            mfu, hfu = work.utilisation(timer.seconds, settings.peak_flops, world.world_size)
             if done == first + 1:
                 limit_memory()  # tests: a real memory limit from the second step (MOAI_FAULT_MEMORY_HEADROOM)
             if not result.finite:
@@ -248,7 +255,10 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                                      tokens_per_sec=result.tokens / timer.seconds, step_time_s=timer.seconds,
                                      grad_norm=result.grad_norm, peak_memory_bytes=int(peak),
                                      host_peak_bytes=int(host_peak), target_tokens=result.target_tokens,
-                                     skipped=not result.finite, **evaluated))
+                                     skipped=not result.finite,
+                                     flops_per_token=work.model / max(result.tokens, 1),
+                                     mfu=mfu, hfu=hfu,
+                                     **evaluated))
             every = settings.checkpoint_every
             if stopping or (every and done % every == 0 and done < inputs.total_steps):
                 about = {"step": done, **batches.position(done), "flavor": runner.choice.flavor,

@@ -33,6 +33,9 @@ class StepMetrics:
     host_peak_bytes: int  # resident memory, the most of any process so far
     target_tokens: int
     skipped: bool  # not applied: its loss or gradient was not finite
+    flops_per_token: float = 0.0  # model FLOPs (planner/flops.py): the step's matmuls and attention per token
+    mfu: float = 0.0  # model FLOPs / (step time x the devices' peak in the compute dtype)
+    hfu: float = 0.0  # the same with recomputation's FLOPs: what the devices computed
     eval_loss: float | None = None  # the validation loss, where measured after this step
     eval_time_s: float | None = None
     tasks: dict[str, float] | None = None  # eval_tasks' metrics, `task/metric` -> value, where run after this step
@@ -126,7 +129,7 @@ class MetricsLog:
         with self._room("metrics.jsonl"):
             self._jsonl.write(json.dumps(m) + "\n")
         self.info(f"[Step {m['step']}/{self.total_steps}] | Loss: {m['loss']:.8g} | Duration: {m['step_time_s']:.2f} | "
-                  f"Throughput: {m['tokens_per_sec']:.2f} tokens/sec"
+                  f"Throughput: {m['tokens_per_sec']:.2f} tokens/sec | MFU: {100 * m['mfu']:.1f}%"
                   + (f" | Eval loss: {m['eval_loss']:.8g} ({m['eval_time_s']:.2f} s)" if "eval_loss" in m else "")
                   + "".join(f" | {name}: {value:.4g}" for name, value in m.get("tasks", {}).items()))
         self._bar.update(1)

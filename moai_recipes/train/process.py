@@ -29,6 +29,7 @@ from moai_recipes import env
 from moai_recipes.flavors import Flavor
 from moai_recipes.planner.cpu_speed import process_threads
 from moai_recipes.planner.plan import Plan, Workload
+from moai_recipes.planner.timing import device_speed
 from moai_recipes.train.world import World
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h
@@ -60,6 +61,7 @@ class ProcessSettings:
     fault_oom_tokens: int | None  # MOAI_FAULT_OOM_TOKENS: larger micro-batches fail as out of memory (tests)
     fault_step_delay: float  # MOAI_FAULT_STEP_DELAY: seconds each step waits first (tests)
     fault_memory_headroom: int | None = None  # MOAI_FAULT_MEMORY_HEADROOM: a real memory limit after step 1 (tests)
+    peak_flops: float = 0.0  # this process's device, in the plan's compute dtype: MFU's denominator (0: unknown)
 
 
 def prepare_process(plan: Plan, work: Workload, flavor: Flavor, world: World) -> ProcessSettings:
@@ -71,5 +73,8 @@ def prepare_process(plan: Plan, work: Workload, flavor: Flavor, world: World) ->
     # collector's reach, neither the full collections during training nor the one at exit walk it again (that
     # last one took 1.0 s of a 3M model's run here; with it frozen, 0.02 s).
     gc.freeze()
+    # The device's peak as the planner prices it: a GPU's data sheet (dense), the CPU's matmul measured at the threads
+    # each of the flavor's processes gets (cached).
+    peak, _ = device_speed(flavor.device, compute_dtype=plan.param_dtype, num_devices=flavor.num_devices)
     return ProcessSettings(fault_oom_tokens=env.fault_oom_tokens(), fault_step_delay=env.fault_step_delay(),
-                           fault_memory_headroom=env.fault_memory_headroom())
+                           fault_memory_headroom=env.fault_memory_headroom(), peak_flops=peak)

@@ -1,0 +1,110 @@
+"""The FLOP count behind MFU (planner/flops.py) against torch's FlopCounterMode on real forward and backward passes
+of our models: full fine-tuning, LoRA (the frozen base's 4 FLOPs per weight, the adapters' 6), an untied and a
+tied output, grouped-query attention; and the causal attention and recomputation terms by hand.
+Run: python -m pytest tests/test_flops.py -q
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from moai_recipes.models.build import build_model
+from moai_recipes.models.loss import token_loss_sum
+from moai_recipes.models.lora import lora_options
+from moai_recipes.models.spec import ModelSpec
+from moai_recipes.planner.flops import ModelFlops
+
+SPEC = ModelSpec(family="llama", vocab_size=320, num_layers=3, num_heads=4, num_kv_heads=2, embed_dim=64,
+                 intermediate_dim=160, head_dim=16, max_position_embeddings=128, rope_base=10000.0, norm_eps=1e-5,
+                 tie_word_embeddings=False, rope_scaling=None, attention_bias=False, torch_dtype="float32")
+
+
+def _counted(spec: ModelSpec, n: int, lora=None) -> int:
+    """FlopCounterMode's FLOPs of one forward and backward of one sequence of n tokens."""
+    torch.manual_seed(0)
+    model = build_model(spec, max_seq_len=128, lora=lora.builder_kwargs() if lora else None)
+    if lora:
+        for name, p in model.named_parameters():
+            p.requires_grad_("lora_" in name)
+    tokens = torch.randint(0, spec.vocab_size, (1, n))
+    # The math kernel: attention as matmuls the counter sees (the CPU's flash kernel is not among its formulas).
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        token_loss_sum(model, tokens, tokens).backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_full_fine_tuning_counts_what_torch_counts(tie):
+    spec = dataclasses.replace(SPEC, tie_word_embeddings=tie)
+    n = 37
+    flops = ModelFlops.of(spec)
+    # FlopCounterMode counts the whole square of attention scores (it ignores is_causal): ours counts the n(n+1)/2
+    # pairs a causal document attends; the squares compare.
+    assert _counted(spec, n) == flops.per_token * n + flops.per_pair * n * n
+    assert flops.step([n]).model == flops.per_token * n + flops.per_pair * n * (n + 1) // 2
+    # By hand, for this model: 6 FLOPs per weight per token, weights of 3 layers and the output projection.
+    layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 160
+    assert flops.per_token == 6 * (3 * layer + 320 * 64) and flops.per_pair == 12 * 3 * 64
+
+
+@pytest.mark.parametrize("modules,mlp,output", [(["q_proj", "v_proj"], False, False), (["output_proj"], False, False),
+                                                ([], True, False), ([], False, True),
+                                                (["q_proj", "k_proj", "v_proj", "output_proj"], True, True)])
+def test_lora_counts_the_frozen_base_and_the_adapters_as_torch_counts(modules, mlp, output):
+    lora = lora_options({"attn_modules": modules, "apply_to_mlp": mlp, "apply_to_output": output, "rank": 4,
+                         "alpha": 8.0, "dropout": 0.0, "quantize_base": False}, spec=SPEC)
+    n = 29
+    flops = ModelFlops.of(SPEC, lora)
+    assert _counted(SPEC, n, lora) == flops.per_token * n + flops.per_pair * n * n
+    assert flops.per_token < ModelFlops.of(SPEC).per_token  # no weight gradients for the base
+
+
+def test_recomputation_and_the_chunked_loss_are_hardware_flops_only():
+    flops = ModelFlops.of(SPEC)
+    plain = flops.step([10, 20])
+    full = flops.step([10, 20], recompute="full", chunked_loss=True)
+    assert full.model == plain.model == plain.hardware
+    pairs = 10 * 11 // 2 + 20 * 21 // 2
+    layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 160
+    assert full.hardware - full.model == 30 * (2 * 3 * layer + 2 * 320 * 64) + 4 * 3 * 64 * pairs
+    assert flops.step([10, 20], recompute="selective").hardware == plain.model
+    assert plain.utilisation(seconds=2.0, peak_flops=plain.model / 4, devices=2) == pytest.approx((1.0, 1.0))
+    mfu, hfu = full.utilisation(seconds=2.0, peak_flops=full.model / 4, devices=2)
+    assert mfu == pytest.approx(1.0) and hfu == pytest.approx(full.hardware / full.model)
+
+
+def test_llama3_8b_by_hand():
+    """Llama 3 8B: 6 FLOPs per matmul weight per token (7.50B of them: the layers and the untied output, not the
+    embedding), and 12 x 32 layers x 4096 per attended pair; a 4096-token document's attention is 7.2% more."""
+    spec = dataclasses.replace(SPEC, vocab_size=128256, num_layers=32, num_heads=32, num_kv_heads=8, embed_dim=4096,
+                               intermediate_dim=14336, head_dim=128)
+    weights = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 128256 * 4096
+    assert weights == 7_504_658_432
+    flops = ModelFlops.of(spec)
+    assert flops.per_token == 6 * weights and flops.per_pair == 12 * 32 * 4096
+    step = flops.step([4096])
+    attention = 12 * 32 * 4096 * (4096 * 4097 // 2)
+    assert step.model == 6 * weights * 4096 + attention
+    assert 1.071 < step.model / (6 * weights * 4096) < 1.072
+
+
+def test_every_step_carries_its_flops_and_mfu(tmp_path):
+    from moai_recipes.models.spec import read_spec
+    from moai_recipes.models.tiny import tiny_checkpoint_dir
+    from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
+    from tests.helpers import metrics, run_recipe
+
+    out = tmp_path / "run"
+    r = run_recipe("max_steps=3", "batch_size=4", "max_seq_len=64", "logger=stdout", f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("| MFU: ") == 3
+    flops = ModelFlops.of(read_spec(tiny_checkpoint_dir()))
+    peak = cpu_speed(process_threads(1)).fp32_flops
+    for row in metrics(out):
+        # Between the matmuls alone and the matmuls with every document as long as the longest allowed.
+        assert flops.per_token < row["flops_per_token"] < flops.per_token + flops.per_pair * 65 / 2
+        assert row["mfu"] == pytest.approx(row["flops_per_token"] * row["tokens"] / (row["step_time_s"] * peak))
+        assert row["hfu"] == row["mfu"]  # no recomputation, no chunked loss on this plan
