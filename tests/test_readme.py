@@ -57,7 +57,7 @@ def test_every_override_the_docs_write_composes_as_typed():
     for doc, span in spans:
         for args in _typed(span):
             errors = []
-            for recipe in ("full_finetune", "lora_finetune", "generate", "plan", "export", "eval"):
+            for recipe in ("full_finetune", "lora_finetune", "dpo", "generate", "plan", "export", "eval"):
                 try:
                     load_config(recipe, args)
                     break

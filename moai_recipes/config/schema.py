@@ -42,6 +42,7 @@ class DatasetKind(Choice):
     instruct = "instruct"
     chat = "chat"
     text = "text"
+    preference = "preference"  # prompt, chosen, rejected: recipes.dpo
 
 
 class LoggerKind(Choice):
@@ -69,6 +70,20 @@ class Quantize(Choice):
     none = "none"
     int8 = "int8"  # weight-only int8, per output channel (torchao)
     int4 = "int4"  # weight-only int4 in groups, bf16 compute (torchao)
+
+
+class PreferenceLossType(Choice):
+    sigmoid = "sigmoid"  # DPO (label_smoothing: conservative DPO)
+    ipo = "ipo"  # IPO, on per-token averages as TRL computes it
+    hinge = "hinge"  # SLiC
+    simpo = "simpo"  # SimPO: reference-free, length-normalised, with a target margin
+    orpo = "orpo"  # ORPO: reference-free, the chosen completion's NLL plus an odds-ratio term
+
+
+class ReferenceMode(Choice):
+    auto = "auto"  # the planner's choice, by memory and time
+    copy = "copy"  # a frozen copy in memory (LoRA: the base with the adapters switched off), run every step
+    cached = "cached"  # the reference log-probabilities computed once, in a first pass over the data, then read
 
 
 class ExportFormat(Choice):
@@ -242,6 +257,28 @@ class PlanRecipeConfig(LoraRecipeConfig):
 
 
 @dataclass
+class PreferenceLossConfig:
+    type: PreferenceLossType = setting(PreferenceLossType.sigmoid, "sigmoid (DPO) | ipo | hinge | simpo | orpo")
+    beta: float = setting(0.1, "how far from the reference the policy may move (simpo, orpo: the rewards' scale)")
+    label_smoothing: float = setting(0.0, "sigmoid, simpo: the share of pairs taken as mislabelled")
+    simpo_gamma: float = setting(0.5, "simpo: the target reward margin")
+    orpo_alpha: float = setting(1.0, "orpo: the weight of the chosen completion's NLL")
+
+
+@dataclass
+class DPORecipeConfig(LoraRecipeConfig):
+    dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(kind=DatasetKind.preference))
+    # DPO moves a trained model by little: TRL's and torchtune's learning rates are of this size.
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-6))
+    method: Method = setting(Method.full, "full: every weight trained, or lora: adapters on the frozen base "
+                                          "(lora.quantize_base=true: QLoRA)")
+    loss: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
+    reference: ReferenceMode = setting(ReferenceMode.auto, "the reference model: auto | copy (in memory, each step) "
+                                                            "| cached (its log-probabilities computed once first)")
+    save_merged: bool = setting(True, "lora: also write model/, the base with the adapters merged, beside adapter/")
+
+
+@dataclass
 class GenerateConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     prompt: Optional[str] = setting(None, "required; on the command line taken as typed (commas, quotes and all)")
@@ -303,7 +340,7 @@ class EvalConfig:
 
 
 SCHEMAS = {"full_finetune": RecipeConfig, "lora_finetune": LoraRecipeConfig, "plan": PlanRecipeConfig,
-           "generate": GenerateConfig, "export": ExportConfig,
+           "generate": GenerateConfig, "export": ExportConfig, "dpo": DPORecipeConfig,
            "eval": EvalConfig}
 for recipe, schema in SCHEMAS.items():
     ConfigStore.instance().store(name=f"{recipe}_schema", node=schema)

@@ -31,8 +31,9 @@ from moai_recipes.errors import UserError
 from moai_recipes.models.tiny import DEMO_DATA
 from moai_recipes.models.loss import IGNORE_INDEX
 
-COLUMNS = {"instruct": ("instruction", "input", "output"), "chat": ("messages",), "text": ("text",)}
-KINDS = ("demo", "instruct", "chat", "text")
+COLUMNS = {"instruct": ("instruction", "input", "output"), "chat": ("messages",), "text": ("text",),
+           "preference": ("prompt", "chosen", "rejected")}
+KINDS = ("demo", "instruct", "chat", "text", "preference")
 # ShareGPT speaks of human and gpt, some exports of bot; a role not named here (tool, ipython, function) goes to
 # the chat template as it is, which renders it or says it cannot.
 ROLES = {"human": "user", "gpt": "assistant", "bot": "assistant"}
@@ -234,7 +235,7 @@ def _shifted_labels(tokens: list[int], masked: list[bool]) -> list[int]:
 # --- rows -> messages -------------------------------------------------------------------------
 
 
-def _column(row: dict, name: str, column_map: dict):
+def column(row: dict, name: str, column_map: dict):
     col = column_map.get(name, name)
     if col not in row:
         present = ", ".join(map(str, row)) or "none"
@@ -245,7 +246,7 @@ def _column(row: dict, name: str, column_map: dict):
 def _string(row: dict, name: str, column_map: dict, *, optional: bool = False) -> str:
     if optional and column_map.get(name, name) not in row:
         return ""
-    col, value = _column(row, name, column_map)
+    col, value = column(row, name, column_map)
     if optional and value is None:
         return ""
     if not isinstance(value, str):
@@ -264,7 +265,7 @@ def _instruct_messages(row: dict, column_map: dict) -> list[dict]:
 def _chat_messages(row: dict, column_map: dict) -> list[dict]:
     if "messages" not in column_map and "messages" not in row and "conversations" in row:
         column_map = {"messages": "conversations"}  # ShareGPT files name the column so
-    col, value = _column(row, "messages", column_map)
+    col, value = column(row, "messages", column_map)
     if isinstance(value, str):  # CSV cells hold the list as JSON text
         try:
             value = json.loads(value)

@@ -132,6 +132,19 @@ class Tokenizer:
         ids = self._encode_text(text).ids
         return ([self.bos_id] if add_bos and self._add_bos else []) + ids + ([self.eos_id] if add_eos else [])
 
+    def encode_as_transformers(self, text: str) -> list[int]:
+        """`text`'s tokens as transformers' `tokenizer(text)` gives them: BOS where tokenizer.json's post-processor
+        adds one (Llama 3's does, a ChatML model's does not), nothing else. What TRL tokenises plain rows with."""
+        return self._hf.encode(text, add_special_tokens=True).ids
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """The tokens of text a chat template rendered (its special tokens parsed, nothing added)."""
+        return self._encode_text(text).ids
+
+    @property
+    def eos_text(self) -> str:
+        return self._special["eos_token"]
+
     def decode(self, ids, *, skip_special: bool = True) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from moai_recipes.data.batches import GlobalBatches
+from moai_recipes.data.preferences import load_pairs
 from moai_recipes.data.datasets import DataSource, SFTDataset, load_dataset
 from moai_recipes.data.hf_datasets import HFSplit
 from moai_recipes.data.stream import StreamedBatches
@@ -61,8 +62,17 @@ def read_data(cfg: DictConfig, tokenizer: Tokenizer, *, dry: bool, progress: boo
     d = cfg.dataset
     source = _source(d, d.path, d.split)
     start = time.perf_counter()
-    load = lambda s: load_dataset(s, tokenizer, max_seq_len=cfg.max_seq_len, cache=d.cache, write_cache=not dry,
-                                  progress=progress)
+    preference = d.kind == "preference"
+    if preference != ("reference" in cfg):  # recipes.dpo's config is the one with a reference
+        raise UserError("dataset=preference (prompt, chosen, rejected) is what recipes.dpo trains on" if preference
+                        else f"recipes.dpo trains on preference pairs: dataset=preference dataset.path=FILE (columns "
+                             f"prompt, chosen, rejected), not dataset={d.kind}")
+    if preference and (d.streaming or d.val_path or d.val_split is not None):
+        raise UserError("dataset.streaming, dataset.val_split and dataset.val_path are not offered for preference data "
+                        "yet: recipes.dpo logs each step's rewards on its training pairs")
+    load = (lambda s: load_pairs(s, tokenizer, max_seq_len=cfg.max_seq_len, progress=progress)) if preference else \
+        (lambda s: load_dataset(s, tokenizer, max_seq_len=cfg.max_seq_len, cache=d.cache, write_cache=not dry,
+                                progress=progress))
     val = None
     if d.val_path:
         val = load(_source(d, d.val_path, d.split, key="dataset.val_path", hf=False))

@@ -6,7 +6,7 @@
     moai ls                           the recipes, their configs and the options of each group
     moai cp CONFIG DEST               copy a config to edit (full_finetune, model/mistral)
     moai validate CONFIG [KEY=VALUE]  compose and check a config without training
-    moai run RECIPE [KEY=VALUE]       run a recipe from any folder (full_finetune, lora_finetune, plan, generate, export, eval)
+    moai run RECIPE [KEY=VALUE]       run a recipe from any folder (full_finetune, lora_finetune, dpo, plan, generate, export, eval)
     moai generate [KEY=VALUE]         moai run generate: sample from a checkpoint
     moai calibrate [--reset]          refit the planner's constants to the runs this machine recorded
 

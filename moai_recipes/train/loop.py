@@ -9,7 +9,7 @@ global batch splits into ranks and micro-batches.
 import math
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -58,15 +58,16 @@ class LoopSettings:
     fault_oom_tokens: int | None = None  # micro-batches of more tokens fail as out of memory (tests; ProcessSettings)
     fault_step_delay: float = 0.0  # seconds each step waits first (tests; ProcessSettings)
     fault_memory_headroom: int | None = None  # a real address-space limit after the first step (tests; ProcessSettings)
+    objective: object = None  # what a step optimises: None, the token loss; train/preference_step's for DPO
     peak_flops: float = 0.0  # one device's, in the compute dtype (ProcessSettings): MFU's denominator
 
     @classmethod
-    def from_config(cls, cfg, process: ProcessSettings) -> "LoopSettings":
+    def from_config(cls, cfg, process: ProcessSettings, objective=None) -> "LoopSettings":
         return cls(max_grad_norm=cfg.optimizer.max_grad_norm, checkpoint_every=cfg.checkpoint_every,
                    checkpoint_keep=cfg.checkpoint_keep, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
                    eval_every=cfg.eval_every, fault_oom_tokens=process.fault_oom_tokens,
                    fault_step_delay=process.fault_step_delay, fault_memory_headroom=process.fault_memory_headroom,
-                   peak_flops=process.peak_flops)
+                   peak_flops=process.peak_flops, objective=objective)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class StepResult:
     target_tokens: int
     grad_norm: float
     finite: bool
+    extra: dict = field(default_factory=dict)  # what else the objective measured (DPO: rewards/*), global
 
 
 @dataclass(frozen=True)
@@ -221,8 +223,9 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             samples = batches.samples(step)
             shapes = micro_batch_shapes(runner.plan, samples) if meter.tracked else None
             with StepTimer(world.device) as timer, meter.step(state.model, state.optimizer, shapes):
-                result = runner.run(lambda plan: train_step(state, rank_micro_batches(plan, samples, world), plan=plan,
-                                                            world=world, settings=settings, pad_id=pad_id),
+                step_fn = settings.objective.step if settings.objective is not None else train_step
+                result = runner.run(lambda plan: step_fn(state, rank_micro_batches(plan, samples, world), plan=plan,
+                                                         world=world, settings=settings, pad_id=pad_id),
                                     step=done, optimizer=state.optimizer)
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()
@@ -257,7 +260,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                                      host_peak_bytes=int(host_peak), target_tokens=result.target_tokens,
                                      skipped=not result.finite,
                                      flops_per_token=work.model / max(result.tokens, 1),
-                                     mfu=mfu, hfu=hfu,
+                                     mfu=mfu, hfu=hfu, extra=result.extra or None,
                                      **evaluated))
             every = settings.checkpoint_every
             if stopping or (every and done % every == 0 and done < inputs.total_steps):

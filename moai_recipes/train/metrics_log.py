@@ -39,9 +39,11 @@ class StepMetrics:
     eval_loss: float | None = None  # the validation loss, where measured after this step
     eval_time_s: float | None = None
     tasks: dict[str, float] | None = None  # eval_tasks' metrics, `task/metric` -> value, where run after this step
+    extra: dict[str, float] | None = None  # what else the objective measured (DPO: rewards/chosen ...), as keys
 
     def row(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        row = {k: v for k, v in asdict(self).items() if v is not None and k != "extra"}
+        return {**row, **(self.extra or {})}
 
 
 def wandb_logged_in() -> bool:
@@ -131,7 +133,8 @@ class MetricsLog:
         self.info(f"[Step {m['step']}/{self.total_steps}] | Loss: {m['loss']:.8g} | Duration: {m['step_time_s']:.2f} | "
                   f"Throughput: {m['tokens_per_sec']:.2f} tokens/sec | MFU: {100 * m['mfu']:.1f}%"
                   + (f" | Eval loss: {m['eval_loss']:.8g} ({m['eval_time_s']:.2f} s)" if "eval_loss" in m else "")
-                  + "".join(f" | {name}: {value:.4g}" for name, value in m.get("tasks", {}).items()))
+                  + "".join(f" | {name}: {value:.4g}" for name, value in m.get("tasks", {}).items())
+                  + "".join(f" | {name}: {m[name]:.4g}" for name in ("rewards/margins", "rewards/accuracies") if name in m))
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{m['loss']:.4f}")
         if self._wandb is not None:

@@ -1,0 +1,150 @@
+"""Preference data: rows of a prompt, a chosen and a rejected completion, as tokens for recipes.dpo.
+
+A row's three columns are strings, or conversations (TRL's conversational format: lists of {role, content}, the
+prompt ending with a user turn, each completion an assistant turn). They are tokenised as TRL 1.16's DPOTrainer
+tokenises them, so that the same rows give the same tokens there and here (tests/test_dpo.py):
+- strings: the EOS token's text is appended to each completion; prompt + completion is tokenised as one string
+  (transformers' `tokenizer(text)`: BOS where the tokenizer adds one) and split where it leaves the prompt's tokens;
+- conversations: the chat template renders the prompt (with the generation prompt) and the prompt with each
+  completion; the completion is what follows the prompt's tokens (the template's end of turn included).
+Each sequence (prompt + completion) is cut at max_seq_len from its start; a row whose prompt alone fills it is
+dropped. A row whose chosen and rejected completions are the same, or a missing column, is refused by name.
+"""
+
+import hashlib
+import json
+import sys
+
+import torch
+from tqdm import tqdm
+
+from moai_recipes.data.datasets import DataSource, column
+from moai_recipes.data.local_files import type_name
+from moai_recipes.data.tokenizer import Tokenizer
+from moai_recipes.errors import UserError
+
+
+class PreferencePairs(torch.utils.data.Dataset):
+    """Tokenised pairs. A sample is {"prompt", "chosen", "rejected"} token lists and "tokens", the two sequences
+    a pair runs end to end (what the planner and the ranks' shares weigh a pair by)."""
+
+    def __init__(self, pairs: list[tuple[list[int], list[int], list[int]]], *, rows: int, dropped: int,
+                 origin: str = "memory"):
+        self._pairs, self.rows, self.dropped, self.origin = pairs, rows, dropped, origin
+
+    def __len__(self):
+        return len(self._pairs)
+
+    def __getitem__(self, i) -> dict:
+        prompt, chosen, rejected = self._pairs[i]
+        return {"index": i, "prompt": prompt, "chosen": chosen, "rejected": rejected,
+                "tokens": prompt + chosen + prompt + rejected}
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(2 * len(p) + len(c) + len(r) for p, c, r in self._pairs)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self._pairs).encode()).hexdigest()
+
+    def split_off(self, fraction: float, *, seed: int):
+        raise UserError("dataset.val_split is not offered for preference data yet; recipes.dpo logs the rewards "
+                        "of each step's pairs")
+
+
+def load_pairs(source: DataSource, tokenizer: Tokenizer, *, max_seq_len: int, progress: bool = False) -> PreferencePairs:
+    rows, _, total = source.open()
+    pairs, n_rows, dropped = [], 0, 0
+    bar = tqdm(rows, total=total, unit=" rows", desc=f"Tokenising {source.describe()}", disable=not progress,
+               file=sys.stderr, leave=False)
+    for where, row in bar:
+        n_rows += 1
+        try:
+            pair = tokenize_pair(row, tokenizer, source.column_map, max_seq_len=max_seq_len)
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
+        if pair is None:
+            dropped += 1
+        else:
+            pairs.append(pair)
+    if n_rows == 0:
+        raise UserError(f"{source.describe()} holds no rows; check dataset.split and dataset.data_files")
+    if not pairs:
+        raise UserError(f"no row of {source.describe()} keeps a completion token within max_seq_len={max_seq_len} "
+                        f"({dropped} dropped); raise max_seq_len")
+    return PreferencePairs(pairs, rows=n_rows, dropped=dropped)
+
+
+def tokenize_pair(row: dict, tokenizer: Tokenizer, column_map: dict, *, max_seq_len: int):
+    """(prompt, chosen, rejected) token lists, cut to max_seq_len; None when the prompt alone fills it."""
+    prompt, chosen, rejected = (column(row, name, column_map) for name in ("prompt", "chosen", "rejected"))
+    values = {col: value for col, value in (prompt, chosen, rejected)}
+    if chosen[1] == rejected[1]:
+        raise UserError(f"columns '{chosen[0]}' and '{rejected[0]}' hold the same completion: a pair teaches nothing "
+                        "when both sides are equal; remove the row")
+    kinds = {type(v) for v in values.values()}
+    if kinds == {str}:
+        eos = tokenizer.eos_text
+        p = tokenizer.encode_as_transformers(prompt[1])
+        pc = tokenizer.encode_as_transformers(prompt[1] + _ended(chosen[1], eos))
+        pr = tokenizer.encode_as_transformers(prompt[1] + _ended(rejected[1], eos))
+    elif kinds == {list}:
+        for col, value in values.items():
+            _check_messages(col, value)
+        render = lambda messages, **kw: tokenizer.encode_rendered(tokenizer.render(messages, **kw))  # noqa: E731
+        p = render(prompt[1], add_generation_prompt=True)
+        pc, pr = render(prompt[1] + chosen[1]), render(prompt[1] + rejected[1])
+    else:
+        found = ", ".join(f"'{c}' {type_name(v)}" for c, v in values.items())
+        raise UserError(f"the prompt, chosen and rejected columns must all be strings or all be lists of messages; "
+                        f"found {found}")
+    n = min(_common_prefix(p, pc), _common_prefix(p, pr))
+    prompt_ids, chosen_ids, rejected_ids = p[:n], pc[n:], pr[n:]
+    if len(prompt_ids) >= max_seq_len:
+        return None
+    keep = max_seq_len - len(prompt_ids)
+    return prompt_ids, chosen_ids[:keep], rejected_ids[:keep]
+
+
+def _ended(text: str, eos: str) -> str:
+    return text if text.endswith(eos) else text + eos
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _check_messages(col: str, value: list) -> None:
+    if not value:
+        raise UserError(f"column '{col}' holds no messages")
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise UserError(f"message {j} of '{col}' must be an object with a string role and content, got {m!r}"[:300])
+
+
+def collate_pairs(pairs: list[dict], *, pad_id: int) -> dict:
+    """A micro-batch of pairs as one forward: the chosen sequences, then the rejected (TRL's layout), right-padded;
+    `completion` marks the tokens whose log-probabilities are summed (the label of the position before)."""
+    seqs = [p["prompt"] + p["chosen"] for p in pairs] + [p["prompt"] + p["rejected"] for p in pairs]
+    starts = [len(p["prompt"]) for p in pairs] * 2
+    width = max(map(len, seqs))
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    completion = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, (seq, start) in enumerate(zip(seqs, starts)):
+        tokens[i, :len(seq)] = torch.tensor(seq)
+        completion[i, start:len(seq)] = True
+    return {"tokens": tokens, "completion": completion}
+
+
+def completion_logps(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of each sequence's completion, its number of tokens), in fp32: position j predicts
+    token j + 1."""
+    targets = batch["tokens"][:, 1:].to(logits.device)
+    mask = batch["completion"][:, 1:].to(logits.device)
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, targets[..., None])[..., 0]
+    return (logp * mask).sum(dim=1), mask.sum(dim=1)

@@ -1,0 +1,134 @@
+"""Preference tuning: DPO (and IPO, SLiC's hinge, SimPO, ORPO) of a model, full or LoRA, on any flavor.
+
+    python -m recipes.dpo                                                    # tiny model, embedded pairs, CPU
+    python -m recipes.dpo dataset.path=pairs.jsonl loss.beta=0.1 batch_size=32     # prompt, chosen, rejected
+    python -m recipes.dpo method=lora model=llama3_8b model.checkpoint_dir=DIR flavor=cpu-2 reference=cached
+
+Reads top to bottom as the fine-tuning recipes do: config -> inputs (the pairs, tokenised as TRL tokenises them)
+-> plan -> build on meta (LoRA: adapters on the frozen base) -> shard -> weights -> the reference (a frozen copy,
+the adapters switched off, or its log-probabilities cached in a first pass) -> optimizer -> the train loop with
+the preference objective (train/preference_step.py) -> save: model/ (full), adapter/ and model/ merged (LoRA).
+The loss, the rewards and the gradients of a step are those of its global batch of pairs, on any flavor.
+"""
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from moai_recipes.checkpoint.steps import TrainState
+from moai_recipes.errors import UserError
+from moai_recipes.flavors import Flavor
+from moai_recipes.inputs import read_inputs
+from moai_recipes.models.build import build_model
+from moai_recipes.models.hf_format import load_weights, save_weights
+from moai_recipes.models.lora import freeze_base, gather_adapters, init_adapters, merge_into, save_adapter
+from moai_recipes.models.preference_loss import PreferenceLoss
+from moai_recipes.models.sources import base_model_name
+from moai_recipes.planner.search import choose_plan
+from moai_recipes.train.answers import Answers
+from moai_recipes.train.loop import LoopSettings, train_loop
+from moai_recipes.train.metrics_log import MetricsLog
+from moai_recipes.train.optim import build_optimizer, build_scheduler
+from moai_recipes.train.out_of_memory import forced_plan
+from moai_recipes.train.parallel import parallelize
+from moai_recipes.train.plan_accuracy import report_accuracy
+from moai_recipes.train.preference_step import PreferenceObjective, Reference, cache_reference
+from moai_recipes.train.process import prepare_process
+from moai_recipes.train.world import World, decided_by_main
+
+
+def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
+    torch.manual_seed(cfg.seed)
+    say = print if world.is_main else (lambda *a, **k: None)
+    loss = PreferenceLoss(type=str(cfg.loss.type), beta=cfg.loss.beta, label_smoothing=cfg.loss.label_smoothing,
+                          simpo_gamma=cfg.loss.simpo_gamma, orpo_alpha=cfg.loss.orpo_alpha)
+
+    # 1. What the run reads: its folder, the checkpoint, tokenizer, LoRA settings, the pairs.
+    inputs = read_inputs(cfg, flavor, restarting=world.restarts > 0)
+    lora = inputs.lora if cfg.method == "lora" else None
+
+    # 2. The plan: a pair's two sequences run together, in one piece per rank (no pipeline or tensor cut yet).
+    forced = {**forced_plan(cfg.plan, inputs.out_of_memory_hint), "pipeline_stages": 1, "tensor_parallel": 1,
+              "packing": False}
+    choice = decided_by_main(world, lambda: choose_plan(inputs.workload, flavor, forced=forced))
+    plan = choice.chosen.plan
+    world = world.laid_out(plan)
+    reference = _reference_mode(cfg, loss, lora)
+    say(f"Flavor {flavor.describe()}; {world.world_size} process(es), backend {flavor.backend}")
+    say("\n".join(inputs.describe(cfg)))
+    say("\n".join(choice.report()))
+    say(f"Configuration for parallelism is selected: {plan.describe()}")
+    say(f"Preference loss {loss.type} (beta {loss.beta:g}"
+        + (f", label smoothing {loss.label_smoothing:g}" if loss.label_smoothing else "") + "); reference: "
+        + {"none": "none (reference-free)", "copy": "the base with the adapters off, each step" if lora else
+           "a frozen copy in memory, each step", "cached": "log-probabilities cached in a first pass"}[reference])
+
+    # 3. The policy, built on meta, sharded, its weights (LoRA: adapters on the frozen base).
+    model = _model(inputs, plan, world, lora=lora, seed=cfg.seed)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    # 4. The reference: a frozen copy, the adapters switched off, or log-probabilities cached before step 1.
+    ref = Reference()
+    if reference == "copy" and lora is None:
+        ref.model = _model(inputs, plan, world, lora=None, seed=cfg.seed).eval().requires_grad_(False)
+    elif reference == "copy":
+        ref.adapters_off = True
+    elif reference == "cached":
+        ref.cached = cache_reference(model, inputs.data.train, micro_batch=plan.micro_batch_size, world=world,
+                                     pad_id=inputs.tokenizer.pad_id, adapters_off=lora is not None)
+
+    # 5. The optimizer over what trains, then the loop with the preference objective.
+    optimizer = build_optimizer(trainable, cfg.optimizer, device=world.device)
+    state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.optimizer, total_steps=inputs.total_steps))
+    process = prepare_process(plan, inputs.workload, flavor, world)
+    log = MetricsLog.start(cfg, inputs, choice) if world.is_main else None
+    answers = Answers.for_run(cfg, inputs.tokenizer, plan=plan, device=world.device)
+    answers.take_before(model)
+    objective = PreferenceObjective(loss=loss, reference=ref)
+    result = train_loop(state, inputs, choice, LoopSettings.from_config(cfg, process, objective), world, log)
+    if log and result.measured:
+        report_accuracy(result.choice, result.measured, work=inputs.workload, model_name=inputs.model_name,
+                        device_kind=flavor.device.kind, log=log)
+    say("\n".join(answers.report_after(model)))
+
+    # 6. Saved as the fine-tuning recipes save: model/ (full); adapter/ and, with save_merged, model/ (LoRA).
+    if log:
+        log.close()
+    if lora is None:
+        save_weights(model, inputs.hf, inputs.out / "model", rank=world.rank)
+        say(f"Model saved in {inputs.out / 'model'}")
+    else:
+        adapters = gather_adapters(model)
+        save_adapter(adapters, opts=lora, out_dir=inputs.out / "adapter",
+                     base_model=base_model_name(inputs.hf.folder, cfg.model.hf_repo), rank=world.rank)
+        if cfg.save_merged:
+            save_weights(model, inputs.hf, inputs.out / "model", rank=world.rank,
+                         transform=merge_into(adapters, lora.scale))
+        say(f"Adapter saved in {inputs.out / 'adapter'}")
+    dist.barrier()
+
+
+def _reference_mode(cfg: DictConfig, loss: PreferenceLoss, lora) -> str:
+    """copy or cached, as the user forced or as it costs least: a LoRA reference is the base with the adapters off
+    (no memory), cached only when the data is seen more than once; a full fine-tuning reference costs a second copy
+    of the weights, which the first pass's cache never needs."""
+    if not loss.uses_reference:
+        if cfg.reference != "auto":
+            raise UserError(f"loss.type={loss.type} has no reference model; leave reference=auto")
+        return "none"
+    if cfg.reference != "auto":
+        return str(cfg.reference)
+    return "cached" if lora is None or cfg.epochs > 1 else "copy"
+
+
+def _model(inputs, plan, world: World, *, lora, seed: int) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = build_model(inputs.spec, max_seq_len=plan.row_length, lora=lora.builder_kwargs() if lora else None,
+                            quantize_base=bool(lora and lora.quantize_base))
+    if lora:
+        freeze_base(model)  # before sharding: FSDP2 keeps requires_grad per parameter
+    model = parallelize(model, plan, world)
+    load_weights(model, inputs.hf, allow_missing=(".lora_a.", ".lora_b.") if lora else ())
+    if lora:
+        init_adapters(model, seed=seed)
+    return model

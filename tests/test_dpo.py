@@ -1,0 +1,175 @@
+"""recipes.dpo against TRL's DPOTrainer (trl from PyPI): on the same tiny checkpoint, the same preference rows (in
+the same order) and the same hyper-parameters, each step's loss and rewards (chosen, rejected, accuracies,
+margins) equal TRL's, full fine-tuning (conversational rows, the chat template applied) and LoRA (plain strings,
+the reference the base with the adapters off); the same numbers on two and four processes, with the reference
+cached in a first pass or run each step; and what cannot make a pair is refused by name.
+Run: python -m pytest tests/test_dpo.py -q
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import FSDP, layout, make_hf_checkpoint, metrics, run_recipe
+
+pytest.importorskip("trl")
+
+PROMPTS = ["What color is the sky?", "Which animal barks?", "How many legs has a spider?", "What do bees make?",
+           "Which is a planet?", "What is frozen water?", "Where do fish live?", "What is two plus two?"]
+CHOSEN = [" Blue.", " A dog.", " Eight.", " Honey.", " Mars.", " Ice.", " In water.", " Four."]
+REJECTED = [" Green, I think.", " The cat.", " Six legs.", " Milk.", " Paris is.", " Steam.", " Trees.", " Five!"]
+STEPS, BATCH, LR, LORA_LR, SEED = 4, 4, 2e-3, 3e-2, 0
+KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+
+def _rows(conversational: bool) -> list[dict]:
+    if conversational:
+        return [{"prompt": [{"role": "user", "content": p}], "chosen": [{"role": "assistant", "content": c.strip()}],
+                 "rejected": [{"role": "assistant", "content": r.strip()}]} for p, c, r in zip(PROMPTS, CHOSEN, REJECTED)]
+    return [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in zip(PROMPTS, CHOSEN, REJECTED)]
+
+
+def _ours(tmp_path: Path, name: str, model: Path, data: Path, *extra, lr: float = LR) -> list[dict]:
+    out = tmp_path / name
+    r = run_recipe(f"model.checkpoint_dir={model}", f"dataset.path={data}", f"batch_size={BATCH}", "epochs=2",
+                   f"max_steps={STEPS}", f"optimizer.lr={lr}", "optimizer.warmup_steps=1", f"seed={SEED}",
+                   "max_seq_len=128", "logger=stdout", f"output_dir={out}", *extra, module="recipes.dpo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    return rows
+
+
+def _order(n: int) -> list[int]:
+    """The pairs in the order our steps take them (GlobalBatches, seeded): TRL reads them so, sequentially."""
+    from moai_recipes.data.batches import GlobalBatches
+
+    batches = GlobalBatches(num_samples=n, batch_size=BATCH, epochs=2, seed=SEED)
+    return [i for step in range(STEPS) for i in batches.global_indices(step)]
+
+
+def _trl(tmp_path: Path, model, rows: list[dict], tokenizer_dir: Path, *, lr: float = LR) -> list[dict]:
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
+                     max_steps=STEPS, learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.0,
+                     adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, optim="adamw_torch", max_grad_norm=1.0,
+                     beta=0.1, loss_type=["sigmoid"], max_length=128, seed=SEED, train_sampling_strategy="sequential",
+                     logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+                     gradient_checkpointing=False)
+    ordered = [rows[i % len(rows)] for i in _order(len(rows))]
+    trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(ordered),
+                         processing_class=AutoTokenizer.from_pretrained(tokenizer_dir))
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h and "rewards/chosen" in h]
+
+
+def _same(ours: list[dict], theirs: list[dict]) -> None:
+    for mine, trl in zip(ours, theirs, strict=True):
+        for key in KEYS:
+            # 1e-4 relative; rewards near zero are sums of ~40 log-probabilities times beta: fp32's 1e-6 absolute.
+            assert abs(mine[key] - trl[key]) <= 1e-4 * abs(trl[key]) + 1e-6, (mine["step"], key, mine[key], trl[key])
+    assert ours[-1]["rewards/margins"] > 0.05 and ours[-1]["rewards/accuracies"] > 0.5  # it learned something
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    model = make_hf_checkpoint(root / "model", "llama")
+    files = {}
+    for conversational in (False, True):
+        path = root / f"pairs-{'chat' if conversational else 'plain'}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in _rows(conversational)))
+        files[conversational] = path
+    return model, files
+
+
+@pytest.mark.slow
+def test_full_dpo_equals_trl_and_is_the_same_on_two_processes_with_the_reference_cached(setup, tmp_path):
+    import transformers
+
+    model, files = setup
+    ours = _ours(tmp_path, "cpu", model, files[True], "reference=copy")
+    theirs = _trl(tmp_path, transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+                  _rows(True), model)
+    _same(ours, theirs)
+    two = _ours(tmp_path, "cpu-2", model, files[True], "flavor=cpu-2", *FSDP, "reference=cached")
+    assert layout(tmp_path / "cpu-2") == "sharded"
+    _same(two, theirs)
+    config = json.loads((tmp_path / "cpu-2" / "model" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+
+
+@pytest.mark.slow
+def test_lora_dpo_equals_trl_with_the_adapters_off_as_reference_and_on_four_processes(setup, tmp_path):
+    import transformers
+    from peft import PeftModel
+
+    from moai_recipes.models.build import build_model
+    from moai_recipes.models.lora import gather_adapters, init_adapters, lora_options, save_adapter
+    from moai_recipes.models.spec import read_spec
+
+    model, files = setup
+    lora = ["method=lora", "lora.rank=4", "lora.alpha=8", "lora.attn_modules=[q_proj,v_proj]"]
+    ours = _ours(tmp_path, "cpu", model, files[False], *lora, "reference=copy", lr=LORA_LR)
+    # TRL starts from our adapters (A as init_adapters draws it, B zero): a PeftModel with that adapter, whose
+    # reference TRL takes as a frozen copy of it, which with B zero is the base.
+    opts = lora_options({"attn_modules": ["q_proj", "v_proj"], "apply_to_mlp": False, "apply_to_output": False,
+                         "rank": 4, "alpha": 8.0, "dropout": 0.0, "quantize_base": False}, spec=read_spec(model))
+    start = build_model(read_spec(model), max_seq_len=128, lora=opts.builder_kwargs())
+    init_adapters(start, seed=SEED)
+    save_adapter(gather_adapters(start), opts=opts, out_dir=tmp_path / "start", base_model=str(model))
+    base = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    theirs = _trl(tmp_path, PeftModel.from_pretrained(base, tmp_path / "start", is_trainable=True), _rows(False), model,
+                  lr=LORA_LR)
+    _same(ours, theirs)
+    four = _ours(tmp_path, "cpu-4", model, files[False], *lora, "flavor=cpu-4", "reference=cached", lr=LORA_LR)
+    _same(four, theirs)
+    assert (tmp_path / "cpu-4" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_what_cannot_make_a_pair_is_refused_by_name(tmp_path):
+    same = tmp_path / "same.jsonl"
+    same.write_text(json.dumps({"prompt": "Hi", "chosen": " Hello.", "rejected": " Hello."}) + "\n")
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text(json.dumps({"prompt": "Hi", "chosen": " Hello."}) + "\n")
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps({"prompt": "Hi", "chosen": " Hello.", "rejected": [{"role": "assistant",
+                                                                                    "content": "Go."}]}) + "\n")
+    for args, words in [((f"dataset.path={same}",), "same.jsonl:1: columns 'chosen' and 'rejected' hold the same"),
+                        ((f"dataset.path={missing}",), "no 'rejected' column"),
+                        ((f"dataset.path={mixed}",), "must all be strings or all be lists of messages"),
+                        (("dataset=chat", f"dataset.path={same}"), "recipes.dpo trains on preference pairs"),
+                        (("loss.type=simpo", "reference=copy"), "has no reference model")]:
+        r = run_recipe(*args, "max_steps=1", "logger=stdout", f"output_dir={tmp_path / 'out'}", module="recipes.dpo")
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (words, r.stderr)
+    r = run_recipe("dataset=preference", f"dataset.path={same}", "max_steps=1", "logger=stdout",
+                   f"output_dir={tmp_path / 'sft'}")
+    assert r.returncode == 2 and "is what recipes.dpo trains on" in r.stderr, r.stderr
+
+
+def test_the_losses_by_hand():
+    from moai_recipes.models.preference_loss import PairScores, PreferenceLoss, pair_losses
+
+    s = PairScores(chosen=torch.tensor([-10.0]), rejected=torch.tensor([-14.0]), chosen_tokens=torch.tensor([4.0]),
+                   rejected_tokens=torch.tensor([7.0]), ref_chosen=torch.tensor([-11.0]), ref_rejected=torch.tensor([-12.0]))
+    logsig = lambda x: -torch.nn.functional.softplus(-torch.tensor(x)).item()  # noqa: E731
+    delta = (-10 + 11) - (-14 + 12)  # 3
+    value, rewards = pair_losses(s, PreferenceLoss("sigmoid", beta=0.1, label_smoothing=0.2))
+    assert value.item() == pytest.approx(-0.8 * logsig(0.3) - 0.2 * logsig(-0.3))
+    assert rewards["chosen"].item() == pytest.approx(0.1) and rewards["margins"].item() == pytest.approx(0.3)
+    value, _ = pair_losses(s, PreferenceLoss("ipo", beta=0.5))
+    assert value.item() == pytest.approx((1 / 4 - (-2) / 7 - 1 / (2 * 0.5)) ** 2)
+    value, _ = pair_losses(s, PreferenceLoss("hinge", beta=0.1))
+    assert value.item() == pytest.approx(max(0.0, 1 - 0.1 * delta))
+    value, rewards = pair_losses(s, PreferenceLoss("simpo", beta=2.0, simpo_gamma=0.5))
+    assert value.item() == pytest.approx(-logsig(2.0 * (-10 / 4 - (-14 / 7) - 0.5 / 2.0)))
+    assert rewards["chosen"].item() == pytest.approx(2.0 * -10 / 4)
+    value, _ = pair_losses(s, PreferenceLoss("orpo", beta=0.1, orpo_alpha=1.0))
+    pc, pr = torch.tensor(-2.5), torch.tensor(-2.0)
+    log_odds = (pc - pr) - (torch.log1p(-pc.exp()) - torch.log1p(-pr.exp()))
+    assert value.item() == pytest.approx(2.5 - 0.1 * logsig(log_odds.item()))
