@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: install demo demo-gguf demo-tiny test test-fast bench clean
+.PHONY: install demo demo-gguf demo-dpo demo-tiny test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ demo-gguf: $(STAMP)
 	test -n "$$run" || { echo "no demo run in outputs/lora_finetune: make demo first"; exit 2; }; \
 	$(PY) -m recipes.export adapter_dir=$$run outtype=q8_0 \
 		'prompts=["What is the capital of Zorbania?","What color is the sky on planet Vex?","What is the capital of France?"]'
+
+# Preference tuning of the real model: DPO with LoRA teaches SmolLM2 to answer as a pirate (about three minutes),
+# its answers to questions the pairs do not hold printed before and after, the reward margin growing step by step.
+demo-dpo: $(STAMP)
+	$(PY) -m recipes.dpo model=smollm2_135m dataset=pirate method=lora flavor=cpu epochs=3 batch_size=8 \
+		optimizer.lr=3e-4 optimizer.warmup_steps=2 lora.rank=16 lora.alpha=32 \
+		lora.attn_modules=[q_proj,k_proj,v_proj,output_proj] lora.apply_to_mlp=true
 
 # The tiny model on the embedded demo data: full fine-tuning in about 15 seconds, nothing to fetch.
 demo-tiny: $(STAMP)

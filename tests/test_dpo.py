@@ -173,3 +173,68 @@ def test_the_losses_by_hand():
     pc, pr = torch.tensor(-2.5), torch.tensor(-2.0)
     log_odds = (pc - pr) - (torch.log1p(-pc.exp()) - torch.log1p(-pr.exp()))
     assert value.item() == pytest.approx(2.5 - 0.1 * logsig(log_odds.item()))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_the_same_command_resumes_exactly(setup, tmp_path):
+    """LoRA with the reference cached: the resumed run caches it again (the same numbers) and ends bit for bit as the
+    uninterrupted one."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, command_env, tensors
+
+    model, files = setup
+    common = [f"model.checkpoint_dir={model}", f"dataset.path={files[False]}", "batch_size=4", "epochs=4",
+              "optimizer.lr=1e-2", "optimizer.warmup_steps=1", "method=lora", "reference=cached",
+              "checkpoint_every=2", "logger=stdout", "sample_max_new_tokens=0"]
+    whole = tmp_path / "whole"
+    assert run_recipe(*common, f"output_dir={whole}", module="recipes.dpo").returncode == 0
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "recipes.dpo", *common, f"output_dir={out}"], cwd=ROOT,
+                            env=command_env({"MOAI_FAULT_STEP_DELAY": "0.3"}), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert proc.poll() is None, proc.communicate()[0]
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 75, log
+    stopped = len(metrics(out))
+    r = run_recipe(*common, f"output_dir={out}", module="recipes.dpo")
+    assert r.returncode == 0 and f"continuing at step {stopped + 1}" in r.stdout, r.stdout + r.stderr
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(whole)]
+    assert [m["rewards/margins"] for m in metrics(out)] == [m["rewards/margins"] for m in metrics(whole)]
+    ref, got = tensors(whole / "adapter"), tensors(out / "adapter")
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_the_planner_prices_the_reference_and_picks_by_memory_and_time():
+    """A full fine-tuning copy costs a second set of weights on each device and a forward each step; the first
+    pass's cache costs that forward once per pair before step 1. Where the copy does not fit, the cache is chosen;
+    the memory per device is not enough for the copy on a tight flavor."""
+    from dataclasses import replace
+
+    from moai_recipes.planner.memory import predict_memory
+    from moai_recipes.planner.plan import Workload
+    from moai_recipes.planner.search import choose_plan, choose_reference
+    from moai_recipes.planner.timing import predict_time
+    from tests.helpers import setup
+
+    _, spec, flavor = setup("model=llama3_8b", "flavor=xlarge")
+    work = Workload(spec=spec, batch_size=64, seq_len=1024, lengths=(700,) * 640, steps=10)
+    whole = {"pipeline_stages": 1, "tensor_parallel": 1, "packing": False}  # as recipes.dpo plans
+    plan = choose_plan(work, flavor, forced=whole).chosen.plan
+    base, copy, cached = (replace(work, reference=r) for r in ("none", "copy", "cached"))
+    weights = spec.num_params() * 4 / plan.shards
+    assert predict_memory(plan, copy, "gpu").params - predict_memory(plan, base, "gpu").params == pytest.approx(weights, rel=1e-6)
+    assert predict_memory(plan, cached, "gpu").total == predict_memory(plan, base, "gpu").total
+    t_base, t_copy, t_cached = (predict_time(plan, w, flavor.device) for w in (base, copy, cached))
+    assert t_copy.total_s > t_base.total_s == t_cached.total_s and t_cached.once_s > t_base.once_s
+    # A run of 10 steps over 640 pairs (one epoch of 10 steps): the first pass and the copies' forwards cost alike;
+    # the cache holds no second model.
+    choice, mode = choose_reference(work, flavor, forced=whole, modes=("copy", "cached"))
+    assert mode == "cached" and choice.chosen.time.once_s > 0
+    # Three epochs of the same pairs: the first pass is paid once, the copy's forward every step: the cache again.
+    _, mode = choose_reference(replace(work, steps=30), flavor, forced=whole, modes=("copy", "cached"))
+    assert mode == "cached"

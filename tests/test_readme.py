@@ -97,8 +97,11 @@ def placeholders(tmp_path_factory) -> dict[str, str]:
     adapter = root / "OUT" / "adapter"
     peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).save_pretrained(adapter)
     tasks = make_quiz_tasks(root / "my_tasks")
+    pairs = root / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Question {i}?", "chosen": f" Answer {i}.", "rejected": " No."}) + "\n"
+                             for i in range(40)))
     return {"/data/Qwen2.5-0.5B": made["qwen2"], "chats.jsonl": str(chats), "OUT/adapter": str(adapter),
-            "my_tasks": str(tasks), "[my_task]": "[quiz_mc]",
+            "my_tasks": str(tasks), "[my_task]": "[quiz_mc]", "pairs.jsonl": str(pairs),
             "outputs/full_finetune/DATE/model": made["llama"], "OUT/model": made["llama"],
             **{f"DIR of {family}": folder for family, folder in made.items()}}
 
@@ -144,7 +147,7 @@ def test_the_readme_commands_run_as_typed(placeholders, tmp_path, monkeypatch, c
                 result = (0, output.out, output.err)
         else:
             module, args = argv[2], argv[3:]
-            if module in ("recipes.full_finetune", "recipes.lora_finetune") and not {"--cfg", "--help"} & set(args):
+            if module in ("recipes.full_finetune", "recipes.lora_finetune", "recipes.dpo") and not {"--cfg", "--help"} & set(args):
                 try:
                     code = cli.main(["validate", module.split(".")[1], *args])
                 except SystemExit as e:

@@ -141,6 +141,8 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     master = (held - nf4) * 4 + nf4 * NF4_BYTES
     trainable = held if full else sizes.trainable * L / spec.num_layers / T
     params = 0 if cpu_offload else master / n
+    if work.reference == "copy" and full:  # recipes.dpo's frozen reference: a second copy, sharded alike
+        params += master / n
     sharded_grads = 0 if cpu_offload else trainable * 4 / n
     optimizer = 0 if cpu_offload else trainable * 8 / n  # AdamW: two fp32 moments
 

@@ -21,6 +21,9 @@ class Workload:
     dtype: str = "auto"
     lengths: tuple[int, ...] | None = None  # the data's samples' token counts (None: all seq_len long)
     steps: int | None = None  # optimizer steps of the run (None: unknown, a long run)
+    # Preference tuning's reference model (recipes.dpo): "copy", a frozen copy (LoRA: the base, adapters off) run
+    # each step; "cached", its log-probabilities computed in a first pass over the data; "none" (fine-tuning).
+    reference: str = "none"
 
     @cached_property
     def sizes(self):

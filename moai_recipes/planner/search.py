@@ -3,7 +3,7 @@ the per-device budget, pick the fastest. Forced fields (plan.micro_batch_size=2)
 they fit and refused with the predicted memory when they do not."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moai_recipes.config.schema import Recompute
 from moai_recipes.errors import UserError
@@ -48,6 +48,7 @@ class PlanChoice:
     budget_bytes: int
     steps: int | None = None  # of the run, when the data is known
     device: str = "cpu"  # the flavor's device: what a run's measurements calibrate (planner/calibration.py)
+    reference: str = "none"  # recipes.dpo's reference, as planned (Workload.reference)
 
     def report(self) -> list[str]:
         fit = sum(c.fits for c in self.candidates)
@@ -56,7 +57,10 @@ class PlanChoice:
                 f"The number of possible candidates is {fit} (predicted peak within {self.budget_bytes / GiB:.3g} GiB "
                 f"per device).",
                 f"Chosen: the fastest that fits: predicted {c.time.total_s:.3g} s/step (MFU {100 * c.mfu:.0f}%)"
-                + (f" after {c.time.once_s:.3g} s compiling" if c.time.once_s else "")
+                + (f" after {c.time.once_s:.3g} s once ("
+                   + " and ".join(w for w, on in (("compiling", c.plan.compile),
+                                                  ("the reference's first pass", self.reference == "cached")) if on)
+                   + ")" if c.time.once_s else "")
                 + f", peak {c.memory.total / GiB:.3g} GiB per device"]
 
     def _long_run(self) -> list[str]:
@@ -131,6 +135,24 @@ def _impossible(forced: dict, flavor: Flavor, work: Workload) -> str:
     return f"no plan of {flavor.name} has " + ", ".join(f"plan.{k}={v}" for k, v in forced.items())
 
 
+def choose_reference(work: Workload, flavor: Flavor, *, forced: dict, modes: tuple[str, ...]) -> tuple[PlanChoice, str]:
+    """recipes.dpo: a plan for each way of having the reference in `modes` ("copy": a frozen copy run each step;
+    "cached": its log-probabilities computed in a first pass), and the way whose run is predicted fastest, first pass
+    included (the smaller peak on a tie). A mode whose every plan is too large is passed over, unless all are."""
+    found, refused = [], None
+    for mode in modes:
+        try:
+            choice = choose_plan(replace(work, reference=mode), flavor, forced=forced)
+        except UserError as e:
+            refused = e
+            continue
+        found.append((choice.chosen.time.run_s(work.steps), choice.chosen.memory.total, mode, choice))
+    if not found:
+        raise refused
+    _, _, mode, choice = min(found, key=lambda f: f[:3])
+    return choice, mode
+
+
 def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
     """Plan `work` on `flavor`, honouring the `forced` plan fields (plan.* overrides; None: the planner
     decides); a UserError when nothing fits, naming a flavor or the settings that would."""
@@ -154,7 +176,7 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
     # The fastest run: compiling pays once for faster steps, so it is chosen only where the run is long enough.
     chosen = min(fitting, key=lambda c: (round(c.time.run_s(work.steps), 6), c.memory.total))
     return PlanChoice(flavor=flavor.name, chosen=chosen, candidates=candidates, budget_bytes=budget, steps=work.steps,
-                      device=flavor.device.name)
+                      device=flavor.device.name, reference=work.reference)
 
 
 def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool = False) -> tuple[list[Candidate], int]:

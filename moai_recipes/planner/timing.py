@@ -250,5 +250,15 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     if plan.cpu_offload:
         moved = micro * sizes.total / n * DTYPE_BYTES[compute_dtype] * 2 + sizes.trainable * 4 / n
         terms["offload"] = moved / (PCIE_GBPS * 1e9) + sizes.trainable * 16 / n / 20e9  # host-side AdamW
-    return TimeEstimate(terms=terms, kind=kind, scales=dict(scales or {}),
-                        once_s=COMPILE_S[kind] if plan.compile else 0.0)
+    once_s = COMPILE_S[kind] if plan.compile else 0.0
+    if work.reference != "none":
+        # recipes.dpo's reference: a forward of the step's pairs, a third of the layers' forward and backward (and,
+        # sharded, a gather of each layer), each step ("copy") or once per pair before step 1 ("cached").
+        forward = {k: terms[k] / 3 for k in ("matmul", "memory", "dispatch")}
+        forward["transfer"] = terms["transfer"] / 3 if plan.sharded else 0.0
+        if work.reference == "copy":
+            for k, v in forward.items():
+                terms[k] += v
+        else:
+            once_s += combine(forward, kind, scales)["total_s"] * len(work.lengths or (0,)) / work.batch_size
+    return TimeEstimate(terms=terms, kind=kind, scales=dict(scales or {}), once_s=once_s)

@@ -11,6 +11,8 @@ the preference objective (train/preference_step.py) -> save: model/ (full), adap
 The loss, the rewards and the gradients of a step are those of its global batch of pairs, on any flavor.
 """
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
@@ -24,7 +26,7 @@ from moai_recipes.models.hf_format import load_weights, save_weights
 from moai_recipes.models.lora import freeze_base, gather_adapters, init_adapters, merge_into, save_adapter
 from moai_recipes.models.preference_loss import PreferenceLoss
 from moai_recipes.models.sources import base_model_name
-from moai_recipes.planner.search import choose_plan
+from moai_recipes.planner.search import choose_reference
 from moai_recipes.train.answers import Answers
 from moai_recipes.train.loop import LoopSettings, train_loop
 from moai_recipes.train.metrics_log import MetricsLog
@@ -48,12 +50,14 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     lora = inputs.lora if cfg.method == "lora" else None
 
     # 2. The plan: a pair's two sequences run together, in one piece per rank (no pipeline or tensor cut yet).
+    #    The reference is part of the plan: a copy (memory; a forward each step) or a first pass (time before step 1).
     forced = {**forced_plan(cfg.plan, inputs.out_of_memory_hint), "pipeline_stages": 1, "tensor_parallel": 1,
               "packing": False}
-    choice = decided_by_main(world, lambda: choose_plan(inputs.workload, flavor, forced=forced))
+    choice, reference = decided_by_main(world, lambda: choose_reference(
+        inputs.workload, flavor, forced=forced, modes=_reference_modes(cfg, loss)))
+    work = replace(inputs.workload, reference=reference)
     plan = choice.chosen.plan
     world = world.laid_out(plan)
-    reference = _reference_mode(cfg, loss, lora)
     say(f"Flavor {flavor.describe()}; {world.world_size} process(es), backend {flavor.backend}")
     say("\n".join(inputs.describe(cfg)))
     say("\n".join(choice.report()))
@@ -80,14 +84,14 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     # 5. The optimizer over what trains, then the loop with the preference objective.
     optimizer = build_optimizer(trainable, cfg.optimizer, device=world.device)
     state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.optimizer, total_steps=inputs.total_steps))
-    process = prepare_process(plan, inputs.workload, flavor, world)
+    process = prepare_process(plan, work, flavor, world)
     log = MetricsLog.start(cfg, inputs, choice) if world.is_main else None
     answers = Answers.for_run(cfg, inputs.tokenizer, plan=plan, device=world.device)
     answers.take_before(model)
     objective = PreferenceObjective(loss=loss, reference=ref)
     result = train_loop(state, inputs, choice, LoopSettings.from_config(cfg, process, objective), world, log)
     if log and result.measured:
-        report_accuracy(result.choice, result.measured, work=inputs.workload, model_name=inputs.model_name,
+        report_accuracy(result.choice, result.measured, work=work, model_name=inputs.model_name,
                         device_kind=flavor.device.kind, log=log)
     say("\n".join(answers.report_after(model)))
 
@@ -108,17 +112,13 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     dist.barrier()
 
 
-def _reference_mode(cfg: DictConfig, loss: PreferenceLoss, lora) -> str:
-    """copy or cached, as the user forced or as it costs least: a LoRA reference is the base with the adapters off
-    (no memory), cached only when the data is seen more than once; a full fine-tuning reference costs a second copy
-    of the weights, which the first pass's cache never needs."""
+def _reference_modes(cfg: DictConfig, loss: PreferenceLoss) -> tuple[str, ...]:
+    """The ways of having the reference the planner weighs: the one the user forced, or both (auto)."""
     if not loss.uses_reference:
         if cfg.reference != "auto":
             raise UserError(f"loss.type={loss.type} has no reference model; leave reference=auto")
-        return "none"
-    if cfg.reference != "auto":
-        return str(cfg.reference)
-    return "cached" if lora is None or cfg.epochs > 1 else "copy"
+        return ("none",)
+    return ("copy", "cached") if cfg.reference == "auto" else (str(cfg.reference),)
 
 
 def _model(inputs, plan, world: World, *, lora, seed: int) -> torch.nn.Module:
