@@ -26,15 +26,16 @@ KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
 
 def _rows(conversational: bool) -> list[dict]:
     if conversational:
-        return [{"prompt": [{"role": "user", "content": p}], "chosen": [{"role": "assistant", "content": c.strip()}],
-                 "rejected": [{"role": "assistant", "content": r.strip()}]} for p, c, r in zip(PROMPTS, CHOSEN, REJECTED)]
+        turn = lambda role, text: [{"role": role, "content": text.strip()}]  # noqa: E731
+        return [{"prompt": turn("user", p), "chosen": turn("assistant", c), "rejected": turn("assistant", r)}
+                for p, c, r in zip(PROMPTS, CHOSEN, REJECTED)]
     return [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in zip(PROMPTS, CHOSEN, REJECTED)]
 
 
 def _ours(tmp_path: Path, name: str, model: Path, data: Path, *extra, lr: float = LR) -> list[dict]:
     out = tmp_path / name
-    r = run_recipe(f"model.checkpoint_dir={model}", f"dataset.path={data}", f"batch_size={BATCH}", "epochs=2",
-                   f"max_steps={STEPS}", f"optimizer.lr={lr}", "optimizer.warmup_steps=1", f"seed={SEED}",
+    r = run_recipe(f"model.checkpoint_dir={model}", "dataset=preference", f"dataset.path={data}", f"batch_size={BATCH}",
+                   "epochs=2", f"max_steps={STEPS}", f"optimizer.lr={lr}", "optimizer.warmup_steps=1", f"seed={SEED}",
                    "max_seq_len=128", "logger=stdout", f"output_dir={out}", *extra, module="recipes.dpo")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = metrics(out)
@@ -155,8 +156,9 @@ def test_what_cannot_make_a_pair_is_refused_by_name(tmp_path):
 def test_the_losses_by_hand():
     from moai_recipes.models.preference_loss import PairScores, PreferenceLoss, pair_losses
 
-    s = PairScores(chosen=torch.tensor([-10.0]), rejected=torch.tensor([-14.0]), chosen_tokens=torch.tensor([4.0]),
-                   rejected_tokens=torch.tensor([7.0]), ref_chosen=torch.tensor([-11.0]), ref_rejected=torch.tensor([-12.0]))
+    t = lambda x: torch.tensor([x])  # noqa: E731
+    s = PairScores(chosen=t(-10.0), rejected=t(-14.0), chosen_tokens=t(4.0), rejected_tokens=t(7.0),
+                   ref_chosen=t(-11.0), ref_rejected=t(-12.0))
     logsig = lambda x: -torch.nn.functional.softplus(-torch.tensor(x)).item()  # noqa: E731
     delta = (-10 + 11) - (-14 + 12)  # 3
     value, rewards = pair_losses(s, PreferenceLoss("sigmoid", beta=0.1, label_smoothing=0.2))
@@ -186,8 +188,8 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(setup, tmp_path):
     from tests.helpers import ROOT, command_env, tensors
 
     model, files = setup
-    common = [f"model.checkpoint_dir={model}", f"dataset.path={files[False]}", "batch_size=4", "epochs=4",
-              "optimizer.lr=1e-2", "optimizer.warmup_steps=1", "method=lora", "reference=cached",
+    common = [f"model.checkpoint_dir={model}", "dataset=preference", f"dataset.path={files[False]}", "batch_size=4",
+              "epochs=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=1", "method=lora", "reference=cached",
               "checkpoint_every=2", "logger=stdout", "sample_max_new_tokens=0"]
     whole = tmp_path / "whole"
     assert run_recipe(*common, f"output_dir={whole}", module="recipes.dpo").returncode == 0
@@ -227,7 +229,8 @@ def test_the_planner_prices_the_reference_and_picks_by_memory_and_time():
     plan = choose_plan(work, flavor, forced=whole).chosen.plan
     base, copy, cached = (replace(work, reference=r) for r in ("none", "copy", "cached"))
     weights = spec.num_params() * 4 / plan.shards
-    assert predict_memory(plan, copy, "gpu").params - predict_memory(plan, base, "gpu").params == pytest.approx(weights, rel=1e-6)
+    extra = predict_memory(plan, copy, "gpu").params - predict_memory(plan, base, "gpu").params
+    assert extra == pytest.approx(weights, rel=1e-6)
     assert predict_memory(plan, cached, "gpu").total == predict_memory(plan, base, "gpu").total
     t_base, t_copy, t_cached = (predict_time(plan, w, flavor.device) for w in (base, copy, cached))
     assert t_copy.total_s > t_base.total_s == t_cached.total_s and t_cached.once_s > t_base.once_s
@@ -238,3 +241,30 @@ def test_the_planner_prices_the_reference_and_picks_by_memory_and_time():
     # Three epochs of the same pairs: the first pass is paid once, the copy's forward every step: the cache again.
     _, mode = choose_reference(replace(work, steps=30), flavor, forced=whole, modes=("copy", "cached"))
     assert mode == "cached"
+
+
+def test_pairs_from_a_datasets_folder_with_a_column_map(setup, tmp_path):
+    from datasets import Dataset
+
+    model, _ = setup
+    folder = tmp_path / "pairs"
+    Dataset.from_list([{"question": p, "good": c, "bad": r} for p, c, r in zip(PROMPTS, CHOSEN, REJECTED)]
+                      ).save_to_disk(str(folder))
+    out = tmp_path / "run"
+    r = run_recipe(f"model.checkpoint_dir={model}", "dataset=preference", f"dataset.source={folder}",
+                   "dataset.column_map.prompt=question", "dataset.column_map.chosen=good", "dataset.column_map.rejected=bad", "batch_size=4", "max_steps=2",
+                   "logger=stdout", f"output_dir={out}", module="recipes.dpo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "8 samples" in r.stdout and len(metrics(out)) == 2 and (out / "model" / "config.json").is_file()
+
+
+def test_a_pairs_sequences_packed_in_one_row_give_the_padded_rows_numbers(setup, tmp_path):
+    from tests.helpers import plan_of
+
+    model, files = setup
+    padded = _ours(tmp_path, "padded", model, files[True], "plan.packing=false", "reference=copy")
+    packed = _ours(tmp_path, "packed", model, files[True], "plan.packing=true", "reference=copy")
+    assert plan_of(tmp_path / "packed")["packing"] and not plan_of(tmp_path / "padded")["packing"]
+    for a, b in zip(padded, packed, strict=True):
+        for key in KEYS:
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]) + 1e-6, (a["step"], key, a[key], b[key])

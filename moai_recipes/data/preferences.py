@@ -22,6 +22,7 @@ from moai_recipes.data.datasets import DataSource, column
 from moai_recipes.data.local_files import type_name
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
+from moai_recipes.models.attention import Documents
 
 
 class PreferencePairs(torch.utils.data.Dataset):
@@ -38,7 +39,8 @@ class PreferencePairs(torch.utils.data.Dataset):
     def __getitem__(self, i) -> dict:
         prompt, chosen, rejected = self._pairs[i]
         return {"index": i, "prompt": prompt, "chosen": chosen, "rejected": rejected,
-                "tokens": prompt + chosen + prompt + rejected}
+                "tokens": prompt + chosen + prompt + rejected,
+                "documents": (len(prompt) + len(chosen), len(prompt) + len(rejected))}  # the two sequences run
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -52,7 +54,8 @@ class PreferencePairs(torch.utils.data.Dataset):
                         "of each step's pairs")
 
 
-def load_pairs(source: DataSource, tokenizer: Tokenizer, *, max_seq_len: int, progress: bool = False) -> PreferencePairs:
+def load_pairs(source: DataSource, tokenizer: Tokenizer, *, max_seq_len: int,
+               progress: bool = False) -> PreferencePairs:
     rows, _, total = source.open()
     pairs, n_rows, dropped = [], 0, 0
     bar = tqdm(rows, total=total, unit=" rows", desc=f"Tokenising {source.describe()}", disable=not progress,
@@ -127,11 +130,17 @@ def _check_messages(col: str, value: list) -> None:
             raise UserError(f"message {j} of '{col}' must be an object with a string role and content, got {m!r}"[:300])
 
 
-def collate_pairs(pairs: list[dict], *, pad_id: int) -> dict:
-    """A micro-batch of pairs as one forward: the chosen sequences, then the rejected (TRL's layout), right-padded;
+def collate_pairs(pairs: list[dict], *, pad_id: int, packed: bool = False) -> dict:
+    """A micro-batch of pairs as one forward: the chosen sequences, then the rejected (TRL's layout), right-padded
+    rows, or (`packed`) one row of them end to end, each attending to itself only (models/attention.Documents);
     `completion` marks the tokens whose log-probabilities are summed (the label of the position before)."""
     seqs = [p["prompt"] + p["chosen"] for p in pairs] + [p["prompt"] + p["rejected"] for p in pairs]
     starts = [len(p["prompt"]) for p in pairs] * 2
+    if packed:
+        completion = [j >= start for seq, start in zip(seqs, starts) for j in range(len(seq))]
+        return {"tokens": torch.tensor([[t for seq in seqs for t in seq]]),
+                "completion": torch.tensor([completion]), "documents": Documents(tuple(map(len, seqs))),
+                "sequence": torch.tensor([i for i, seq in enumerate(seqs) for _ in seq])}
     width = max(map(len, seqs))
     tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     completion = torch.zeros((len(seqs), width), dtype=torch.bool)
@@ -147,4 +156,11 @@ def completion_logps(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, t
     targets = batch["tokens"][:, 1:].to(logits.device)
     mask = batch["completion"][:, 1:].to(logits.device)
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, targets[..., None])[..., 0]
-    return (logp * mask).sum(dim=1), mask.sum(dim=1)
+    if "documents" not in batch:
+        return (logp * mask).sum(dim=1), mask.sum(dim=1)
+    # One packed row: each target's sums go to its sequence. A document's first token is a prompt token, never
+    # a completion's: the position before it (the previous document's last) adds nothing.
+    sequence = batch["sequence"][1:].to(logits.device)
+    n = len(batch["documents"].lengths)
+    summed = torch.zeros(n, device=logits.device).index_add(0, sequence, (logp * mask)[0])
+    return summed, torch.zeros(n, device=logits.device, dtype=torch.long).index_add(0, sequence, mask[0].long())

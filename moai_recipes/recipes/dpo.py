@@ -1,7 +1,7 @@
 """Preference tuning: DPO (and IPO, SLiC's hinge, SimPO, ORPO) of a model, full or LoRA, on any flavor.
 
     python -m recipes.dpo                                                    # tiny model, embedded pairs, CPU
-    python -m recipes.dpo dataset.path=pairs.jsonl loss.beta=0.1 batch_size=32     # prompt, chosen, rejected
+    python -m recipes.dpo dataset=preference dataset.path=pairs.jsonl batch_size=32   # prompt, chosen, rejected
     python -m recipes.dpo method=lora model=llama3_8b model.checkpoint_dir=DIR flavor=cpu-2 reference=cached
 
 Reads top to bottom as the fine-tuning recipes do: config -> inputs (the pairs, tokenised as TRL tokenises them)
@@ -50,9 +50,9 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     lora = inputs.lora if cfg.method == "lora" else None
 
     # 2. The plan: a pair's two sequences run together, in one piece per rank (no pipeline or tensor cut yet).
+    #    Packed (a micro-batch's sequences end to end in one row, each attending to itself) where that is faster.
     #    The reference is part of the plan: a copy (memory; a forward each step) or a first pass (time before step 1).
-    forced = {**forced_plan(cfg.plan, inputs.out_of_memory_hint), "pipeline_stages": 1, "tensor_parallel": 1,
-              "packing": False}
+    forced = {**forced_plan(cfg.plan, inputs.out_of_memory_hint), "pipeline_stages": 1, "tensor_parallel": 1}
     choice, reference = decided_by_main(world, lambda: choose_reference(
         inputs.workload, flavor, forced=forced, modes=_reference_modes(cfg, loss)))
     work = replace(inputs.workload, reference=reference)

@@ -230,7 +230,9 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()
             step_times.append(timer.seconds)
-            work = flops.step([len(s["tokens"]) for s in samples], recompute=runner.plan.recompute,
+            # A sample's documents: itself, or a preference pair's two sequences (each attends to itself only).
+            work = flops.step([n for s in samples for n in s.get("documents", (len(s["tokens"]),))],
+                              recompute=runner.plan.recompute,
                               chunked_loss=runner.plan.chunked_loss)
             mfu, hfu = work.utilisation(timer.seconds, settings.peak_flops, world.world_size)
             if done == first + 1:

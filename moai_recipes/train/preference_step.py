@@ -51,7 +51,7 @@ class Reference:
             return values[:, 0], values[:, 1]
         model = self.model if self.model is not None else policy
         with _adapters_off(policy) if self.model is None else contextlib.nullcontext():
-            logits = _logits(model, batch["tokens"])
+            logits = _logits(model, batch["tokens"], batch.get("documents"))
         summed, _ = completion_logps(logits, batch)
         return summed.cpu().chunk(2)
 
@@ -64,9 +64,10 @@ def _adapters_off(model: torch.nn.Module):
         yield
 
 
-def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def _logits(model: torch.nn.Module, tokens: torch.Tensor, documents=None) -> torch.Tensor:
     device = next(iter(model.parameters())).device
-    logits = model(tokens.to(device))
+    extra = {} if documents is None else {"mask": documents, "input_pos": documents.positions(device)}
+    logits = model(tokens.to(device), **extra)
     logits = torch.cat(logits, dim=1) if isinstance(logits, list) else logits
     return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
@@ -121,8 +122,8 @@ class PreferenceObjective:
             if not micro:  # another rank's extra micro-batch: FSDP2 needs this rank in its forward and backward
                 (_logits(state.model, torch.full((1, 1), pad_id, dtype=torch.long)).sum() * 0).backward()
                 continue
-            batch = collate_pairs(micro, pad_id=pad_id)
-            summed, counts = completion_logps(_logits(state.model, batch["tokens"]), batch)
+            batch = collate_pairs(micro, pad_id=pad_id, packed=plan.packing)
+            summed, counts = completion_logps(_logits(state.model, batch["tokens"], batch.get("documents")), batch)
             chosen, rejected = summed.chunk(2)
             chosen_n, rejected_n = counts.chunk(2)
             ref = self.reference.logps(state.model, micro, batch) if self.loss.uses_reference else (None, None)
