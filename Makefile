@@ -33,7 +33,7 @@ demo-gguf: $(STAMP)
 # its answers to questions the pairs do not hold printed before and after, the reward margin growing step by step.
 demo-dpo: $(STAMP)
 	$(PY) -m recipes.dpo model=smollm2_135m dataset=pirate method=lora flavor=cpu epochs=3 batch_size=8 \
-		optimizer.lr=3e-4 optimizer.warmup_steps=2 lora.rank=16 lora.alpha=32 \
+		optimizer.lr=2e-4 optimizer.warmup_steps=2 lora.rank=16 lora.alpha=32 \
 		lora.attn_modules=[q_proj,k_proj,v_proj,output_proj] lora.apply_to_mlp=true
 
 # The tiny model on the embedded demo data: full fine-tuning in about 15 seconds, nothing to fetch.
