@@ -268,3 +268,15 @@ def test_a_pairs_sequences_packed_in_one_row_give_the_padded_rows_numbers(setup,
     for a, b in zip(padded, packed, strict=True):
         for key in KEYS:
             assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]) + 1e-6, (a["step"], key, a[key], b[key])
+
+
+def test_qlora_dpo_learns_with_the_nf4_base_as_reference(tmp_path):
+    model = make_hf_checkpoint(tmp_path / "model", "llama", hidden=256, intermediate=512, kv_heads=4)  # whole NF4 blocks
+    out = tmp_path / "run"
+    r = run_recipe(f"model.checkpoint_dir={model}", "method=lora", "lora.quantize_base=true", "reference=copy",
+                   "batch_size=4", "max_steps=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "logger=stdout",
+                   f"output_dir={out}", module="recipes.dpo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "the base with the adapters off" in r.stdout and (out / "adapter" / "adapter_config.json").is_file()
+    rows = metrics(out)
+    assert rows[0]["rewards/margins"] == 0 and rows[-1]["rewards/margins"] > 0.5 and rows[-1]["rewards/accuracies"] == 1

@@ -34,7 +34,19 @@ def open_split(what: HFSplit, *, streaming: bool = False):
         raise UserError(f"dataset.source={what.source} is a file; a single file is read with dataset.path={what.source}")
     base = what.split.split("[", 1)[0]
     kwargs = {"name": what.name, "data_files": what.data_files, "streaming": streaming}
+    folder = Path(what.source).expanduser()
     try:
+        if (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file():
+            # A folder written by save_to_disk: read back as it was saved (a Dataset: its one split, `train`).
+            saved = datasets.load_from_disk(str(folder))
+            splits = saved if isinstance(saved, datasets.DatasetDict) else datasets.DatasetDict({"train": saved})
+            if base not in splits:
+                raise UserError(f"dataset.split={what.split}: {folder} holds the splits {', '.join(splits)}")
+            data = splits[base]
+            if base != what.split:
+                raise UserError(f"dataset.split={what.split}: slices of a save_to_disk folder are not read; use "
+                                f"dataset.split={base}")
+            return data.to_iterable_dataset() if streaming else data
         splits = datasets.load_dataset(what.source, **kwargs)
         if base not in splits:
             raise UserError(f"dataset.split={what.split}: {what.describe().rsplit(',', 1)[0]} has no split '{base}'; "
