@@ -221,6 +221,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             if settings.fault_step_delay:  # tests that signal a run mid-way, whatever the machine's speed
                 time.sleep(settings.fault_step_delay)
             samples = batches.samples(step)
+            traced = meter.tracked and meter.counts and world.device.type == "cpu"
             shapes = micro_batch_shapes(runner.plan, samples) if meter.tracked else None
             with StepTimer(world.device) as timer, meter.step(state.model, state.optimizer, shapes):
                 step_fn = settings.objective.step if settings.objective is not None else train_step
@@ -262,7 +263,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                                      host_peak_bytes=int(host_peak), target_tokens=result.target_tokens,
                                      skipped=not result.finite,
                                      flops_per_token=work.model / max(result.tokens, 1),
-                                     mfu=mfu, hfu=hfu, extra=result.extra or None,
+                                     mfu=mfu, hfu=hfu, extra=result.extra or None, traced=traced,
                                      **evaluated))
             every = settings.checkpoint_every
             if stopping or (every and done % every == 0 and done < inputs.total_steps):

@@ -40,9 +40,10 @@ class StepMetrics:
     eval_time_s: float | None = None
     tasks: dict[str, float] | None = None  # eval_tasks' metrics, `task/metric` -> value, where run after this step
     extra: dict[str, float] | None = None  # what else the objective measured (DPO: rewards/chosen ...), as keys
+    traced: bool = False  # the CPU's tensor memory was followed op by op in this step (train/peak_memory.py): slower
 
     def row(self) -> dict:
-        row = {k: v for k, v in asdict(self).items() if v is not None and k != "extra"}
+        row = {k: v for k, v in asdict(self).items() if v is not None and k != "extra" and (k != "traced" or v)}
         return {**row, **(self.extra or {})}
 
 
@@ -134,7 +135,8 @@ class MetricsLog:
                   f"Throughput: {m['tokens_per_sec']:.2f} tokens/sec | MFU: {100 * m['mfu']:.1f}%"
                   + (f" | Eval loss: {m['eval_loss']:.8g} ({m['eval_time_s']:.2f} s)" if "eval_loss" in m else "")
                   + "".join(f" | {name}: {value:.4g}" for name, value in m.get("tasks", {}).items())
-                  + "".join(f" | {name}: {m[name]:.4g}" for name in ("rewards/margins", "rewards/accuracies") if name in m))
+                  + "".join(f" | {name}: {m[name]:.4g}" for name in ("rewards/margins", "rewards/accuracies") if name in m)
+                  + (" | memory traced: a slower step" if m.get("traced") else ""))
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{m['loss']:.4f}")
         if self._wandb is not None:
