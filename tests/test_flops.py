@@ -62,14 +62,14 @@ def test_lora_counts_the_frozen_base_and_the_adapters_as_torch_counts(modules, m
     assert flops.per_token < ModelFlops.of(SPEC).per_token  # no weight gradients for the base
 
 
-def test_recomputation_and_the_chunked_loss_are_hardware_flops_only():
+def test_recomputation_is_hardware_flops_only():
     flops = ModelFlops.of(SPEC)
     plain = flops.step([10, 20])
-    full = flops.step([10, 20], recompute="full", chunked_loss=True)
+    full = flops.step([10, 20], recompute="full")
     assert full.model == plain.model == plain.hardware
     pairs = 10 * 11 // 2 + 20 * 21 // 2
     layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 160
-    assert full.hardware - full.model == 30 * (2 * 3 * layer + 2 * 320 * 64) + 4 * 3 * 64 * pairs
+    assert full.hardware - full.model == 30 * 2 * 3 * layer + 4 * 3 * 64 * pairs
     assert flops.step([10, 20], recompute="selective").hardware == plain.model
     assert plain.utilisation(seconds=2.0, peak_flops=plain.model / 4, devices=2) == pytest.approx((1.0, 1.0))
     mfu, hfu = full.utilisation(seconds=2.0, peak_flops=full.model / 4, devices=2)
@@ -107,4 +107,4 @@ def test_every_step_carries_its_flops_and_mfu(tmp_path):
         # Between the matmuls alone and the matmuls with every document as long as the longest allowed.
         assert flops.per_token < row["flops_per_token"] < flops.per_token + flops.per_pair * 65 / 2
         assert row["mfu"] == pytest.approx(row["flops_per_token"] * row["tokens"] / (row["step_time_s"] * peak))
-        assert row["hfu"] == row["mfu"]  # no recomputation, no chunked loss on this plan
+        assert row["hfu"] == row["mfu"]  # no recomputation on this plan

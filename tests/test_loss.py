@@ -26,9 +26,9 @@ def test_chunks_give_the_loss_and_gradients_of_the_whole():
     labels[1, -300:] = IGNORE_INDEX
 
     whole = cross_entropy_sum(project(hidden), labels)
-    grads = torch.autograd.grad(whole, [hidden, project.weight])
-    chunked = chunked_cross_entropy_sum(project, hidden, labels)
-    chunked_grads = torch.autograd.grad(chunked, [hidden, project.weight])
+    grads = torch.autograd.grad(whole * 0.5, [hidden, project.weight])  # a scaled loss: the backward scales
+    chunked = chunked_cross_entropy_sum(hidden, project.weight, labels)
+    chunked_grads = torch.autograd.grad(chunked * 0.5, [hidden, project.weight])
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=0)
     for a, b in zip(chunked_grads, grads):  # summed in another order: tolerance on the gradient's scale
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))

@@ -37,14 +37,13 @@ from moai_recipes.models.build import build_model
 from moai_recipes.models.loss import (
     CHUNK_TOKENS,
     IGNORE_INDEX,
-    chunked_cross_entropy_sum,
-    cross_entropy_sum,
+    head_loss_sum,
 )
 from moai_recipes.models.spec import ModelSpec
 from moai_recipes.planner.live_storages import LiveStorages
 from moai_recipes.models.recompute import apply_recompute
 
-_VERSION = 5  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 6  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -301,10 +300,7 @@ def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked
         labels = torch.full((micro_batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
         count = OpCounter(existing=[*model.parameters(), *model.buffers(), h, labels])
         with count:
-            if chunked:
-                loss = chunked_cross_entropy_sum(lambda x: model.output(model.norm(x)), h, labels)
-            else:
-                loss = cross_entropy_sum(model.output(model.norm(h)).float(), labels)
+            loss = head_loss_sum(model, h, labels, chunked=chunked)
             loss.backward()
         # The weights' gradients are the memory model's (the output projection's lives on with the root's).
         grads = count.bytes_at_peak([p.grad for p in model.parameters() if p.grad is not None])

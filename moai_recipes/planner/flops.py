@@ -8,8 +8,8 @@ before an adapter; that layer's attention computes the gradients of only what is
 scores and the weighted sum, forward and backward), over the n(n+1)/2 pairs of a causal document of n tokens: at
 the real document lengths, not the padded or packed row's.
 Hardware FLOPs add what the plan computes twice: recomputation's second forward of each layer (full: its matmuls and
-attention; selective re-runs only pointwise operators, no FLOPs counted here) and the chunked loss's second
-forward of the output projection. Embedding lookups, norms, biases and the loss's softmax are left out (a fraction
+attention; selective re-runs only pointwise operators, no FLOPs counted here). The chunked loss computes its
+gradients in the same pass (models/loss.py): nothing twice. Embedding lookups, norms, biases and the loss's softmax are left out (a fraction
 of a percent), as Megatron and torchtitan leave them out.
 MFU = model FLOPs / (step seconds x peak FLOP/s per device x devices), the peak of the compute dtype: GPUs' data
 sheets (dense), the CPU's measured matmul (planner/cpu_speed.py). Test: `python -m pytest tests/test_flops.py -q`
@@ -43,7 +43,6 @@ class ModelFlops:
 
     per_token: float  # dense matmuls, forward and backward, trained and frozen weights as they are
     layer_forward: float  # one forward of the layers' matmuls: what full recomputation does again
-    head_forward: float  # one forward of the output projection: what the chunked loss does again
     per_pair: float  # attention, forward and backward, per pair of tokens a document attends, over the layers
     pair_forward: float  # one forward of the attention per pair: what full recomputation does again
 
@@ -91,21 +90,17 @@ class ModelFlops:
         per_token += 2 * head * (1 + grad + (lora is None))  # the output projection (its input: the last layer's)
         if lora is not None and lora.apply_to_output:
             per_token += 2 * rank * d * (2 + grad) + 6 * rank * spec.vocab_size
-        return cls(per_token=per_token, layer_forward=2 * spec.num_layers * layer, head_forward=2 * head,
+        return cls(per_token=per_token, layer_forward=2 * spec.num_layers * layer,
                    per_pair=per_pair, pair_forward=4 * spec.num_layers * q)
 
-    def step(self, lengths: list[int], *, recompute: str = "none", chunked_loss: bool = False) -> StepFlops:
-        """The FLOPs of a step over documents of `lengths` tokens, as the plan (its recomputation, its chunked
-        loss) computes them."""
-        return self.of_totals(sum(lengths), sum(n * (n + 1) // 2 for n in lengths), recompute=recompute,
-                              chunked_loss=chunked_loss)
+    def step(self, lengths: list[int], *, recompute: str = "none") -> StepFlops:
+        """The FLOPs of a step over documents of `lengths` tokens, as the plan (its recomputation) computes them."""
+        return self.of_totals(sum(lengths), sum(n * (n + 1) // 2 for n in lengths), recompute=recompute)
 
-    def of_totals(self, tokens: float, pairs: float, *, recompute: str = "none", chunked_loss: bool = False) -> StepFlops:
+    def of_totals(self, tokens: float, pairs: float, *, recompute: str = "none") -> StepFlops:
         """step() for documents of `tokens` tokens and `pairs` attended pairs in all (a mean step: the planner's)."""
         model = self.per_token * tokens + self.per_pair * pairs
         again = 0.0
         if recompute == "full":
             again += self.layer_forward * tokens + self.pair_forward * pairs
-        if chunked_loss:
-            again += self.head_forward * tokens
         return StepFlops(model=model, hardware=model + again)

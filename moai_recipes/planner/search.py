@@ -215,7 +215,7 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
         time = predict_time(plan, work, flavor.device, scales=scales)
         host = predict_host_memory(plan, work, flavor.processes_per_node) if flavor.device.kind == "gpu" else None
         fits = memory.total <= budget and (host is None or host.total <= host_budget)
-        mfu, _ = flops.of_totals(tokens, pairs, recompute=plan.recompute, chunked_loss=plan.chunked_loss).utilisation(
+        mfu, _ = flops.of_totals(tokens, pairs, recompute=plan.recompute).utilisation(
             time.total_s, peak, n)
         candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=fits, host=host, mfu=mfu))
         if until_fit and fits:

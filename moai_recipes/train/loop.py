@@ -233,8 +233,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             step_times.append(timer.seconds)
             # A sample's documents: itself, or a preference pair's two sequences (each attends to itself only).
             work = flops.step([n for s in samples for n in s.get("documents", (len(s["tokens"]),))],
-                              recompute=runner.plan.recompute,
-                              chunked_loss=runner.plan.chunked_loss)
+                              recompute=runner.plan.recompute)
             mfu, hfu = work.utilisation(timer.seconds, settings.peak_flops, world.world_size)
             if done == first + 1:
                 limit_memory()  # tests: a real memory limit from the second step (MOAI_FAULT_MEMORY_HEADROOM)
