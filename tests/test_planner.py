@@ -196,7 +196,8 @@ def test_the_head_of_a_large_micro_batch_is_extrapolated_exactly(chunked):
     for m in (5, 12, 19):  # at 256 tokens a sequence: 19 sequences run 4.75 chunks
         got = trace_head(spec, micro_batch_size=m, seq_len=256, chunked=chunked, dtype=torch.bfloat16)
         want = _trace_head(spec, micro_batch_size=m, seq_len=256, chunked=chunked, dtype=torch.bfloat16, lora=None)
-        rel = 0.01 if chunked else 0  # a partial last chunk moves a little more memory per token
+        # A partial last chunk moves more memory per token: it adds its share to the weight's whole gradient.
+        rel = 0.02 if chunked else 0
         assert got.flops == want.flops
         assert got.peak == pytest.approx(want.peak, rel=rel) and got.traffic == pytest.approx(want.traffic, rel=rel)
 

@@ -41,14 +41,8 @@ def cpu_speed(threads: int) -> CpuSpeed:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    if key in _MEASURED:
-        return _MEASURED[key]
     if key not in known:
-        busy = os.getloadavg()[0] > (os.cpu_count() or 1)  # more runnable processes than cores: a low reading
         known[key] = _measure_apart(threads)
-        if busy:  # used by this process, not kept: a run on a quiet machine measures it again
-            _MEASURED[key] = CpuSpeed(**known[key])
-            return _MEASURED[key]
         try:  # a cache: a read-only home only costs the measurement next time
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -57,9 +51,6 @@ def cpu_speed(threads: int) -> CpuSpeed:
         except OSError:
             pass
     return CpuSpeed(**known[key])
-
-
-_MEASURED: dict[str, CpuSpeed] = {}  # this process's readings taken on a busy machine (not cached)
 
 
 def speed_key(threads: int) -> str:

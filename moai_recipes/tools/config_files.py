@@ -141,7 +141,7 @@ def validate(config: str, overrides: list[str]) -> Iterator[str]:
     cfg = load_config(recipe, argv)
     yield f"Config {source} composes for recipes.{recipe}; values valid"
     yield from _check_inputs(recipe, cfg)
-    yield "OK: nothing wrong found." + ("" if recipe in ("generate", "export", "eval") else
+    yield "OK: nothing wrong found." + ("" if recipe in ("generate", "export", "eval", "dpo") else
                                         " Whether it fits in memory, and how it would run: moai run plan "
                                         "with the same overrides (method=lora for LoRA)")
 
