@@ -2,7 +2,7 @@
 # made-up facts with LoRA on the CPU (about two minutes after the install; 1.5 once the model is converted).
 # make demo-gguf (after make demo): the learned model as one q8_0 GGUF file, asked the demo's questions by llama.cpp.
 # make demo-dpo: preference tuning (DPO with LoRA) of the same model on pirate-voiced pairs (about two minutes).
-# make test: install, then run the test suite (about 13 minutes on two cores).
+# make test: install, then run the test suite (about 14 minutes on two cores).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -44,7 +44,7 @@ demo-tiny: $(STAMP)
 
 # Two pytest workers, one per core, each taking whole test modules (a module's shared runs stay in one process):
 # run one after the other the tests leave a core idle 30% of the time (a process starting, a signal on its way, a
-# file written). Measured: 12:53 on two workers sharing one cache (the suite is ~24 core-minutes).
+# file written). Measured: 13:31 on two workers sharing one cache (the suite is ~24 core-minutes).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
