@@ -21,10 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-from torchtune.modules.common_utils import disable_kv_cache
 
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
+from moai_recipes.inference.loading import whole_sequence_logits
 
 
 @dataclass(frozen=True)
@@ -85,17 +85,11 @@ class MoaiLM(TemplateLM):
         dist.all_reduce(flag)
         return bool(flag.item())
 
-    def _forward(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
-        self._working(True)
-        return self.model(tokens, **kwargs)
-
     def _finish(self) -> None:
         """Run one-token forwards for as long as another rank still runs real ones (its FSDP2 all-gathers)."""
         one = torch.zeros(1, 1, dtype=torch.long, device=self._device)
         while self.world_size > 1 and self._working(False):
-            with disable_kv_cache(self.model) if self.model.caches_are_setup() else _nothing():
-                self.model(one, **({"mask": torch.ones(1, 1, 1, dtype=torch.bool, device=self._device)}
-                                   if self.model.caches_are_setup() else {}))
+            whole_sequence_logits(self.model, one)
 
     @torch.no_grad()
     def _logprobs(self, rows: list[list[int]]) -> list[torch.Tensor]:
@@ -104,12 +98,8 @@ class MoaiLM(TemplateLM):
         tokens = torch.full((len(rows), width), self.tok.pad_id, dtype=torch.long)
         for i, r in enumerate(rows):
             tokens[i, :len(r)] = torch.tensor(r)
-        # With KV caches set up (recipes.eval, for generation), torchtune's attention is causal only through a mask.
-        causal = torch.ones(width, width, dtype=torch.bool).tril().expand(len(rows), width, width)
-        with disable_kv_cache(self.model) if self.model.caches_are_setup() else _nothing():
-            logits = self._forward(tokens.to(self._device), mask=causal.to(self._device))
-        if isinstance(logits, list):  # a chunked output layer
-            logits = torch.cat(logits, dim=1)
+        self._working(True)
+        logits = whole_sequence_logits(self.model, tokens.to(self._device))
         logp = F.log_softmax(logits.float(), dim=-1)
         return [logp[i, :len(r)] for i, r in enumerate(rows)]
 
@@ -173,8 +163,8 @@ class MoaiLM(TemplateLM):
         generated = []
         for _ in range(new):
             row = (ids + generated)[-self.max_length:]
-            logits = self._forward(torch.tensor([row], device=self._device))
-            logits = torch.cat(logits, dim=1) if isinstance(logits, list) else logits
+            self._working(True)
+            logits = whole_sequence_logits(self.model, torch.tensor([row], device=self._device))
             token = int(logits[0, -1].argmax())
             if token in self.tok.stop_ids:
                 break
@@ -182,14 +172,6 @@ class MoaiLM(TemplateLM):
             if until and any(s in self.tok.decode(generated) for s in until):
                 break
         return generated
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def load_tasks(names: list[str], *, tasks_dir: str | None, key: str = "tasks"):

@@ -5,6 +5,7 @@ device_map does (the KV caches counted), give them memory, load the weights, mer
 set up the caches. On the CPU everything runs on the CPU. Test: `python -m pytest tests/test_generate.py -q`.
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -58,3 +59,15 @@ def load_for_inference(cfg: DictConfig, hf: HFFolder, adapter: PeftAdapter | Non
                + (f"; adapter {adapter.folder} merged (r={adapter.rank}, alpha={adapter.alpha:g})" if adapter else "")
                + (f"; {quantized}" if quantized else "") + f"\nDevice map ({cfg.device_map}): {describe(placement)}")
     return Loaded(model=model, device=main, dtype=dtype, summary=summary)
+
+
+def whole_sequence_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Every position's logits of `tokens` [rows, width], the model's KV caches (if set up) out of the way: with
+    caches set up, torchtune's attention is causal only through an explicit mask, so one is always given."""
+    from torchtune.modules.common_utils import disable_kv_cache
+
+    rows, width = tokens.shape
+    causal = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril().expand(rows, width, width)
+    with disable_kv_cache(model) if model.caches_are_setup() else contextlib.nullcontext():
+        logits = model(tokens, mask=causal)
+    return torch.cat(logits, dim=1) if isinstance(logits, list) else logits  # a chunked output layer

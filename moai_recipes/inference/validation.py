@@ -9,9 +9,9 @@ import math
 import time
 
 import torch
-from torchtune.modules.common_utils import disable_kv_cache
 
 from moai_recipes.data.datasets import collate
+from moai_recipes.inference.loading import whole_sequence_logits
 from moai_recipes.models.loss import IGNORE_INDEX, cross_entropy_sum
 
 
@@ -23,13 +23,7 @@ def validation_loss(model: torch.nn.Module, dataset, *, batch_size: int, pad_id:
     for first in range(0, len(dataset), batch_size):
         batch = collate([dataset[i] for i in range(first, min(first + batch_size, len(dataset)))], pad_id=pad_id)
         tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
-        rows, width = tokens.shape
-        # With KV caches set up (for generation), torchtune's attention is causal only through a mask.
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(rows, width, width)
-        with disable_kv_cache(model):
-            logits = model(tokens, mask=causal)
-        logits = torch.cat(logits, dim=1) if isinstance(logits, list) else logits
-        total += float(cross_entropy_sum(logits, labels))
+        total += float(cross_entropy_sum(whole_sequence_logits(model, tokens), labels))
         targets += int((labels != IGNORE_INDEX).sum())
     loss = total / max(targets, 1)
     return {"eval_loss": loss, "perplexity": math.exp(loss), "samples": len(dataset), "target_tokens": targets,

@@ -58,8 +58,9 @@ def export_gguf(hf: HFFolder, out: Path, *, fmt: str, adapter: PeftAdapter | Non
 
     arch = _arch(hf)
     tokens, types, pre = _vocab(hf)
-    plan = [(name, _gguf_name(gguf, arch, hf, name), _qtype(gguf, hf.shapes[name], fmt, name))
-            for names in hf.files.values() for name in names if tune_name(name)]  # hf.tensors()' order, no inv_freq
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], hf.spec.num_layers)
+    plan = [(name, _gguf_name(name_map, arch, hf, name), _qtype(gguf, hf.shapes[name], fmt, name))
+            for in_file in hf.files.values() for name in in_file if tune_name(name)]  # hf.tensors()' order, no inv_freq
     extra = _rope_freqs(hf)
     size = sum(_nbytes(gguf, hf.shapes[n], q) for n, _, q in plan) + (4 * extra.size if extra is not None else 0)
     size += sum(len(t.encode()) + 16 for t in tokens) + 2**20
@@ -234,9 +235,8 @@ def _rope_freqs(hf: HFFolder) -> np.ndarray | None:
     return np.array(out, dtype=np.float32)
 
 
-def _gguf_name(gguf, arch: str, hf: HFFolder, name: str) -> str:
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], hf.spec.num_layers)
-    new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+def _gguf_name(name_map, arch: str, hf: HFFolder, name: str) -> str:
+    new = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
     if new is None:
         raise UserError(f"{hf.folder}: the tensor {name} has no place in a GGUF {arch} model")
     return new
