@@ -6,6 +6,8 @@ Run: python -m pytest tests/test_flops.py -q
 
 import dataclasses
 
+import json
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -91,14 +93,15 @@ def test_llama3_8b_by_hand():
     assert 1.071 < step.model / (6 * weights * 4096) < 1.072
 
 
-def test_every_step_carries_its_flops_and_mfu(tmp_path):
+def test_every_step_carries_its_flops_and_mfu_and_a_profiled_step_its_trace(tmp_path):
     from moai_recipes.models.spec import read_spec
     from moai_recipes.models.tiny import tiny_checkpoint_dir
     from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
     from tests.helpers import metrics, run_recipe
 
     out = tmp_path / "run"
-    r = run_recipe("max_steps=3", "batch_size=4", "max_seq_len=64", "logger=stdout", f"output_dir={out}")
+    r = run_recipe("max_steps=3", "batch_size=4", "max_seq_len=64", "logger=stdout", f"output_dir={out}",
+                   "profile_steps=[3]")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("| MFU: ") == 3
     flops = ModelFlops.of(read_spec(tiny_checkpoint_dir()))
@@ -108,3 +111,13 @@ def test_every_step_carries_its_flops_and_mfu(tmp_path):
         assert flops.per_token < row["flops_per_token"] < flops.per_token + flops.per_pair * 65 / 2
         assert row["mfu"] == pytest.approx(row["flops_per_token"] * row["tokens"] / (row["step_time_s"] * peak))
         assert row["hfu"] == row["mfu"]  # no recomputation on this plan
+    # profile_steps=[3]: torch.profiler's trace and op table of that step alone, the step marked as slower.
+    assert [row.get("profiled", False) for row in metrics(out)] == [False, False, True]
+    assert "[Step 3/3]" in r.stdout and "| profiled: a slower step" in r.stdout.split("[Step 3/3]")[1].splitlines()[0]
+    assert "Profile of step 3" in r.stdout and "aten::mm" in r.stdout.split("Profile of step 3")[1]
+    assert sorted(p.name for p in (out / "profile").iterdir()) == ["step3-rank0.json", "step3-rank0.txt"]
+    events = json.loads((out / "profile" / "step3-rank0.json").read_text())["traceEvents"]
+    # The step's backward and optimizer are in it, and nothing of the steps before it (a fresh profiler).
+    names = {e.get("name") for e in events}
+    assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names, sorted(names)[:50]
+    assert sum(e.get("name") == "Optimizer.step#AdamW.step" for e in events) == 1

@@ -228,6 +228,8 @@ class RecipeConfig:
     checkpoint_every: Optional[int] = setting(None, "save the whole training state every N steps")
     checkpoint_keep: int = setting(2, "newest checkpoints kept")
     skip_nonfinite_steps: int = setting(0, "steps with a NaN/inf loss or gradient skipped before the run stops")
+    profile_steps: list[int] = setting([], "steps measured by torch.profiler: a trace and an op table per rank in "
+                                           "OUTPUT_DIR/profile/ (e.g. profile_steps=[5])")
     max_restarts: int = setting(3, "when a worker dies, restart the processes and resume from the last checkpoint")
     plan: PlanConfig = field(default_factory=PlanConfig)  # null = the planner decides
 

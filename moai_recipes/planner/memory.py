@@ -23,9 +23,9 @@ NF4_BYTES = 0.5 + 1 / 64 * 4 / 4 + 0.01  # 4-bit codes, per-block scales, double
 NF4_DEQUANT_BYTES = 21
 FIXED_OVERHEAD = {"gpu": 2**30, "cpu": 0}  # CUDA/ROCm context and communication buffers
 SLACK = {"gpu": 0.08, "cpu": 0.05}  # allocator fragmentation, as a share of what is allocated
-# Bytes of temporaries per trainable value in the optimizer step: train/optim.py takes fused AdamW on
-# GPUs (none) and foreach AdamW on the CPU (one fp32 copy of the moments' update).
-OPTIMIZER_TEMPORARY = {"gpu": 0, "cpu": 4}
+# Bytes of temporaries per trainable value in the optimizer step: train/optim.py's fused AdamW, on GPUs and the
+# CPU alike, makes none.
+OPTIMIZER_TEMPORARY = {"gpu": 0, "cpu": 0}
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,7 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     gone, every sharded gradient made); between them memory moves monotonically, layer by layer.
     Weight gradients of earlier micro-batches are alive throughout when accumulating (freed after
     each step otherwise). Then the optimizer step: the sharded state and the optimizer's own
-    temporaries (OPTIMIZER_TEMPORARY bytes per trainable value: foreach AdamW on the CPU makes
-    one fp32 copy, fused AdamW on GPUs none). `traced_scale`: the machine's calibration of the traced
+    temporaries (OPTIMIZER_TEMPORARY bytes per trainable value: fused AdamW makes none). `traced_scale`: the machine's calibration of the traced
     activations and logits (planner/calibration.py).
 
     Under pipeline parallelism, the busiest of the pipeline's devices (layouts.device_shares): each holds its

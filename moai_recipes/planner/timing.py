@@ -30,9 +30,9 @@ EFFICIENCY = {"gpu": (0.55, 1024), "cpu": (0.92, 16)}
 # Share of the memory bandwidth that a training step's elementwise kernels reach (many small ones).
 BANDWIDTH_EFFICIENCY = {"gpu": 0.7, "cpu": 0.63}
 # Bytes per trainable value and step: gradient clipping reads the gradients for their norm and scales
-# them (12); AdamW, counted with activations.OpCounter on torch 2.13: foreach (CPU) 52, fused (GPU)
-# reads parameter, gradient and both moments and writes three of them once (28).
-OPTIMIZER_TRAFFIC = {"gpu": 12 + 28, "cpu": 12 + 52}
+# them (12); fused AdamW (train/optim.py, GPUs and the CPU alike) reads parameter, gradient and both moments and
+# writes three of them once (28).
+OPTIMIZER_TRAFFIC = {"gpu": 12 + 28, "cpu": 12 + 28}
 # Cost of dispatching one operator, whatever its size: PyTorch's eager dispatch (and on a GPU the kernel
 # launch, asynchronous: the device works meanwhile). Selective recompute runs its policy, in Python, on
 # every operator of the layer: SELECTIVE_OP_S more each. The CPU's fitted with bench/planner_accuracy.py.
@@ -48,7 +48,7 @@ LOCAL_COLLECTIVE_S = {"gpu": 20e-6, "cpu": 0.4e-3}
 # An all-reduce of a few scalars (the step's token counts, its loss, the gradient norm): a round trip.
 SCALAR_LATENCY_S = {"gpu": 50e-6, "cpu": 0.3e-3}
 # Seconds per trainable tensor and step for the optimizer's and the clipping's Python, beyond the bytes they move
-# (the memory term): foreach AdamW and clipping on the CPU, and more for a DTensor's dispatch (clipping 21
+# (the memory term): AdamW's grouping and clipping on the CPU, and more for a DTensor's dispatch (clipping 21
 # tensors of the tiny model: 0.45 ms plain, 1.45 ms as DTensors, on this machine); estimates to calibrate.
 PARAM_S = {"gpu": 10e-6, "cpu": 15e-6}
 DTENSOR_PARAM_S = {"gpu": 30e-6, "cpu": 50e-6}
@@ -66,9 +66,10 @@ COMPILE_S = {"gpu": 60.0, "cpu": 30.0}
 # Operators a document adds to a packed row's attention, forward and backward (CPU: per-document SDPA).
 DOCUMENT_OPS = 8
 # Fixed seconds of one attention kernel's forward and backward beyond its FLOPs: the CPU's flash attention sets up
-# its blocks per call, in bf16 much more (SDPA of 4 heads x 36 tokens x 32, forward and backward, on this machine:
-# 114 us in fp32, 390 us in bf16); a GPU's is a launch.
-ATTENTION_CALL_S = {"cpu": {"float32": 100e-6, "bfloat16": 350e-6}, "gpu": {"float32": 20e-6, "bfloat16": 20e-6}}
+# its blocks per call (SDPA of 4 heads x 36 tokens x 32, forward and backward, on this machine: 114 us in fp32, 390
+# us in bf16, which is why bf16 rows of short documents are computed in fp32: models/attention.py, the casts
+# adding a little); a GPU's is a launch.
+ATTENTION_CALL_S = {"cpu": {"float32": 100e-6, "bfloat16": 120e-6}, "gpu": {"float32": 20e-6, "bfloat16": 20e-6}}
 
 
 # QLoRA's NF4 weights, per micro-batch: the fixed cost of dequantizing one in its forward and backward, and the

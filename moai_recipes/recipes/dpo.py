@@ -82,7 +82,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
                                      pad_id=inputs.tokenizer.pad_id, adapters_off=lora is not None)
 
     # 5. The optimizer over what trains, then the loop with the preference objective.
-    optimizer = build_optimizer(trainable, cfg.optimizer, device=world.device)
+    optimizer = build_optimizer(trainable, cfg.optimizer)
     state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.optimizer, total_steps=inputs.total_steps))
     process = prepare_process(plan, work, flavor, world)
     log = MetricsLog.start(cfg, inputs, choice) if world.is_main else None

@@ -56,7 +56,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     load_weights(model, inputs.hf)
 
     # 4. Every parameter is trained.
-    optimizer = build_optimizer(model.parameters(), cfg.optimizer, device=world.device)
+    optimizer = build_optimizer(model.parameters(), cfg.optimizer)
     state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.optimizer, total_steps=inputs.total_steps))
 
     # 5. This process set up for the loop (threads, allocator, collector), then the loop: the same global batch,

@@ -69,7 +69,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     say(f"Trainable: {sum(p.numel() for p in trainable) / 1e6:.3f}M adapter parameters")
 
     # 4. Only the adapters are trained: only they get gradients and optimizer state.
-    optimizer = build_optimizer(trainable, cfg.optimizer, device=world.device)
+    optimizer = build_optimizer(trainable, cfg.optimizer)
     state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.optimizer, total_steps=inputs.total_steps))
 
     # 5. This process set up for the loop (threads, allocator, collector), then the loop: the same global batch,

@@ -42,6 +42,7 @@ from moai_recipes.train.tensor_parallel import parallel_loss
 from moai_recipes.train.peak_memory import PeakMemory, host_peak_bytes
 from moai_recipes.train.plan_accuracy import Measured
 from moai_recipes.train.process import ProcessSettings
+from moai_recipes.train.profiling import StepProfiler
 from moai_recipes.train.metrics_log import MetricsLog, StepMetrics
 from moai_recipes.train.world import World
 
@@ -60,6 +61,7 @@ class LoopSettings:
     fault_memory_headroom: int | None = None  # a real address-space limit after the first step (tests; ProcessSettings)
     objective: object = None  # what a step optimises: None, the token loss; train/preference_step's for DPO
     peak_flops: float = 0.0  # one device's, in the compute dtype (ProcessSettings): MFU's denominator
+    profile_steps: tuple[int, ...] = ()  # steps measured by torch.profiler (train/profiling.py)
 
     @classmethod
     def from_config(cls, cfg, process: ProcessSettings, objective=None) -> "LoopSettings":
@@ -67,7 +69,8 @@ class LoopSettings:
                    checkpoint_keep=cfg.checkpoint_keep, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
                    eval_every=cfg.eval_every, fault_oom_tokens=process.fault_oom_tokens,
                    fault_step_delay=process.fault_step_delay, fault_memory_headroom=process.fault_memory_headroom,
-                   peak_flops=process.peak_flops, objective=objective)
+                   peak_flops=process.peak_flops, objective=objective,
+                   profile_steps=tuple(cfg.profile_steps))
 
 
 @dataclass
@@ -214,6 +217,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                         f"{runner.plan.pipeline_stages} pipeline stage(s) and tensor parallelism "
                         f"{runner.plan.tensor_parallel}; drop eval_tasks here and run recipes.eval on the model the "
                         "run writes (model.checkpoint_dir=OUTPUT_DIR/model tasks=[...])")
+    profiler = StepProfiler(settings.profile_steps, inputs.out, rank=world.rank, device=world.device)
     state.model.train()
     with _StopRequest() as stop, address_space_limit(settings.fault_memory_headroom) as limit_memory:
         for step in range(first, inputs.total_steps):
@@ -223,14 +227,17 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             samples = batches.samples(step)
             traced = meter.tracked and meter.counts and world.device.type == "cpu"
             shapes = micro_batch_shapes(runner.plan, samples) if meter.tracked else None
-            with StepTimer(world.device) as timer, meter.step(state.model, state.optimizer, shapes):
+            with profiler.step(done), StepTimer(world.device) as timer, \
+                    meter.step(state.model, state.optimizer, shapes):
                 step_fn = settings.objective.step if settings.objective is not None else train_step
                 result = runner.run(lambda plan: step_fn(state, rank_micro_batches(plan, samples, world), plan=plan,
                                                          world=world, settings=settings, pad_id=pad_id),
                                     step=done, optimizer=state.optimizer)
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()
-            step_times.append(timer.seconds)
+            profiled = profiler.profiled(done)
+            if not profiled:  # the profiler slows the steps it records: they do not say what a step costs
+                step_times.append(timer.seconds)
             # A sample's documents: itself, or a preference pair's two sequences (each attends to itself only).
             work = flops.step([n for s in samples for n in s.get("documents", (len(s["tokens"]),))],
                               recompute=runner.plan.recompute)
@@ -263,7 +270,9 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                                      skipped=not result.finite,
                                      flops_per_token=work.model / max(result.tokens, 1),
                                      mfu=mfu, hfu=hfu, extra=result.extra or None, traced=traced,
-                                     **evaluated))
+                                     profiled=profiled, **evaluated))
+                if profiled:
+                    log.info(profiler.summary(done))
             every = settings.checkpoint_every
             if stopping or (every and done % every == 0 and done < inputs.total_steps):
                 about = {"step": done, **batches.position(done), "flavor": runner.choice.flavor,

@@ -41,9 +41,11 @@ class StepMetrics:
     tasks: dict[str, float] | None = None  # eval_tasks' metrics, `task/metric` -> value, where run after this step
     extra: dict[str, float] | None = None  # what else the objective measured (DPO: rewards/chosen ...), as keys
     traced: bool = False  # the CPU's tensor memory was followed op by op in this step (train/peak_memory.py): slower
+    profiled: bool = False  # torch.profiler recorded this step (profile_steps, train/profiling.py): slower
 
     def row(self) -> dict:
-        row = {k: v for k, v in asdict(self).items() if v is not None and k != "extra" and (k != "traced" or v)}
+        row = {k: v for k, v in asdict(self).items() if v is not None and k != "extra"
+               and (k not in ("traced", "profiled") or v)}
         return {**row, **(self.extra or {})}
 
 
@@ -136,7 +138,8 @@ class MetricsLog:
                   + (f" | Eval loss: {m['eval_loss']:.8g} ({m['eval_time_s']:.2f} s)" if "eval_loss" in m else "")
                   + "".join(f" | {name}: {value:.4g}" for name, value in m.get("tasks", {}).items())
                   + "".join(f" | {name}: {m[name]:.4g}" for name in ("rewards/margins", "rewards/accuracies") if name in m)
-                  + (" | memory traced: a slower step" if m.get("traced") else ""))
+                  + (" | memory traced: a slower step" if m.get("traced") else "")
+                  + (" | profiled: a slower step" if m.get("profiled") else ""))
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{m['loss']:.4f}")
         if self._wandb is not None:

@@ -43,13 +43,14 @@ def keep_freed_memory_for(largest_tensor_bytes: int) -> bool:
 
 
 def keep_freed_memory() -> bool:
-    """Turn off glibc's mmap for large blocks, and its trimming below 2 GiB (the most its int takes), in this process;
-    False where libc is not glibc."""
+    """Turn off glibc's mmap for large blocks, and its trimming (mallopt(3): -1 disables it; a threshold, even
+    2 GiB, the most its int takes, would hand a larger model's freed step back to the kernel), in this process; False
+    where libc is not glibc."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, -1))
     except (OSError, AttributeError):  # musl and others: nothing to tune
         return False
 
