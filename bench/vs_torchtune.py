@@ -217,7 +217,7 @@ optimizer:
   betas: [{BETAS[0]}, {BETAS[1]}]
   eps: {EPS}
   weight_decay: 0.0
-  foreach: true  # ours asks for foreach on the CPU; torch's default there is the per-tensor loop
+  fused: true  # ours runs fused AdamW (train/optim.py); torch's CPU default is the per-tensor loop
 lr_scheduler:
   _component_: torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup
   num_warmup_steps: {args.warmup_lr_steps}
