@@ -69,7 +69,7 @@ def measure(spec: ModelSpec, *, seq: int, mbs: int, accum: int, recompute: str, 
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tokens = torch.randint(0, spec.vocab_size, (mbs, seq))
 
     def step(tracker=None):

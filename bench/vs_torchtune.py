@@ -28,7 +28,7 @@ What is the same in every job:
     seeded sampler visits them, so step k sees the same sequences in both tools (the losses match);
   * batch --batch-size sequences per optimizer step, no gradient accumulation, no activation
     checkpointing, no compile, fp32 weights and compute, AdamW(lr, betas 0.9/0.95, eps 1e-8, no weight
-    decay, foreach) with the same cosine schedule and warm-up, gradients clipped to norm 1.0,
+    decay, fused) with the same cosine schedule and warm-up, gradients clipped to norm 1.0,
     plain cross-entropy, a metric line every step.
 
 Tokens are counted alike: ours logs `tokens` = non-padding input tokens of the global batch;
