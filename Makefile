@@ -44,7 +44,7 @@ demo-tiny: $(STAMP)
 
 # Two pytest workers, one per core, each taking whole test modules (a module's shared runs stay in one process):
 # run one after the other the tests leave a core idle 30% of the time (a process starting, a signal on its way, a
-# file written). Measured: 10:22 on two workers sharing one cache (2026-11-25; 13:31 before AdamW was fused on the CPU).
+# file written). Measured: 10:22 on two workers sharing one cache (2026-11-25; 13:31 the day before, on a busier machine or before AdamW was fused: not told apart).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
