@@ -114,6 +114,11 @@ PRESETS = {"all": ["ours-cpu", "torchtune", "torchtune-packed", "ours-cpu-2"],
            "cold": ["ours-cpu", "ours-cpu-cold", "torchtune-packed", "torchtune-packed-cold"]}
 
 
+def processes(name: str) -> int:
+    """The job's training processes: cpu-2's two, one otherwise."""
+    return 2 if name == "ours-cpu-2" else 1
+
+
 def method(name: str) -> str:
     """full, lora or qlora: what a job's name says it trains."""
     return "qlora" if name.endswith("-qlora") else "lora" if name.endswith("-lora") else "full"
@@ -155,7 +160,7 @@ def command(name: str, args, *, work: Path, checkpoint: Path, data: Path, tt_dat
         cfg.write_text(torchtune_yaml(args, checkpoint=checkpoint, data=tt_data, out=out, name=name))
         recipe = "full_finetune_single_device" if method(name) == "full" else "lora_finetune_single_device"
         return [sys.executable, "-m", "torchtune._cli.tune", "run", recipe, "--config", str(cfg)], env, work
-    flavor = "cpu-2" if name == "ours-cpu-2" else "cpu"
+    flavor = "cpu" if processes(name) == 1 else f"cpu-{processes(name)}"
     lora = [] if method(name) == "full" else [
         f"lora.rank={LORA_RANK}", f"lora.alpha={LORA_ALPHA}", "lora.attn_modules=[q_proj,v_proj]",
         "lora.apply_to_mlp=false", "lora.apply_to_output=false", "lora.dropout=0.0",
@@ -189,8 +194,7 @@ def peak_flops(name: str, threads: int | None) -> float:
     """The fp32 matmul peak of the job's processes together: the CPU's measured at the threads each gets."""
     from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
 
-    processes = 2 if name == "ours-cpu-2" else 1
-    return processes * cpu_speed(threads or process_threads(processes)).fp32_flops
+    return processes(name) * cpu_speed(threads or process_threads(processes(name))).fp32_flops
 
 
 def first_step_s(out: Path) -> float:
@@ -319,12 +323,12 @@ def main() -> int:
         if "torchtune-packed-compiled" in med and "torchtune-packed" in med:
             print(f"torchtune packed, compiled / eager: {med['torchtune-packed'] / med['torchtune-packed-compiled']:.2f}x "
                   f"per {per}")
-        if "ours-compiled" in med:
+        if "ours-compiled" in med and "ours-cpu" in med:
             print(f"compiled / eager, ours cpu: {med['ours-cpu'] / med['ours-compiled']:.2f}x per "
                   f"{'run' if args.max_steps else 'epoch'}, {fast['ours-compiled'] / fast['ours-cpu']:.2f}x steady "
                   f"tokens/s; first step (compiling) {statistics.median(firsts['ours-compiled']):.1f} s against "
                   f"{statistics.median(firsts['ours-cpu']):.2f} s eager")
-        if "ours-cpu-2" in med:
+        if "ours-cpu-2" in med and "ours-cpu" in med:
             print(f"ours cpu-2 / ours cpu: {med['ours-cpu'] / med['ours-cpu-2']:.2f}x per epoch")
         for n in [n for n in names if n.startswith("ours")]:
             plan = next((line for line in (work / f"{n}-r1.log").read_text().splitlines()

@@ -5,7 +5,6 @@ Run: python -m pytest tests/test_flops.py -q
 """
 
 import dataclasses
-
 import json
 
 import pytest

@@ -107,8 +107,8 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     gone, every sharded gradient made); between them memory moves monotonically, layer by layer.
     Weight gradients of earlier micro-batches are alive throughout when accumulating (freed after
     each step otherwise). Then the optimizer step: the sharded state and the optimizer's own
-    temporaries (OPTIMIZER_TEMPORARY bytes per trainable value: fused AdamW makes none). `traced_scale`: the machine's calibration of the traced
-    activations and logits (planner/calibration.py).
+    temporaries (OPTIMIZER_TEMPORARY bytes per trainable value: fused AdamW makes none). `traced_scale`: the
+    machine's calibration of the traced activations and logits (planner/calibration.py).
 
     Under pipeline parallelism, the busiest of the pipeline's devices (layouts.device_shares): each holds its
     stages' layers and micro-batches in flight as the schedule keeps them.

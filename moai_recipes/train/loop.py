@@ -236,8 +236,8 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()
             profiled = profiler.profiled(done)
-            if not profiled:  # the profiler slows the steps it records: they do not say what a step costs
-                step_times.append(timer.seconds)
+            # The profiler slows the steps it records: they do not say what a step costs (None keeps the positions).
+            step_times.append(None if profiled else timer.seconds)
             # A sample's documents: itself, or a preference pair's two sequences (each attends to itself only).
             work = flops.step([n for s in samples for n in s.get("documents", (len(s["tokens"]),))],
                               recompute=runner.plan.recompute)

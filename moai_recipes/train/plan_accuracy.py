@@ -28,7 +28,7 @@ class Measured:
     peak_bytes: int | None  # tensors, at most at once, in the steady measured step (PeakMemory.steady); None: not
     # counted (compiled layers on the CPU)
     shapes: list[tuple[int, int, int]]  # that step's micro-batches (train/micro_batches.micro_batch_shapes)
-    step_times: list[float]  # every step this process ran, in order
+    step_times: list[float | None]  # every step this process ran, in order; None: a profiled step (profile_steps)
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class Accuracy:
 
 def compare(choice: PlanChoice, work: Workload, measured: Measured, device_kind: str) -> Accuracy:
     plan = choice.chosen.plan
-    steady = sorted(measured.step_times[TRACKED_STEPS:])
+    steady = sorted(t for t in measured.step_times[TRACKED_STEPS:] if t is not None)
     memory = predicted_memory(plan, work, measured.shapes, device_kind)
     scale = calibration.scales(choice.device).get(calibration.MEMORY, 1.0)  # as the planner applied it
     return Accuracy(predicted_peak_bytes=int(memory.allocated + (scale - 1) * (memory.activations + memory.logits)),

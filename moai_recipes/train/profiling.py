@@ -21,7 +21,7 @@ class StepProfiler:
         self.folder = Path(out) / "profile"
         self.rank = rank
         self.device = device
-        self.written: dict[int, Path] = {}  # step -> its table (this rank's)
+        self.tables: dict[int, str] = {}  # step -> this rank's op table, as written to its .txt
 
     def profiled(self, step: int) -> bool:
         return step in self.steps
@@ -43,13 +43,12 @@ class StepProfiler:
         sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=_TABLE_ROWS)
         (self.folder / f"{name}.txt").write_text(table)
-        self.written[step] = self.folder / f"{name}.txt"
+        self.tables[step] = table
 
     def summary(self, step: int, lines: int = 12) -> str | None:
         """The head of step `step`'s table (rank 0 logs it), or None when it was not profiled here."""
-        path = self.written.get(step)
-        if path is None:
+        if step not in self.tables:
             return None
-        head = path.read_text().splitlines()[:lines + 3]  # the header's rule, titles and rule
-        return f"Profile of step {step} ({path.parent}/{path.stem}.json, the whole table in {path.name}):\n" + \
-            "\n".join(head)
+        head = self.tables[step].splitlines()[:lines + 3]  # the header's rule, titles and rule
+        name = f"step{step}-rank{self.rank}"
+        return f"Profile of step {step} ({self.folder}/{name}.json, the whole table in {name}.txt):\n" + "\n".join(head)
