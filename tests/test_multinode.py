@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -116,17 +117,23 @@ def test_the_documented_sbatch_script_saves_on_the_signal_and_requeues(tmp_path,
             time.sleep(0.2)
         subprocess.run(["scancel", "--signal=TERM", job], env=env, check=True)  # the steps' tasks, as --signal does
         requeued = False
-        # The first instance ends (exit 75: FAILED for a moment) as the script requeues it: wait for the second's end.
-        while _state(job, env) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") or "Restarts=0" in _show(job, env):
-            assert time.time() < end, log.read_text()
-            if "Reason=BeginTime" in _show(job, env):  # requeued: SLURM holds it two minutes, which we spare
+        # The first instance ends as the script requeues it, and while SLURM requeues it the job can show a final
+        # state (FAILED, with Restarts=1) for a moment: only a final state after the requeued job was seen pending is
+        # the second instance's end.
+        while True:
+            shown = _show(job, env)
+            state = _state_of(shown)
+            if state in FINAL and (requeued or "Restarts=0" in shown):
+                break
+            assert time.time() < end, log.read_text() + _slurmctld_log(env)
+            if "Reason=BeginTime" in shown:  # requeued: SLURM holds it two minutes, which we spare
                 requeued = True
                 subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
             time.sleep(0.5)
     finally:
         subprocess.run(["scancel", job], env=env)
     text = log.read_text()
-    assert _state(job, env) == "COMPLETED" and requeued, text
+    assert state == "COMPLETED" and requeued, text + _slurmctld_log(env)
     assert "SIGTERM: stopped after step" in text and "Resumed from" in text, text
     assert (out / "model").is_dir() and len(metrics(out)) == 6
     assert_same([row["loss"] for row in metrics(out)], [row["loss"] for row in metrics(reference)], steps=6)
@@ -136,6 +143,15 @@ def _show(job: str, env: dict) -> str:
     return subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
 
 
-def _state(job: str, env: dict) -> str:
-    found = re.search(r"JobState=(\w+)", _show(job, env))
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+
+
+def _state_of(shown: str) -> str:
+    found = re.search(r"JobState=(\w+)", shown)
     return found.group(1) if found else "UNKNOWN"
+
+
+def _slurmctld_log(env: dict) -> str:
+    """The controller's account of the job (requeues, completions, exit statuses), for a failure's message."""
+    lines = (Path(env["SLURM_CONF"]).parent / "slurmctld.log").read_text().splitlines()
+    return "\nslurmctld:\n" + "\n".join(line for line in lines if "JobId" in line or "Requeu" in line)
