@@ -84,8 +84,9 @@ def test_same_losses_on_any_flavor_and_micro_batch(tmp_path, hf_checkpoints, ins
 
 
 def test_bf16_compute_follows_fp32_and_its_peak_is_planned(tmp_path):
-    """dtype=bf16: FSDP2's mixed precision (bf16 compute, fp32 master weights), full on two processes and LoRA
-    on one; the losses follow fp32's within bf16's precision and the planner's peak holds like for like."""
+    """dtype=bf16 (bf16 compute, fp32 master weights): full on two processes (FSDP2's mixed precision) and LoRA on
+    one (a plain module on bf16 copies, train/mixed_precision.py); the losses follow fp32's within bf16's precision
+    and the planner's peak holds like for like."""
     common = ["logger=stdout", "max_steps=4", "batch_size=8", "optimizer.lr=3e-3", "sample_max_new_tokens=0"]
     runs = {"fp32": ("recipes.full_finetune", ["flavor=cpu"]),
             "bf16": ("recipes.full_finetune", ["flavor=cpu-2", "dtype=bf16"]),

@@ -104,10 +104,16 @@ def test_fsdp2_wraps_the_model_only_where_it_does_something():
                               "chunked_loss": one.chosen.plan.chunked_loss, "reshard_after_forward": True,
                               "replicate": False})
     assert two.chosen.plan.sharded and two.chosen.memory.gathered > one.chosen.memory.gathered
-    # One GPU computes in bf16 from fp32 master weights: FSDP2's mixed precision does the cast, so it stays.
-    _, spec8, gpu = setup("model=llama3_8b", "flavor=small", "flavor.device=h100", "flavor.memory_gb=80")
+    # One GPU computes in bf16 from fp32 master weights: a plain module on bf16 copies of them (train/mixed_precision),
+    # which the planner holds whole for the step; FSDP2 only where it offloads what does not fit.
+    _, spec1, gpu = setup("model=qwen2_5_0_5b", "flavor=small", "flavor.device=h100", "flavor.memory_gb=80")
     assert gpu.num_devices == 1
-    assert choose_plan(Workload(spec=spec8, batch_size=4, seq_len=512), gpu).chosen.plan.sharded
+    plain = choose_plan(Workload(spec=spec1, batch_size=4, seq_len=512), gpu).chosen
+    assert not plain.plan.sharded and plain.plan.casts_copies and "bfloat16 copies" in plain.plan.describe()
+    assert plain.memory.gathered >= spec1.num_params() * 2
+    _, spec8, _ = setup("model=llama3_8b")
+    offloaded = choose_plan(Workload(spec=spec8, batch_size=4, seq_len=512), gpu).chosen.plan
+    assert offloaded.cpu_offload and offloaded.sharded and not offloaded.casts_copies
 
 
 def test_forced_fields_are_honoured_or_refused_with_the_predicted_memory():

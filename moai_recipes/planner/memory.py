@@ -141,7 +141,7 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     trainable = held if full else sizes.trainable * L / spec.num_layers / T
     params = 0 if cpu_offload else master / n
     if work.reference == "copy" and full:  # recipes.dpo's frozen reference: a second copy, sharded alike
-        params += master / n
+        params += (held - nf4) * c + nf4 * NF4_BYTES if plan.casts_copies else master / n  # or cast once for good
     sharded_grads = 0 if cpu_offload else trainable * 4 / n
     optimizer = 0 if cpu_offload else trainable * 8 / n  # AdamW: two fp32 moments
 
@@ -150,10 +150,12 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     # stays gathered until its backward. NF4 weights are gathered as NF4 (torchao's FSDP2 hooks), and
     # not at all in one process (FSDP leaves them alone there, see parallel.shard_model). One process
     # computing in fp32 keeps a plain module (Plan.sharded): it uses its parameters as they are.
-    fsdp = plan.sharded
-    layer_c = ((sizes.per_layer / T - sizes.nf4_per_layer) * c + (sizes.nf4_per_layer * NF4_BYTES if n > 1 else 0)) if fsdp else 0
-    layers_gathered = (lambda k: k * layer_c) if plan.reshard_after_forward else (lambda k: L * layer_c)
-    root_gathered = root / T * c if fsdp else 0
+    # A plain module computing below its master dtype holds a copy of every weight in the compute dtype for the
+    # whole step (train/mixed_precision.py), as FSDP2 does without resharding.
+    fsdp, copies = plan.sharded, plan.casts_copies
+    layer_c = ((sizes.per_layer / T - sizes.nf4_per_layer) * c + (sizes.nf4_per_layer * NF4_BYTES if n > 1 else 0)) if fsdp or copies else 0
+    layers_gathered = (lambda k: k * layer_c) if plan.reshard_after_forward and not copies else (lambda k: L * layer_c)
+    root_gathered = root / T * c if fsdp or copies else 0
     # The root's weight gradients (in the compute dtype, before their reduce-scatter, which comes last):
     # the output projection's from the loss's backward on, the embeddings' only after the first layer's.
     # At the end of a layer's backward FSDP2 copies its gradients into one flat fp32 buffer for the

@@ -135,11 +135,24 @@ class Plan:
 
     @property
     def sharded(self) -> bool:
-        """Whether FSDP2 wraps the model: where it shards over several devices, offloads to the CPU or casts to
-        a lower compute dtype. One process computing in its master dtype keeps a plain module: there FSDP2's
-        all-gathers and reduce-scatters are copies of every layer in and out, a fifth of a CPU step at 24M
-        parameters (measured), for nothing. Replicated processes keep plain modules too."""
-        return not self.replicate and (self.data_parallel > 1 or self.cpu_offload or self.param_dtype != self.master_dtype)
+        """Whether FSDP2 wraps the model: where it shards over several devices, offloads to the CPU, or casts a cut
+        model to a lower compute dtype. One process keeps a plain module: there FSDP2's all-gathers and
+        reduce-scatters are copies of every layer in and out, a fifth of a CPU step at 24M parameters in fp32
+        (measured), for nothing; a lower compute dtype is cast by casts_copies. Replicated processes keep plain
+        modules too."""
+        lower = self.param_dtype != self.master_dtype
+        return not self.replicate and (self.data_parallel > 1 or self.cpu_offload or (lower and self.cut))
+
+    @property
+    def cut(self) -> bool:
+        """Whether the model is cut over devices: pipeline stages or tensor parallelism."""
+        return self.pipeline_stages > 1 or self.tensor_parallel > 1
+
+    @property
+    def casts_copies(self) -> bool:
+        """Whether a plain module computes on copies of its master weights in the lower compute dtype
+        (train/mixed_precision.py): FSDP2 does that for a sharded or cut model."""
+        return not self.sharded and self.param_dtype != self.master_dtype
 
     @property
     def shards(self) -> int:
@@ -201,7 +214,8 @@ class Plan:
             return (f"distribute_param false (one copy of the model, cut over its {self.num_devices} devices by its "
                     "stages and heads, no FSDP2)")
         if not self.sharded:
-            return "distribute_param false (one device: a plain module, no FSDP2)"
+            cast = f" computing on {self.param_dtype} copies of its weights" if self.casts_copies else ""
+            return f"distribute_param false (one device: a plain module{cast}, no FSDP2)"
         copies = f" over {self.data_parallel} copies" if self.data_parallel < self.num_devices else ""
         return (f"distribute_param true (FSDP2{copies}, reshard_after_forward "
                 f"{str(self.reshard_after_forward).lower()})")

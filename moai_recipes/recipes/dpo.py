@@ -30,6 +30,7 @@ from moai_recipes.planner.search import choose_reference
 from moai_recipes.train.answers import Answers
 from moai_recipes.train.loop import LoopSettings, train_loop
 from moai_recipes.train.metrics_log import MetricsLog
+from moai_recipes.train.mixed_precision import frozen_in_compute_dtype, in_compute_dtype
 from moai_recipes.train.optim import build_optimizer, build_scheduler
 from moai_recipes.train.out_of_memory import forced_plan
 from moai_recipes.train.parallel import parallelize
@@ -74,12 +75,13 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     # 4. The reference: a frozen copy, the adapters switched off, or log-probabilities cached before step 1.
     ref = Reference()
     if reference == "copy" and lora is None:
-        ref.model = _model(inputs, plan, world, lora=None, seed=cfg.seed).eval().requires_grad_(False)
+        ref.model = frozen_in_compute_dtype(_model(inputs, plan, world, lora=None, seed=cfg.seed).eval(), plan)
     elif reference == "copy":
         ref.adapters_off = True
     elif reference == "cached":
-        ref.cached = cache_reference(model, inputs.data.train, micro_batch=plan.micro_batch_size, world=world,
-                                     pad_id=inputs.tokenizer.pad_id, adapters_off=lora is not None)
+        with in_compute_dtype(model, plan):
+            ref.cached = cache_reference(model, inputs.data.train, micro_batch=plan.micro_batch_size, world=world,
+                                         pad_id=inputs.tokenizer.pad_id, adapters_off=lora is not None)
 
     # 5. The optimizer over what trains, then the loop with the preference objective.
     optimizer = build_optimizer(trainable, cfg.optimizer)

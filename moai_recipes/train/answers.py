@@ -1,9 +1,12 @@
 """The model's answers to a few prompts before and after training, so a newcomer sees that it learned."""
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
 from moai_recipes.data.tokenizer import Tokenizer, prompt_ids
+from moai_recipes.train.mixed_precision import in_compute_dtype
 
 
 def greedy_continuation(model: nn.Module, prompt: list[int], *, max_new_tokens: int, stop_ids: list[int],
@@ -31,15 +34,17 @@ class Answers:
         answers from the saved model instead)."""
         cut = plan.tensor_parallel > 1 or plan.pipeline_stages > 1
         answers = cls(tokenizer, prompts=[] if cut else list(cfg.dataset.sample_prompts),
-                      chat=cfg.dataset.kind != "text", max_new_tokens=cfg.sample_max_new_tokens, device=device)
+                      chat=cfg.dataset.kind != "text", max_new_tokens=cfg.sample_max_new_tokens, device=device,
+                      plan=plan)
         if cut and cfg.sample_max_new_tokens > 0 and cfg.dataset.sample_prompts:
             answers.skipped = ("Sample answers are not generated on a model cut by tensor or pipeline parallelism; "
                                "python -m recipes.generate answers from the saved model")
         return answers
 
     def __init__(self, tokenizer: Tokenizer, *, prompts: list[str], chat: bool, max_new_tokens: int,
-                 device: torch.device):
+                 device: torch.device, plan=None):
         self.tokenizer, self.max_new_tokens, self.device = tokenizer, max_new_tokens, device
+        self.plan = plan  # the run's: its compute dtype, as training computes (None: the model as it is)
         self.prompts = {p: prompt_ids(tokenizer, p, chat=chat) for p in prompts if max_new_tokens > 0}
         self.before: dict[str, str] = {}
         self.skipped: str | None = None  # why no answers are taken, said after training
@@ -47,9 +52,10 @@ class Answers:
     def answers(self, model: nn.Module) -> dict[str, str]:
         was_training = model.training
         model.eval()
-        out = {p: self.tokenizer.decode(greedy_continuation(model, ids, max_new_tokens=self.max_new_tokens,
-                                                            stop_ids=self.tokenizer.stop_ids, device=self.device))
-               for p, ids in self.prompts.items()}
+        with in_compute_dtype(model, self.plan) if self.plan is not None else nullcontext():
+            out = {p: self.tokenizer.decode(greedy_continuation(model, ids, max_new_tokens=self.max_new_tokens,
+                                                                stop_ids=self.tokenizer.stop_ids, device=self.device))
+                   for p, ids in self.prompts.items()}
         model.train(was_training)
         return out
 

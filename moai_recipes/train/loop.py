@@ -44,6 +44,7 @@ from moai_recipes.train.plan_accuracy import Measured
 from moai_recipes.train.process import ProcessSettings
 from moai_recipes.train.profiling import StepProfiler
 from moai_recipes.train.metrics_log import MetricsLog, StepMetrics
+from moai_recipes.train.mixed_precision import in_compute_dtype
 from moai_recipes.train.world import World
 
 
@@ -123,7 +124,7 @@ def evaluate(model: torch.nn.Module, dataset, *, plan: Plan, world: World, batch
     start = time.perf_counter()
     model.eval()
     loss_sum, targets = 0.0, 0
-    with torch.no_grad():
+    with torch.no_grad(), in_compute_dtype(model, plan):
         for first in range(0, len(dataset), batch_size):
             samples = [dataset[i] for i in range(first, min(first + batch_size, len(dataset)))]
             batches = [model_inputs(micro, plan, pad_id) for micro in rank_micro_batches(plan, samples, world)]
@@ -142,7 +143,7 @@ def evaluate_tasks(model: torch.nn.Module, inputs: RunInputs, *, plan: Plan, wor
 
     model.eval()
     scoring = Scoring(batch_size=max(1, plan.micro_batch_size), max_length=plan.row_length)
-    with torch.no_grad():
+    with torch.no_grad(), in_compute_dtype(model, plan):
         out = run_tasks(MoaiLM(model, inputs.tokenizer, scoring, device=world.device), inputs.eval_tasks)
     model.train()
     return headline(out["results"]) if out is not None else None
@@ -168,7 +169,8 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
             batch = model_inputs(micro, plan, pad_id)
             injected_fault(batch["tokens"].numel(), settings.fault_oom_tokens)
             batches.append(batch)
-        loss_sum = _losses(state.model, batches, plan=plan, world=world, pad_id=pad_id, scale=scale)
+        with in_compute_dtype(state.model, plan):
+            loss_sum = _losses(state.model, batches, plan=plan, world=world, pad_id=pad_id, scale=scale)
     except Exception as e:
         if not is_out_of_memory(e):
             raise

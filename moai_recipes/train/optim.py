@@ -33,7 +33,9 @@ def clip_gradients(model: nn.Module, max_norm: float | None, *, stages=None) -> 
         squared = norm.double() ** 2
         dist.all_reduce(squared, group=stages)
         norm = squared.sqrt().to(norm.dtype)
-    if max_norm is not None:
+    # torch scales by min(1, max_norm / (norm + 1e-6)): by exactly 1, a pass over every gradient that changes
+    # nothing (3% of a SmolLM2 bf16 CPU step, perf): skipped, on the same condition computed in the same dtype.
+    if max_norm is not None and float(max_norm / (norm + 1e-6)) < 1.0:
         torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, norm)
     return float(norm)
 

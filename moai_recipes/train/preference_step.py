@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from moai_recipes.data.preferences import collate_pairs, completion_logps
 from moai_recipes.models.preference_loss import PairScores, PreferenceLoss, pair_losses
 from moai_recipes.planner.plan import Plan
+from moai_recipes.train.mixed_precision import in_compute_dtype
 from moai_recipes.train.optim import clip_gradients
 from moai_recipes.train.parallel import all_reduce_gradients
 from moai_recipes.train.world import World
@@ -118,20 +119,21 @@ class PreferenceObjective:
         # FSDP averages gradients over the data ranks: scaling by their number makes that a sum over the global batch.
         scale = (plan.data_parallel if plan.sharded else 1) / max(global_pairs, 1)
         sums = torch.zeros(1 + len(REWARDS) + 2, dtype=torch.float64)  # loss, rewards, completion tokens
-        for micro in micro_batches:
-            if not micro:  # another rank's extra micro-batch: FSDP2 needs this rank in its forward and backward
-                (_logits(state.model, torch.full((1, 1), pad_id, dtype=torch.long)).sum() * 0).backward()
-                continue
-            batch = collate_pairs(micro, pad_id=pad_id, packed=plan.packing)
-            summed, counts = completion_logps(_logits(state.model, batch["tokens"], batch.get("documents")), batch)
-            chosen, rejected = summed.chunk(2)
-            chosen_n, rejected_n = counts.chunk(2)
-            ref = self.reference.logps(state.model, micro, batch) if self.loss.uses_reference else (None, None)
-            ref = tuple(r.to(chosen.device) if r is not None else None for r in ref)
-            losses, rewards = pair_losses(PairScores(chosen, rejected, chosen_n, rejected_n, *ref), self.loss)
-            (losses.sum() * scale).backward()
-            sums += torch.tensor([float(losses.detach().sum()), *(float(rewards[k].sum()) for k in REWARDS),
-                                  float(chosen_n.sum()), float(rejected_n.sum())], dtype=torch.float64)
+        with in_compute_dtype(state.model, plan):
+            for micro in micro_batches:
+                if not micro:  # another rank's extra micro-batch: FSDP2 needs this rank in its forward and backward
+                    (_logits(state.model, torch.full((1, 1), pad_id, dtype=torch.long)).sum() * 0).backward()
+                    continue
+                batch = collate_pairs(micro, pad_id=pad_id, packed=plan.packing)
+                summed, counts = completion_logps(_logits(state.model, batch["tokens"], batch.get("documents")), batch)
+                chosen, rejected = summed.chunk(2)
+                chosen_n, rejected_n = counts.chunk(2)
+                ref = self.reference.logps(state.model, micro, batch) if self.loss.uses_reference else (None, None)
+                ref = tuple(r.to(chosen.device) if r is not None else None for r in ref)
+                losses, rewards = pair_losses(PairScores(chosen, rejected, chosen_n, rejected_n, *ref), self.loss)
+                (losses.sum() * scale).backward()
+                sums += torch.tensor([float(losses.detach().sum()), *(float(rewards[k].sum()) for k in REWARDS),
+                                      float(chosen_n.sum()), float(rejected_n.sum())], dtype=torch.float64)
         if plan.replicate:
             all_reduce_gradients(state.model)
         total = _all_reduce(sums.tolist(), world.device)
