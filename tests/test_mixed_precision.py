@@ -68,6 +68,22 @@ def test_bf16_copies_give_fsdp2_mixed_precision_losses_and_gradients_bit_for_bit
             assert p.grad.abs().sum() > 0, name
         if tied:
             assert plain.output.tied_module.weight is plain.tok_embeddings.weight
+        # A frozen weight's copy is made once and kept, until its master changes; a trained one's every step.
+        names = {p.requires_grad: n for n, p in reversed(list(plain.named_parameters()))}  # the first of each
+
+        def copies():
+            with compute_copies(plain, torch.bfloat16):
+                return {n: p for n, p in plain.named_parameters()}
+
+        first, again = copies(), copies()
+        assert first[names[True]] is not again[names[True]]
+        if lora:
+            frozen = masters[names[False]]
+            assert first[names[False]] is again[names[False]]
+            with torch.no_grad():
+                frozen.add_(1.0)
+            changed = copies()[names[False]]
+            assert changed is not again[names[False]] and torch.equal(changed, frozen.to(torch.bfloat16))
         # A frozen copy (recipes.dpo's reference) is cast once, its RoPE tables left in fp32 as FSDP2 leaves them.
         plan = choose_plan(Workload(spec=spec, batch_size=4, seq_len=64, dtype="bf16"), flavor).chosen.plan
         assert plan.casts_copies and not plan.sharded

@@ -198,9 +198,9 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     trainable, total = sizes.trainable * part, sizes.total * part
     if not plan.cpu_offload:  # offloaded, the optimizer runs on the host (below)
         terms["memory"] += trainable / plan.shards * OPTIMIZER_TRAFFIC[kind] / memory_speed
-    if plan.casts_copies:  # train/mixed_precision.py: each weight cast once a step, each gradient once a micro-batch
-        c = DTYPE_BYTES[compute_dtype]
-        terms["memory"] += (total * (4 + c) + micro * trainable * (c + 8)) / memory_speed
+    if plan.casts_copies:  # train/mixed_precision.py: each trained weight cast once a step (a frozen one once a run),
+        c = DTYPE_BYTES[compute_dtype]  # each gradient once a micro-batch
+        terms["memory"] += (trainable * (4 + c) + micro * trainable * (c + 8)) / memory_speed
     ops = micro * (L * layer.ops * fused_ops + has_head * head.ops)
     # Attention kernel calls, forward and backward: one per layer and micro-batch, or per document of a packed row
     # where attention runs document by document (models/attention.py: slices, a kernel, a concatenation each).
