@@ -1,7 +1,5 @@
 """The model's answers to a few prompts before and after training, so a newcomer sees that it learned."""
 
-from contextlib import nullcontext
-
 import torch
 from torch import nn
 
@@ -42,9 +40,9 @@ class Answers:
         return answers
 
     def __init__(self, tokenizer: Tokenizer, *, prompts: list[str], chat: bool, max_new_tokens: int,
-                 device: torch.device, plan=None):
+                 device: torch.device, plan):
         self.tokenizer, self.max_new_tokens, self.device = tokenizer, max_new_tokens, device
-        self.plan = plan  # the run's: its compute dtype, as training computes (None: the model as it is)
+        self.plan = plan  # the run's: the answers are computed in its compute dtype, as training computes
         self.prompts = {p: prompt_ids(tokenizer, p, chat=chat) for p in prompts if max_new_tokens > 0}
         self.before: dict[str, str] = {}
         self.skipped: str | None = None  # why no answers are taken, said after training
@@ -52,7 +50,7 @@ class Answers:
     def answers(self, model: nn.Module) -> dict[str, str]:
         was_training = model.training
         model.eval()
-        with in_compute_dtype(model, self.plan) if self.plan is not None else nullcontext():
+        with in_compute_dtype(model, self.plan):
             out = {p: self.tokenizer.decode(greedy_continuation(model, ids, max_new_tokens=self.max_new_tokens,
                                                                 stop_ids=self.tokenizer.stop_ids, device=self.device))
                    for p, ids in self.prompts.items()}

@@ -86,6 +86,12 @@ class _MemTracker(MemTracker):
         hooked.update({p: (_NO_HOOK, _NO_HOOK) for p in module.parameters() if not p.requires_grad and p not in hooked})
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
+    def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
+        # A bf16 compute copy's gradient (train/mixed_precision.py) is added to its fp32 master and dropped by a
+        # hook that runs before the tracker's own post-accumulate one, which then finds None (and warns): it was
+        # counted on its way in, by the tracker's gradient hook, so there is nothing left to count.
+        return set() if t is None else super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
 
 class _Step:
     def __init__(self, meter: PeakMemory, model, optimizer, shapes):
