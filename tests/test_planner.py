@@ -235,13 +235,17 @@ def test_layers_are_compiled_where_the_run_pays_for_the_compile_time():
                                                                           "chunked_loss")}, "compile": False}).chosen
     saved = eager.time.total_s - long_run.time.total_s
     assert 0 < saved and saved * 1000 > long_run.time.once_s > 0
-    # A run too short to win back the compile time stays eager; so does every CPU run (compiling gains nothing
-    # there, timing.COMPILED), unless forced.
+    # A run too short to win back the compile time stays eager; so does every fp32 CPU run (compiling gains nothing
+    # there, timing.COMPILED), unless forced. In bf16 the CPU gains from fusion too: a long run compiles.
     short = choose_plan(Workload(spec=spec, batch_size=64, seq_len=2048, steps=2), gpu).chosen
     assert not short.plan.compile and short.time.once_s == 0
     _, tiny, cpu = setup("flavor=cpu")
     assert not choose_plan(Workload(spec=tiny, batch_size=8, seq_len=128, steps=10**6), cpu).chosen.plan.compile
     assert choose_plan(Workload(spec=tiny, batch_size=8, seq_len=128), cpu, forced={"compile": True}).chosen.plan.compile
+    _, smol, _ = setup("model=smollm2_135m")
+    bf16 = [choose_plan(Workload(spec=smol, batch_size=8, seq_len=512, dtype="bf16", steps=n), cpu).chosen
+            for n in (10**4, 20)]
+    assert bf16[0].plan.compile and bf16[0].time.once_s > 0 and not bf16[1].plan.compile
 
 
 def test_qlora_is_never_compiled():

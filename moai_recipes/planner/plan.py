@@ -89,6 +89,10 @@ class Plan:
     pipeline_stages: int = 1
     pipeline_schedule: str = "none"  # none | gpipe | 1f1b | interleaved_1f1b (two stages a device)
     stage_layers: tuple[int, ...] = ()  # layers of each stage, in order (planner/layouts.split_layers)
+    # A row's tokens are padded up to one of this many sizes per doubling (0: not at all; Plan.padded_row). The CPU's
+    # bf16 matmuls (oneDNN) JIT their kernels for each row count they have not seen, and keep them: without it a
+    # step of new documents is a new row count (planner/search.ROW_SIZES_PER_DOUBLING).
+    row_sizes: int = 0
 
     def __post_init__(self):
         assert self.num_devices % (self.tensor_parallel * self.pipeline_stages) == 0, self
@@ -130,8 +134,16 @@ class Plan:
     @property
     def row_length(self) -> int:
         """Tokens of a row at most: a padded row's longest sample, a packed row's budget (the model's max_seq_len)."""
-        row = self.token_budget if self.packing else self.max_seq_len
-        return -(-row // self.tensor_parallel) * self.tensor_parallel  # padded to divide (sequence parallelism)
+        return self.padded_row(self.token_budget if self.packing else self.max_seq_len)
+
+    def padded_row(self, tokens: int) -> int:
+        """A row of `tokens` padded: to a multiple of the tensor-parallel degree (sequence parallelism cuts a row
+        into equal shares) and, with row_sizes = k, of 2^p / k for a row of 2^p to 2^(p+1) tokens (at most 1/k more
+        tokens). Never less for more tokens, so row_length bounds every row."""
+        step = self.tensor_parallel
+        if self.row_sizes and tokens > 1:
+            step = math.lcm(step, max(1, (1 << (tokens.bit_length() - 1)) // self.row_sizes))
+        return -(-tokens // step) * step
 
     @property
     def sharded(self) -> bool:
@@ -195,6 +207,8 @@ class Plan:
     def describe(self) -> str:
         split = (f"packed rows of up to {self.token_budget} tokens (up to {self.accumulation_steps} a step)"
                  if self.packing else f"micro_batch_size {self.micro_batch_size}, num_micro_batches {self.accumulation_steps}")
+        if self.row_sizes:
+            split += f" (rows padded to one of {self.row_sizes} sizes per doubling)"
         return (f"batch {self.batch_size} over {self.num_devices} device(s): {self.layout()}, batch_per_device "
                 f"{self.batch_per_device}, {split}, recomputation {self.recompute}, {self._distribution()}, cpu_offload "
                 f"{str(self.cpu_offload).lower()}, chunked loss {str(self.chunked_loss).lower()}, {self.param_dtype} "

@@ -22,6 +22,12 @@ from moai_recipes.planner.timing import TimeEstimate, device_speed, predict_time
 
 GiB = 2**30
 SAFETY_MARGIN = 0.10  # of the device memory, kept free
+# The CPU's bf16 matmuls (oneDNN) JIT kernels for each row count they have not seen and keep them, 3-7 MB per new
+# row count of a weight's forward and backward: SmolLM2-135M's steps of new documents grew its process by about 70 MB
+# a step and paid the JIT each step. Rows padded to one of 8 sizes per doubling (Plan.padded_row; at most 1/8 more
+# tokens, 3.7% on its 429-token steps): resident memory flat, a step 0.87-0.92 s -> 0.81 s (docs/benchmarks.md).
+# MKL's fp32 matmuls and GPUs JIT nothing.
+ROW_SIZES_PER_DOUBLING = {("cpu", "bfloat16"): 8}
 
 
 @dataclass(frozen=True)
@@ -94,11 +100,13 @@ def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: 
     # Replicas are plain modules: several processes computing in their fp32 master dtype (FSDP2 casts to bf16).
     replicas = [False, True] if data > 1 and compute == "float32" and not cut else [False]
     chunks = [False] if cut else [False, True]
-    # Compiling is predicted to gain nothing on the CPU (timing.COMPILED), so it is offered there only when
-    # forced; never with NF4 base weights (QLoRA), whose tensor subclass inductor does not compile; and not yet
-    # over a cut model (compiled DTensor layers and pipeline stages are untested here).
+    # Compiling is predicted to gain nothing on the CPU in fp32 (timing.COMPILED), so it is offered there only when
+    # forced (in bf16 it gains, and a run long enough to win back the compile time is compiled); never with NF4 base
+    # weights (QLoRA), whose tensor subclass inductor does not compile; and not yet over a cut model (compiled
+    # DTensor layers and pipeline stages are untested here).
     qlora = work.lora is not None and work.lora.quantize_base
-    compiles = [False, True] if not qlora and not cut and (flavor.device.kind == "gpu" or forced.get("compile")) else [False]
+    gains = flavor.device.kind == "gpu" or compute == "bfloat16" or forced.get("compile")
+    compiles = [False, True] if not qlora and not cut and gains else [False]
     opts = [dict(micro_batch_size=m, packing=p, recompute=r, replicate=d, reshard_after_forward=s, cpu_offload=o,
                  chunked_loss=c, compile=k, **layout)
             for m in sizes for p in (False, True) for r in recomputes for d in replicas
@@ -210,7 +218,8 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
     for o, per_device in options:
         plan = Plan(batch_size=work.batch_size, num_devices=n, max_seq_len=work.seq_len,
                     accumulation_steps=math.ceil(per_device / o["micro_batch_size"]),
-                    param_dtype=compute, master_dtype="float32", attention_length=work.spec.attention_length, **o)
+                    param_dtype=compute, master_dtype="float32", attention_length=work.spec.attention_length,
+                    row_sizes=ROW_SIZES_PER_DOUBLING.get((flavor.device.kind, compute), 0), **o)
         memory = predict_memory(plan, work, flavor.device.kind, traced_scale=scales.get(calibration.MEMORY, 1.0))
         time = predict_time(plan, work, flavor.device, scales=scales)
         host = predict_host_memory(plan, work, flavor.processes_per_node) if flavor.device.kind == "gpu" else None

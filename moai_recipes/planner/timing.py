@@ -56,9 +56,13 @@ PCIE_GBPS = 25
 # A compiled layer (plan.compile) fuses its elementwise operators: the share of the eager layer's elementwise
 # traffic and of its dispatched operators that remain. GPUs: inductor's fused Triton kernels read each input
 # once and launch a few kernels per layer (torchtitan's per-block compile), an estimate not yet measured here.
-# The CPU: measured with `bench/packing_epoch.py --only compile` on this machine, inductor's C++ kernels are no
-# faster than eager (1.03x, within the noise), so compiling there is predicted to gain nothing (never chosen).
-COMPILED = {"gpu": (0.5, 0.2), "cpu": (1.0, 1.0)}
+# The CPU in fp32: measured with `bench/packing_epoch.py --only compile` on this machine, inductor's C++ kernels are
+# no faster than eager (1.03x, within the noise), so compiling there is predicted to gain nothing (never chosen).
+# The CPU in bf16 (one device, train/mixed_precision.py): compiled steps of SmolLM2-135M took 0.80-0.96x the eager
+# ones (full: 0.87/0.91, 0.74/0.92, 0.75/0.81 s; LoRA: 0.61/0.66, 0.54/0.60, 0.475/0.58 s), which half the traffic
+# and half the operators predicts (0.91x full, 0.86x LoRA); fused bf16 elementwise operators skip their casts.
+COMPILED = {("gpu", "float32"): (0.5, 0.2), ("gpu", "bfloat16"): (0.5, 0.2), ("cpu", "float32"): (1.0, 1.0),
+            ("cpu", "bfloat16"): (0.5, 0.5)}
 # Seconds to compile a layer's forward and backward once (one graph serves every layer), a cold cache:
 # the CPU's measured (`bench/packing_epoch.py --only compile`: 27-32 s), the GPU's an estimate of inductor's
 # Triton autotuning.
@@ -151,12 +155,14 @@ def step_shape(plan: Plan, work: Workload) -> tuple[float, int, float]:
     """(tokens a device computes in a step, padding included; its micro-batches; samples per micro-batch), from
     the lengths of the data's samples (all max_seq_len long when the data is unknown)."""
     samples = plan.batch_per_device
+    # Rows padded to one of row_sizes sizes per doubling (Plan.padded_row) gain about 3/8 of a size step on average.
+    padded = 1 + 0.375 / plan.row_sizes if plan.row_sizes else 1.0
     if plan.packing:  # rows nearly full, nothing padded
         tokens = samples * work.mean_length
         micro = max(1, math.ceil(tokens / plan.token_budget))
-        return tokens, micro, samples / micro
+        return tokens * padded, micro, samples / micro
     m = min(plan.micro_batch_size, samples)
-    return samples * work.mean_longest(m), plan.accumulation_steps, m
+    return samples * work.mean_longest(m) * padded, plan.accumulation_steps, m
 
 
 def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None = None) -> TimeEstimate:
@@ -177,7 +183,7 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     head = trace_head(spec, micro_batch_size=plan.micro_batch_size, seq_len=seq_len, chunked=plan.chunked_loss,
                       dtype=dtype, lora=lora)
     sequences, heads = tokens / seq_len, tokens / plan.token_budget
-    fused_traffic, fused_ops = COMPILED[kind] if plan.compile else (1.0, 1.0)
+    fused_traffic, fused_ops = COMPILED[kind, compute_dtype] if plan.compile else (1.0, 1.0)
     attention_flops = sequences * L * layer.attention_flops / T
     flops = (sequences * L * layer.flops + has_head * heads * head.flops) / T - attention_flops
     traffic = (sequences * L * layer.traffic * fused_traffic + has_head * heads * head.traffic) / T

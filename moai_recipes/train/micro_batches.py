@@ -47,9 +47,10 @@ def model_inputs(micro: list[dict] | None, plan: Plan, pad_id: int) -> dict:
     """A micro-batch as the model takes it: padded rows, or one packed row with its documents and positions. An
     empty one (None) is one padding token whose label is ignored: it adds nothing to the loss or the gradients."""
     micro = micro or [_EMPTY | {"tokens": [pad_id]}]
-    # Tensor parallelism cuts a row's tokens into equal shares (sequence parallelism): padding at the end makes it
-    # divide, and changes nothing before it (causal attention, ignored labels).
-    micro = _padded_to_multiple(micro, plan, pad_id)
+    # Tensor parallelism cuts a row's tokens into equal shares (sequence parallelism), and the CPU's bf16 matmuls
+    # reuse their kernels only for a row count they have seen (Plan.row_sizes): padding at the end gives the row
+    # its planned length, and changes nothing before it (causal attention, ignored labels).
+    micro = _padded_row(micro, plan, pad_id)
     if not plan.packing:
         return collate(micro, pad_id=pad_id)
     docs = Documents(tuple(len(s["tokens"]) for s in micro))
@@ -57,12 +58,11 @@ def model_inputs(micro: list[dict] | None, plan: Plan, pad_id: int) -> dict:
             "labels": torch.tensor([[t for s in micro for t in s["labels"]]]), "documents": docs}
 
 
-def _padded_to_multiple(micro: list[dict], plan: Plan, pad_id: int) -> list[dict]:
-    """Rows whose tokens divide by plan.tensor_parallel: padded rows padded further (their longest sample grows),
-    a packed row given one more document, of padding."""
-    multiple = plan.tensor_parallel
+def _padded_row(micro: list[dict], plan: Plan, pad_id: int) -> list[dict]:
+    """Rows of Plan.padded_row tokens: padded rows padded further (their longest sample grows), a packed row given
+    one more document, of padding."""
     row = sum(len(s["tokens"]) for s in micro) if plan.packing else max(len(s["tokens"]) for s in micro)
-    missing = -row % multiple
+    missing = plan.padded_row(row) - row
     if not missing:
         return micro
     padding = {"tokens": [pad_id] * missing, "labels": [IGNORE_INDEX] * missing}
