@@ -2,7 +2,7 @@
 # made-up facts with LoRA on the CPU (about two minutes after the install; 1.5 once the model is converted).
 # make demo-gguf (after make demo): the learned model as one q8_0 GGUF file, asked the demo's questions by llama.cpp.
 # make demo-dpo: preference tuning (DPO with LoRA) of the same model on pirate-voiced pairs (about two minutes).
-# make test: install, then run the test suite (about 14 minutes on two cores).
+# make test: install, then run the test suite (about 11 minutes on two cores).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -44,7 +44,8 @@ demo-tiny: $(STAMP)
 
 # Two pytest workers, one per core, each taking whole test modules (a module's shared runs stay in one process):
 # run one after the other the tests leave a core idle 30% of the time (a process starting, a signal on its way, a
-# file written). Measured: 10:22 on two workers sharing one cache (2026-11-25; 13:31 the day before, on a busier machine or before AdamW was fused: not told apart).
+# file written). Measured: 10:58 on two workers sharing one cache, on this 2-core machine (2026-11-25, 424 tests);
+# 9:44 in CI the stop before.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
