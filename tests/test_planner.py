@@ -4,6 +4,7 @@ small budget trains the same loss curve without running out of memory. Run: pyte
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -105,7 +106,8 @@ def test_fsdp2_wraps_the_model_only_where_it_does_something():
                               "replicate": False})
     assert two.chosen.plan.sharded and two.chosen.memory.gathered > one.chosen.memory.gathered
     # One GPU computes in bf16 from fp32 master weights: a plain module on bf16 copies of them (train/mixed_precision),
-    # which the planner holds whole for the step; FSDP2 only where it offloads what does not fit.
+    # which the planner holds whole for the step; where they do not fit, FSDP2 casting layer by layer (resharded
+    # after the forward), and offloading where even that does not fit.
     _, spec1, gpu = setup("model=qwen2_5_0_5b", "flavor=small", "flavor.device=h100", "flavor.memory_gb=80")
     assert gpu.num_devices == 1
     plain = choose_plan(Workload(spec=spec1, batch_size=4, seq_len=512), gpu).chosen
@@ -114,6 +116,15 @@ def test_fsdp2_wraps_the_model_only_where_it_does_something():
     _, spec8, _ = setup("model=llama3_8b")
     offloaded = choose_plan(Workload(spec=spec8, batch_size=4, seq_len=512), gpu).chosen.plan
     assert offloaded.cpu_offload and offloaded.sharded and not offloaded.casts_copies
+    cfg, _, _ = setup("model=llama3_8b", recipe="lora_finetune")
+    lora = lora_options(cfg.lora, spec=spec8, world_size=1)
+    choice = choose_plan(Workload(spec=spec8, batch_size=8, seq_len=1024, lora=lora), gpu)
+    layered = choice.chosen
+    assert layered.plan.sharded and layered.plan.reshard_after_forward and not layered.plan.cpu_offload
+    # The same plan on whole-model copies: faster, and over the budget by the model's bf16 copy.
+    (twin,) = [c for c in choice.candidates if c.plan == replace(layered.plan, reshard_after_forward=False)]
+    assert twin.plan.casts_copies and twin.time.total_s < layered.time.total_s
+    assert twin.memory.total > choice.budget_bytes >= layered.memory.total
 
 
 def test_forced_fields_are_honoured_or_refused_with_the_predicted_memory():

@@ -147,13 +147,17 @@ class Plan:
 
     @property
     def sharded(self) -> bool:
-        """Whether FSDP2 wraps the model: where it shards over several devices, offloads to the CPU, or casts a cut
-        model to a lower compute dtype. One process keeps a plain module: there FSDP2's all-gathers and
-        reduce-scatters are copies of every layer in and out, a fifth of a CPU step at 24M parameters in fp32
-        (measured), for nothing; a lower compute dtype is cast by casts_copies. Replicated processes keep plain
-        modules too."""
+        """Whether FSDP2 wraps the model: where it shards over several devices, offloads to the CPU, or casts one
+        copy to a lower compute dtype layer by layer (cut, or resharded after the forward). Otherwise one process
+        keeps a plain module: there FSDP2's all-gathers and reduce-scatters are copies of every layer in and out, a
+        fifth of a CPU step at 24M parameters in fp32 (measured); a lower compute dtype is cast by casts_copies.
+        Replicated processes keep plain modules too."""
         lower = self.param_dtype != self.master_dtype
-        return not self.replicate and (self.data_parallel > 1 or self.cpu_offload or (lower and self.cut))
+        # One uncut copy computing below its master dtype: FSDP2 casting layer by layer, resharded after the forward
+        # (a layer or two in the compute dtype at a time), or casts_copies, the whole model's copies held through
+        # the step (no reshard: faster, the memory of the whole model in the compute dtype).
+        one_copy_cast = lower and (self.cut or self.reshard_after_forward)
+        return not self.replicate and (self.data_parallel > 1 or self.cpu_offload or one_copy_cast)
 
     @property
     def cut(self) -> bool:

@@ -92,8 +92,11 @@ def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: 
     cut = layout["tensor_parallel"] > 1 or layout["pipeline_stages"] > 1
     sizes = sorted({min(2**k, per_device) for k in range(0, per_device.bit_length() + 1)} | {per_device})
     recomputes = [r.value for r in Recompute]
-    # One copy shards nothing, so resharding is moot there: take what the user forced.
-    reshards = [True, False] if data > 1 else [forced.get("reshard_after_forward", True)]
+    # One copy shards nothing, so resharding is moot there (take what the user forced), except for an uncut copy
+    # below its master dtype: resharded, FSDP2 casts it layer by layer; not, the whole model's bf16 copies are held
+    # through the step (Plan.sharded, train/mixed_precision.py): faster, and more memory.
+    cast = compute != "float32" and not cut
+    reshards = [True, False] if data > 1 or cast else [forced.get("reshard_after_forward", True)]
     # A cut model is FSDP2-sharded over its copies, held on the devices, its loss whole per stage (the vocabulary
     # is cut by tensor parallelism already): replicas, offloading and the chunked loss are for uncut models.
     offloads = [False, True] if flavor.device.kind == "gpu" and not cut else [False]

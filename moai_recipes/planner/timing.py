@@ -241,6 +241,9 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
         collectives = L * (gathers + 1) + 2
         terms["transfer"] = micro * per_micro / (link * 1e9)
         terms["collectives"] = micro * collectives * (LATENCY_S[kind] if D > 1 else LOCAL_COLLECTIVE_S[kind])
+        if D == 1 and not plan.cpu_offload:  # one device: each gather casts a layer into a new buffer, each
+            cast = gathers * (total - root) + root  # reduce-scatter copies the gradients out in fp32
+            terms["memory"] += micro * (cast * (4 + c) + trainable * (c + 4 + 8)) / memory_speed
     if n > 1:  # the step's scalars summed over the processes: its tokens, its loss, the gradient norm
         terms["collectives"] += 3 * SCALAR_LATENCY_S[kind]
     mb_bytes = tokens / micro * spec.embed_dim * DTYPE_BYTES[compute_dtype]  # a micro-batch's hidden states

@@ -10,8 +10,10 @@ same numbers as under FSDP2, bit for bit, and the losses stay those of the shard
 Why not FSDP2 in one process: there it copies every layer's parameters into and out of its all-gather buffers and
 casts them twice a step (forward, and again for the backward) and its gradients out of reduce-scatter buffers.
 With bf16 matmuls 4x faster than fp32 on the CPU, that showed: SmolLM2-135M's bf16 step took 1.0 s under FSDP2 and
-0.87 s without it (the same losses and gradient norms, bit for bit). Replicas (several processes) stay fp32: the
-planner offers them only there.
+0.87 s without it (the same losses and gradient norms, bit for bit). But the whole model's bf16 copy is alive
+through the step, where FSDP2 resharded after the forward holds a layer or two: the planner weighs the two
+(Plan.sharded, `reshard_after_forward`) and falls back to FSDP2 where the copy does not fit (an 8B LoRA on one 80 GB
+GPU). Replicas (several processes) stay fp32: the planner offers them only there.
 """
 
 from collections import defaultdict
