@@ -280,3 +280,33 @@ def test_qlora_dpo_learns_with_the_nf4_base_as_reference(tmp_path):
     assert "the base with the adapters off" in r.stdout and (out / "adapter" / "adapter_config.json").is_file()
     rows = metrics(out)
     assert rows[0]["rewards/margins"] == 0 and rows[-1]["rewards/margins"] > 0.5 and rows[-1]["rewards/accuracies"] == 1
+
+
+def test_a_pairs_rows_padded_to_the_plans_sizes_give_the_same_log_probabilities():
+    """The CPU in bf16 pads a row to one of a few sizes (Plan.padded_row): a padded-rows batch grows its width, a
+    packed row gets a padding document; the completions' log-probabilities and token counts stay the unpadded ones."""
+    from dataclasses import replace
+
+    from moai_recipes.data.preferences import collate_pairs, completion_logps
+    from moai_recipes.models.build import build_model, init_buffers
+    from moai_recipes.planner.plan import Workload
+    from moai_recipes.planner.search import choose_plan
+    from tests.helpers import setup as config
+
+    _, spec, cpu = config("model=tiny", "flavor=cpu")
+    plan = choose_plan(Workload(spec=spec, batch_size=4, seq_len=512, dtype="bf16"), cpu).chosen.plan
+    assert plan.row_sizes == 8
+    torch.manual_seed(0)
+    pairs = [{"prompt": torch.randint(1, spec.vocab_size, (n,)).tolist(), "chosen": [5, 6, 7][:k], "rejected": [8, 9]}
+             for n, k in ((20, 3), (47, 1))]
+    model = build_model(spec, max_seq_len=512)
+    init_buffers(model, device="cpu")
+    for packed in (False, True):
+        bare = collate_pairs(pairs, pad_id=0, packed=packed)
+        padded = collate_pairs(pairs, pad_id=0, packed=packed, padded_row=replace(plan, packing=packed).padded_row)
+        assert padded["tokens"].shape[1] == plan.padded_row(bare["tokens"].shape[1]) > bare["tokens"].shape[1]
+        got, want = ([completion_logps(model(b["tokens"], **({"mask": b["documents"],
+                                                                "input_pos": b["documents"].positions("cpu")}
+                                                               if packed else {})), b) for b in (padded, bare)])
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[1], want[1]) and len(got[0]) == 4

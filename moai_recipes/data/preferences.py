@@ -130,18 +130,26 @@ def _check_messages(col: str, value: list) -> None:
             raise UserError(f"message {j} of '{col}' must be an object with a string role and content, got {m!r}"[:300])
 
 
-def collate_pairs(pairs: list[dict], *, pad_id: int, packed: bool = False) -> dict:
+def collate_pairs(pairs: list[dict], *, pad_id: int, packed: bool = False, padded_row=None) -> dict:
     """A micro-batch of pairs as one forward: the chosen sequences, then the rejected (TRL's layout), right-padded
     rows, or (`packed`) one row of them end to end, each attending to itself only (models/attention.Documents);
-    `completion` marks the tokens whose log-probabilities are summed (the label of the position before)."""
+    `completion` marks the tokens whose log-probabilities are summed (the label of the position before).
+    `padded_row` (Plan.padded_row): the length a row of so many tokens is padded to (a packed row's padding is one
+    more document, whose tokens are no sequence's)."""
     seqs = [p["prompt"] + p["chosen"] for p in pairs] + [p["prompt"] + p["rejected"] for p in pairs]
     starts = [len(p["prompt"]) for p in pairs] * 2
+    padded_row = padded_row or (lambda n: n)
     if packed:
         completion = [j >= start for seq, start in zip(seqs, starts) for j in range(len(seq))]
-        return {"tokens": torch.tensor([[t for seq in seqs for t in seq]]),
-                "completion": torch.tensor([completion]), "documents": Documents(tuple(map(len, seqs))),
-                "sequence": torch.tensor([i for i, seq in enumerate(seqs) for _ in seq])}
-    width = max(map(len, seqs))
+        tokens = [t for seq in seqs for t in seq]
+        lengths = tuple(map(len, seqs))
+        missing = padded_row(len(tokens)) - len(tokens)
+        if missing:
+            tokens, completion, lengths = tokens + [pad_id] * missing, completion + [False] * missing, (*lengths, missing)
+        return {"tokens": torch.tensor([tokens]), "completion": torch.tensor([completion]),
+                "documents": Documents(lengths), "sequences": len(seqs),
+                "sequence": torch.tensor([i for i, n in enumerate(lengths) for _ in range(n)])}
+    width = padded_row(max(map(len, seqs)))
     tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     completion = torch.zeros((len(seqs), width), dtype=torch.bool)
     for i, (seq, start) in enumerate(zip(seqs, starts)):
@@ -160,7 +168,10 @@ def completion_logps(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, t
         return (logp * mask).sum(dim=1), mask.sum(dim=1)
     # One packed row: each target's sums go to its sequence. A document's first token is a prompt token, never
     # a completion's: the position before it (the previous document's last) adds nothing.
+    # A padding document after the sequences (collate_pairs' padded_row) sums into a last slot, dropped: its tokens
+    # are no completion's.
     sequence = batch["sequence"][1:].to(logits.device)
-    n = len(batch["documents"].lengths)
-    summed = torch.zeros(n, device=logits.device).index_add(0, sequence, (logp * mask)[0])
-    return summed, torch.zeros(n, device=logits.device, dtype=torch.long).index_add(0, sequence, mask[0].long())
+    n, slots = batch["sequences"], len(batch["documents"].lengths)
+    summed = torch.zeros(slots, device=logits.device).index_add(0, sequence, (logp * mask)[0])
+    counts = torch.zeros(slots, device=logits.device, dtype=torch.long).index_add(0, sequence, mask[0].long())
+    return summed[:n], counts[:n]

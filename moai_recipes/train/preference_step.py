@@ -124,7 +124,7 @@ class PreferenceObjective:
                 if not micro:  # another rank's extra micro-batch: FSDP2 needs this rank in its forward and backward
                     (_logits(state.model, torch.full((1, 1), pad_id, dtype=torch.long)).sum() * 0).backward()
                     continue
-                batch = collate_pairs(micro, pad_id=pad_id, packed=plan.packing)
+                batch = collate_pairs(micro, pad_id=pad_id, packed=plan.packing, padded_row=plan.padded_row)
                 summed, counts = completion_logps(_logits(state.model, batch["tokens"], batch.get("documents")), batch)
                 chosen, rejected = summed.chunk(2)
                 chosen_n, rejected_n = counts.chunk(2)
