@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from moai_recipes.data.tokenizer import Tokenizer, prompt_ids
+from moai_recipes.planner.plan import Plan
 from moai_recipes.train.mixed_precision import in_compute_dtype
 
 
@@ -26,7 +27,7 @@ class Answers:
     """The model's answers to the dataset's sample prompts, taken before training and compared after."""
 
     @classmethod
-    def for_run(cls, cfg, tokenizer: Tokenizer, *, plan, device: torch.device) -> "Answers":
+    def for_run(cls, cfg, tokenizer: Tokenizer, *, plan: Plan, device: torch.device) -> "Answers":
         """The prompts of `cfg.dataset.sample_prompts`, asked as chats unless the data is plain text. None under
         tensor or pipeline parallelism: generating there would need its own cut of the model (recipes.generate
         answers from the saved model instead)."""
@@ -40,7 +41,7 @@ class Answers:
         return answers
 
     def __init__(self, tokenizer: Tokenizer, *, prompts: list[str], chat: bool, max_new_tokens: int,
-                 device: torch.device, plan):
+                 device: torch.device, plan: Plan):
         self.tokenizer, self.max_new_tokens, self.device = tokenizer, max_new_tokens, device
         self.plan = plan  # the run's: the answers are computed in its compute dtype, as training computes
         self.prompts = {p: prompt_ids(tokenizer, p, chat=chat) for p in prompts if max_new_tokens > 0}

@@ -38,6 +38,12 @@ def _slots(model: nn.Module) -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:
     return slots
 
 
+def _register(tensor: nn.Parameter, places: list[tuple[nn.Module, str]]) -> None:
+    """`tensor` as the parameter of each (module, name) place."""
+    for module, name in places:
+        module._parameters[name] = tensor
+
+
 @contextmanager
 def compute_copies(model: nn.Module, dtype: torch.dtype):
     """Within it, `model` computes with `dtype` copies of its parameters; the gradients of the trainable ones reach
@@ -50,16 +56,14 @@ def compute_copies(model: nn.Module, dtype: torch.dtype):
             hooks.append(copy.register_post_accumulate_grad_hook(_to_master(master)))
         else:
             copy = _frozen_copy(master, dtype)
-        for module, name in places:
-            module._parameters[name] = copy
+        _register(copy, places)
     try:
         yield
     finally:
         for hook in hooks:
             hook.remove()
         for master, places in slots.items():
-            for module, name in places:
-                module._parameters[name] = master
+            _register(master, places)
 
 
 # A frozen weight's copy (LoRA's base), kept from one step to the next: casting SmolLM2-135M's base again every step
@@ -79,12 +83,12 @@ def _frozen_copy(master: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
 
 def _to_master(master: nn.Parameter):
     def hook(copy: nn.Parameter) -> None:
-        # FSDP2 (reduce_dtype float32): the bf16 gradient in fp32, added to the sharded one of earlier micro-batches.
-        grad = copy.grad.to(master.dtype)
+        # FSDP2 (reduce_dtype float32): the bf16 gradient in fp32, added to the sharded one of earlier micro-batches
+        # (in place: the bf16 values are widened as they are added, no fp32 copy of them made first).
         if master.grad is None:
-            master.grad = grad
+            master.grad = copy.grad.to(master.dtype)
         else:
-            master.grad += grad
+            master.grad.add_(copy.grad)
         copy.grad = None  # each micro-batch's gradient is added once, and the copy's memory goes at once
 
     return hook
@@ -102,7 +106,5 @@ def frozen_in_compute_dtype(model: nn.Module, plan: Plan) -> nn.Module:
     model.requires_grad_(False)
     if plan.casts_copies:
         for master, places in _slots(model).items():
-            copy = nn.Parameter(master.detach().to(getattr(torch, plan.param_dtype)), requires_grad=False)
-            for module, name in places:
-                module._parameters[name] = copy
+            _register(nn.Parameter(master.detach().to(getattr(torch, plan.param_dtype)), requires_grad=False), places)
     return model

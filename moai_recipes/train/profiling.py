@@ -23,6 +23,10 @@ class StepProfiler:
         self.device = device
         self.tables: dict[int, str] = {}  # step -> this rank's op table, as written to its .txt
 
+    def _name(self, step: int) -> str:
+        """What this rank's files of step `step` are called (.json, .txt)."""
+        return f"step{step}-rank{self.rank}"
+
     def profiled(self, step: int) -> bool:
         return step in self.steps
 
@@ -37,7 +41,7 @@ class StepProfiler:
         with profile(activities=activities, record_shapes=True) as prof:
             yield
         self.folder.mkdir(parents=True, exist_ok=True)
-        name = f"step{step}-rank{self.rank}"
+        name = self._name(step)
         prof.export_chrome_trace(str(self.folder / f"{name}.json"))
         # Self time: an op's own time, not its children's, so the rows add up to the step and name the kernels.
         sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
@@ -50,5 +54,5 @@ class StepProfiler:
         if step not in self.tables:
             return None
         head = self.tables[step].splitlines()[:lines + 3]  # the header's rule, titles and rule
-        name = f"step{step}-rank{self.rank}"
+        name = self._name(step)
         return f"Profile of step {step} ({self.folder}/{name}.json, the whole table in {name}.txt):\n" + "\n".join(head)
