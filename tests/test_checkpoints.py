@@ -41,8 +41,9 @@ def start(*args, stdout=subprocess.PIPE):
 
 
 def workers_of(proc) -> list[psutil.Process]:
-    return [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if "moai_recipes.launch.worker" in " ".join(p.cmdline())]
+    """The launcher's training processes: forked from the fork server it starts (launch/elastic.py)."""
+    return [p for server in psutil.Process(proc.pid).children() if "multiprocessing.forkserver" in " ".join(server.cmdline())
+            for p in server.children()]
 
 
 def wait_for_step(out: Path, step: int, proc, timeout=300):
@@ -187,13 +188,19 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeping_the_last_ch
 def test_a_worker_that_dies_while_exiting_a_finished_run_loses_nothing(tmp_path):
     """gloo can abort a worker at exit after the run finished: the run must not be restarted (its folder
     holds a finished run) and must not lose its last outputs. The fault is injected for real: a
-    sitecustomize module SIGKILLs rank 1 from its atexit handlers."""
+    sitecustomize module SIGKILLs rank 1 from its exit handlers."""
     inject = tmp_path / "inject"
     inject.mkdir()
+    # A worker is forked (launch/elastic.py) and ends through multiprocessing's exit handlers, not atexit's.
     (inject / "sitecustomize.py").write_text(
-        "import atexit, os, signal\n"
-        "if os.environ.get('RANK') == '1':\n"
-        "    atexit.register(lambda: os.kill(os.getpid(), signal.SIGKILL))\n")
+        "import os, signal\n"
+        "from multiprocessing import util\n"
+        "class Armed: pass\n"
+        "ARMED = Armed()\n"
+        "def arm(_):\n"
+        "    util.Finalize(None, lambda: os.environ.get('RANK') == '1' and os.kill(os.getpid(), signal.SIGKILL),\n"
+        "                  exitpriority=0)\n"
+        "util.register_after_fork(ARMED, arm)\n")
     out = tmp_path / "run"
     env = command_env({"PYTHONPATH": str(inject)})
     r = subprocess.run([sys.executable, "-m", "recipes.full_finetune", *COMMON, "max_steps=4", "flavor=cpu-2",

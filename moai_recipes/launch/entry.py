@@ -30,7 +30,7 @@ from moai_recipes.errors import (
     exit_on_user_error,
 )
 from moai_recipes.flavors import Flavor, resolve_flavor
-from moai_recipes.launch.elastic import check_capacity, start_workers
+from moai_recipes.launch.elastic import check_capacity, prepare_workers, start_workers
 from moai_recipes.launch.registry import new_job_id, registered
 from moai_recipes.launch.worker import Job, run
 from moai_recipes.models.sources import model_source, resolve_model_dir
@@ -48,6 +48,8 @@ def main(recipe: str, argv: list[str] | None = None) -> int:
     check_world(flavor, given)
     job = Job(recipe=recipe, cfg=cfg, flavor=flavor, job_id=new_job_id())
     launching = given is None and flavor.num_devices > 1
+    if launching:
+        prepare_workers(recipe)
     # The run folder is this run's while it lives (torchrun's and SLURM's processes: rank 0 holds it for them).
     holding = holding_run_folder(cfg.output_dir, workers=launching) if given is None or given.rank == 0 else nullcontext()
     with holding, registered(flavor, job_id=job.job_id):  # `moai smi` lists the run until it ends
@@ -84,7 +86,7 @@ def launch(job: Job) -> int:
             Job(recipe=job.recipe, cfg=cfg, flavor=flavor, job_id=job.job_id, launcher=os.getpid(),
                 restarts=starts).write(job_file)
             starts += 1
-            code = start_workers(flavor, job_file)
+            code = start_workers(flavor, job_file, job.recipe)
             hint = read_hint(Path(cfg.output_dir)) if code == EXIT_OUT_OF_MEMORY else None
             if hint:
                 # A step ran out of memory on a rank: it left a smaller plan, which the processes take as they start

@@ -1,9 +1,9 @@
 """A training process: join the world and call the recipe's `train(cfg, flavor, world)`.
 
-    python -m moai_recipes.launch.worker JOB_FILE
-
-is what the elastic launcher starts on each of a flavor's processes (launch/entry.py): it reads the job the
-launcher wrote (the recipe, its resolved config, the flavor) and never composes the config again. A recipe
+`forked(JOB_FILE)` is what the elastic launcher runs in each of a flavor's processes, forked from a server that
+imported the recipe once (launch/elastic.py); `python -m moai_recipes.launch.worker JOB_FILE` runs the same in a
+process of its own. It reads the job the launcher wrote (the recipe, its resolved config, the flavor) and never
+composes the config again. A recipe
 that trains in the process that composed its config (one process, or one of torchrun's or SLURM's) calls
 `run` directly.
 """
@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import sys
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,7 +21,14 @@ from omegaconf import DictConfig, OmegaConf
 from moai_recipes import env
 from moai_recipes.checkpoint.output_dir import shared_by_worker
 from moai_recipes.config.compose import resolved_config
-from moai_recipes.errors import EXIT_OUT_OF_MEMORY, EXIT_STOPPED, RestartSmaller, Stopped, exit_on_user_error
+from moai_recipes.errors import (
+    EXIT_FAILURE,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_STOPPED,
+    RestartSmaller,
+    Stopped,
+    exit_on_user_error,
+)
 from moai_recipes.files import write_json
 from moai_recipes.flavors import Device, Flavor
 from moai_recipes.launch.registry import registered
@@ -79,6 +87,19 @@ def main(argv: list[str]) -> int:
     shared_by_worker(job.cfg.output_dir)  # the folder stays held while this worker lives, its launcher gone or not
     with registered(job.flavor, job_id=job.job_id, launcher=job.launcher):
         return run(job, env.given_world())
+
+
+def forked(job_file: str) -> None:
+    """The elastic launcher's entry in each process it forks (launch/elastic.py): `main`, its code the exit code.
+    A crash prints its traceback here, as `python -m` would: the launcher's multiprocessing would only pass it up."""
+    try:
+        code = main([job_file])
+    except Exception:
+        traceback.print_exc()
+        code = EXIT_FAILURE
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ yields a `World`; launch/ starts the processes when the flavor needs several.
 """
 
 import os
+import select
 import signal
 import socket
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -81,15 +83,23 @@ def stop_with_launcher(launcher_pid: int) -> None:
     Otherwise the workers of a killed launcher train on unseen, and the same command run again would
     put a second group in the same folder. SIGTERM is what a scheduler's preemption sends: the run
     saves a checkpoint at the next step boundary and stops (train/loop.py). Linux only.
-    """
+
+    The launcher is watched itself (a pidfd, waited on by a thread that sleeps until it ends), not as this
+    process's parent: workers are forked from the fork server it starts (launch/elastic.py), which lives on
+    while any of them does."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != launcher_pid:  # it died before we asked
+    try:
+        launcher = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:  # it died before we asked
         os.kill(os.getpid(), signal.SIGTERM)
+        return
+
+    def stop_when_it_ends():
+        select.select([launcher], [], [])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_it_ends, name="moai-launcher-watch", daemon=True).start()
 
 
 @contextmanager
