@@ -16,6 +16,7 @@ FAULT_OOM_TOKENS = "MOAI_FAULT_OOM_TOKENS"  # test hook: a micro-batch of more t
 FAULT_STEP_DELAY = "MOAI_FAULT_STEP_DELAY"  # test hook: seconds each step waits first, as on a slower machine
 FAULT_MEMORY_HEADROOM = "MOAI_FAULT_MEMORY_HEADROOM"  # test hook: bytes of address space a step may add, for real
 FAULT_SAVE_DELAY = "MOAI_FAULT_SAVE_DELAY"  # test hook: seconds a save waits, half-written, as on a slower disk
+FORK_WORKERS = "MOAI_FORK_WORKERS"  # 0: a CPU flavor's workers start bare, as a GPU flavor's do (launch/elastic.py)
 OMP_NUM_THREADS = "OMP_NUM_THREADS"  # a user's choice of threads per process, honoured as torchrun does
 # The world a launcher gives a process (torchrun, our elastic launch) and the process group's rendezvous.
 RANK, WORLD_SIZE, LOCAL_RANK = "RANK", "WORLD_SIZE", "LOCAL_RANK"
@@ -71,6 +72,11 @@ def fault_save_delay() -> float:
     """MOAI_FAULT_SAVE_DELAY: seconds a step checkpoint or an export waits with its files written aside, before it
     is renamed into place (0: none), so that a test can kill a run in the middle of a save."""
     return float(_get(FAULT_SAVE_DELAY) or 0)
+
+
+def fork_workers() -> bool:
+    """MOAI_FORK_WORKERS: unless 0, a CPU flavor's workers are forked from one process that imported the recipe."""
+    return _get(FORK_WORKERS) != "0"
 
 
 def omp_threads() -> int | None:

@@ -35,15 +35,22 @@ LAYOUTS = {"sharded": FSDP, "replicated": ("plan.replicate=true",)}
 SLOW = {"MOAI_FAULT_STEP_DELAY": "0.25"}  # the remaining steps outlast any signal's way to the workers
 
 
-def start(*args, stdout=subprocess.PIPE):
+def start(*args, stdout=subprocess.PIPE, env: dict | None = None):
     return subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *COMMON, *map(str, args)], cwd=ROOT,
-                            env=command_env(SLOW), stdout=stdout, stderr=subprocess.STDOUT, text=True)
+                            env=command_env({**SLOW, **(env or {})}), stdout=stdout, stderr=subprocess.STDOUT, text=True)
 
 
 def workers_of(proc) -> list[psutil.Process]:
-    """The launcher's training processes: forked from the fork server it starts (launch/elastic.py)."""
-    return [p for server in psutil.Process(proc.pid).children() if "multiprocessing.forkserver" in " ".join(server.cmdline())
-            for p in server.children()]
+    """The launcher's training processes: forked from the fork server it starts (launch/elastic.py), or its own
+    children started bare (MOAI_FORK_WORKERS=0, as on GPUs)."""
+    found = []
+    for child in psutil.Process(proc.pid).children():
+        command = " ".join(child.cmdline())
+        if "multiprocessing.forkserver" in command:
+            found += child.children()
+        elif "moai_recipes.launch.worker" in command:
+            found.append(child)
+    return found
 
 
 def wait_for_step(out: Path, step: int, proc, timeout=300):
@@ -210,12 +217,15 @@ def test_a_worker_that_dies_while_exiting_a_finished_run_loses_nothing(tmp_path)
     assert (out / "model" / "config.json").exists() and (out / "loss.png").exists() and len(metrics(out)) == 4
 
 
-def test_a_killed_launcher_takes_its_workers_down_with_a_checkpoint(tmp_path, reference):
+@pytest.mark.parametrize("workers", ["forked", "bare"])
+def test_a_killed_launcher_takes_its_workers_down_with_a_checkpoint(tmp_path, reference, workers):
     """kill -9 of the launcher (no signal handler runs there): its workers must not train on unseen; they
-    stop as if preempted, saving the step they reached, and the same command finishes the run exactly."""
+    stop as if preempted, saving the step they reached, and the same command finishes the run exactly. Workers
+    forked from the launcher's fork server, and started bare as on GPUs (MOAI_FORK_WORKERS=0)."""
     out = tmp_path / "run"
     with open(tmp_path / "log", "w") as log:  # a file, not a pipe: nobody reads it once the launcher is gone
-        proc = start("flavor=cpu-2", f"output_dir={out}", stdout=log)
+        proc = start("flavor=cpu-2", f"output_dir={out}", stdout=log,
+                     env={"MOAI_FORK_WORKERS": "0" if workers == "bare" else None})
         wait_for_step(out, 3, proc)
         workers = workers_of(proc)
         assert len(workers) == 2

@@ -11,6 +11,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from moai_recipes import env
 from moai_recipes.errors import (
     EXIT_FAILURE,
     EXIT_OUT_OF_MEMORY,
@@ -34,13 +35,21 @@ def check_capacity(flavor: Flavor) -> None:
             f"to train on this machine's CPU use flavor=cpu, cpu-2 or cpu-4")
 
 
+def forks_workers(flavor: Flavor) -> bool:
+    """Whether the flavor's workers are forked from one process that imported the recipe (prepare_workers) rather
+    than started bare, each importing it again: on the CPU. A GPU's processes start bare: torchao and torchtune ask
+    the GPU its capability as they are imported, which sets CUDA up in the importing process, and CUDA cannot be
+    used in a process forked from one that set it up. MOAI_FORK_WORKERS=0 starts a CPU flavor's bare too."""
+    return flavor.device.kind == "cpu" and env.fork_workers()
+
+
 def prepare_workers(recipe: str) -> None:
-    """Start, in the background, the process the workers will be forked from: it imports the training recipe
-    `recipe` while this process goes on (composing, resolving the model's folder).
+    """Start, in the background, the process the workers will be forked from (forks_workers): it imports the
+    training recipe `recipe` while this process goes on (composing, resolving the model's folder).
 
     Each worker is forked from that one process, which imported the training stack once (torch, torchtune,
     torchao, the recipe: 3.2 s of imports a process), rather than started bare to import it all again: cpu-4's
-    4 processes on 2 cores started in 6.4 s against 10.3 s. A fork server started afresh, not this process, which
+    4 processes on 2 cores start in 7.0 s against 11.5 s. A fork server started afresh, not this process, which
     holds the rendezvous store's threads by then. It ends once this process and the workers have; the workers
     stop when this process dies (train/world.stop_with_launcher)."""
     from multiprocessing import forkserver
@@ -50,8 +59,9 @@ def prepare_workers(recipe: str) -> None:
 
 
 def start_workers(flavor: Flavor, job_file: Path, recipe: str) -> int:
-    """Run the worker entry (launch/worker.forked) on `job_file` in the flavor's processes until they end; return
-    the group's exit code (errors.py). `recipe`: the job's (moai_recipes.recipes.<recipe>), imported once for all."""
+    """Run the worker entry on `job_file` in the flavor's processes until they end; return the group's exit code
+    (errors.py). Forked (forks_workers): launch/worker.forked, from the server that imported `recipe` (the job's
+    moai_recipes.recipes.<recipe>); else bare: python -m moai_recipes.launch.worker job_file."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -66,9 +76,12 @@ def start_workers(flavor: Flavor, job_file: Path, recipe: str) -> int:
                           run_id=f"moai-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"is_host": True}, max_restarts=0,
                           monitor_interval=0.1, start_method="forkserver")
-    prepare_workers(recipe)  # started already, unless the caller did not
     try:
-        elastic_launch(config, entrypoint=worker.forked)(str(job_file))
+        if forks_workers(flavor):
+            prepare_workers(recipe)  # started already, unless the caller did not
+            elastic_launch(config, entrypoint=worker.forked)(str(job_file))
+        else:
+            elastic_launch(config, entrypoint=sys.executable)("-u", "-m", "moai_recipes.launch.worker", str(job_file))
     except SignalException:
         # The launcher was interrupted too: the workers got the signal, saved and stopped.
         return EXIT_STOPPED

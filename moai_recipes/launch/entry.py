@@ -30,7 +30,7 @@ from moai_recipes.errors import (
     exit_on_user_error,
 )
 from moai_recipes.flavors import Flavor, resolve_flavor
-from moai_recipes.launch.elastic import check_capacity, prepare_workers, start_workers
+from moai_recipes.launch.elastic import check_capacity, forks_workers, prepare_workers, start_workers
 from moai_recipes.launch.registry import new_job_id, registered
 from moai_recipes.launch.worker import Job, run
 from moai_recipes.models.sources import model_source, resolve_model_dir
@@ -48,7 +48,7 @@ def main(recipe: str, argv: list[str] | None = None) -> int:
     check_world(flavor, given)
     job = Job(recipe=recipe, cfg=cfg, flavor=flavor, job_id=new_job_id())
     launching = given is None and flavor.num_devices > 1
-    if launching:
+    if launching and forks_workers(flavor):
         prepare_workers(recipe)
     # The run folder is this run's while it lives (torchrun's and SLURM's processes: rank 0 holds it for them).
     holding = holding_run_folder(cfg.output_dir, workers=launching) if given is None or given.rank == 0 else nullcontext()
