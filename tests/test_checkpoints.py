@@ -258,7 +258,7 @@ def test_killed_outright_mid_save_and_mid_export_the_same_command_ends_bit_for_b
             assert proc.poll() is None and time.time() < end, proc.communicate()[0]
             time.sleep(0.005)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        for p in family:
+        for p in reversed(family):  # the workers first: none may see its launcher die and stop cleanly in between
             p.kill()
         proc.communicate()
         psutil.wait_procs(family, timeout=30)
