@@ -2,10 +2,9 @@
 
 `forked(JOB_FILE)` is what the elastic launcher runs in each of a flavor's processes, forked from a server that
 imported the recipe once (launch/elastic.py); `python -m moai_recipes.launch.worker JOB_FILE` runs the same in a
-process of its own. It reads the job the launcher wrote (the recipe, its resolved config, the flavor) and never
-composes the config again. A recipe
-that trains in the process that composed its config (one process, or one of torchrun's or SLURM's) calls
-`run` directly.
+process of its own (a GPU flavor's workers). It reads the job the launcher wrote (the recipe, its resolved config,
+the flavor) and never composes the config again. A recipe that trains in the process that composed its config (one
+process, or one of torchrun's or SLURM's) calls `run` directly.
 """
 
 import importlib

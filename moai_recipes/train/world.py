@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -94,12 +95,28 @@ def stop_with_launcher(launcher_pid: int) -> None:
     except ProcessLookupError:  # it died before we asked
         os.kill(os.getpid(), signal.SIGTERM)
         return
+    except OSError:  # a kernel before 5.3: no pidfds; asked once a second instead
+        launcher = None
 
     def stop_when_it_ends():
-        select.select([launcher], [], [])
+        if launcher is not None:
+            select.select([launcher], [], [])
+        else:
+            while _alive(launcher_pid):
+                time.sleep(1)
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=stop_when_it_ends, name="moai-launcher-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: the pid was taken again
+        return False
+    return True
 
 
 @contextmanager
