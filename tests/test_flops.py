@@ -6,6 +6,10 @@ Run: python -m pytest tests/test_flops.py -q
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -120,3 +124,37 @@ def test_every_step_carries_its_flops_and_mfu_and_a_profiled_step_its_trace(tmp_
     names = {e.get("name") for e in events}
     assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names, sorted(names)[:50]
     assert sum(e.get("name") == "Optimizer.step#AdamW.step" for e in events) == 1
+
+
+def test_a_cpu_measured_while_busy_is_said_so_and_measured_again_later(tmp_path, monkeypatch, capsys):
+    """The CPU's peak is measured once and cached; one measured while other processes kept its cores busy would show
+    MFUs over 100% for good. Measured under load (a process spinning on every core), it is marked not quiet and the
+    user told; such an entry is measured again once it is old, each rate the better of the two; a quiet one never."""
+    from moai_recipes.planner.cpu_speed import MEASURE_BUSY_AGAIN_S, cpu_speed, speed_key
+
+    monkeypatch.setenv("MOAI_CACHE", str(tmp_path))
+    cores, path = os.cpu_count(), tmp_path / "cpu-speed.json"
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        busy = cpu_speed(cores)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert not busy.quiet
+    assert "while other processes kept its cores busy" in capsys.readouterr().err
+    assert cpu_speed(cores) == busy  # measured a moment ago: kept
+
+    def cached_as(**entry) -> None:
+        known = json.loads(path.read_text())
+        known[speed_key(cores)] |= entry
+        path.write_text(json.dumps(known))
+
+    # Old, and slower than any CPU: measured again, each rate the better of the two.
+    cached_as(fp32_flops=1.0, bytes_per_s=1.0, bf16_flops=1.0, measured_at=time.time() - MEASURE_BUSY_AGAIN_S - 1)
+    again = cpu_speed(cores)
+    assert again.fp32_flops > 1e9 and again.bf16_flops > 1e9 and again.bytes_per_s > 1e8
+    assert again.measured_at > time.time() - 60
+    # Quiet, however old: never measured again.
+    cached_as(fp32_flops=1.0, quiet=True, measured_at=0.0)
+    assert cpu_speed(cores).fp32_flops == 1.0
