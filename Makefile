@@ -2,7 +2,7 @@
 # made-up facts with LoRA on the CPU (about two minutes after the install; 1.5 once the model is converted).
 # make demo-gguf (after make demo): the learned model as one q8_0 GGUF file, asked the demo's questions by llama.cpp.
 # make demo-dpo: preference tuning (DPO with LoRA) of the same model on pirate-voiced pairs (about two minutes).
-# make test: install, then run the test suite (about 11 minutes on two cores).
+# make test: install, then run the test suite (about 10 minutes on two cores).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
