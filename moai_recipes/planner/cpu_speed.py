@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from moai_recipes import env
-from moai_recipes.files import cache_dir
+from moai_recipes.files import cache_dir, write_json
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,7 @@ def cpu_speed(threads: int) -> CpuSpeed:
                   f"and predicted step times may read high until it is measured again, in {MEASURE_BUSY_AGAIN_S // 60} "
                   "minutes or more", file=sys.stderr, flush=True)
         try:  # a cache: a read-only home only costs the measurement next time
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known, indent=1))
-            os.replace(tmp, path)
+            write_json(path, known)
         except OSError:
             pass
     return CpuSpeed(**known[key])

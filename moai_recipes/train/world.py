@@ -112,9 +112,7 @@ def stop_with_launcher(launcher_pid: int) -> None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: the pid was taken again
+    except (ProcessLookupError, PermissionError):  # gone, or another user's process has its pid now
         return False
     return True
 
