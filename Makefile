@@ -6,26 +6,43 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+SUM := $(shell cksum pyproject.toml | cut -d' ' -f1)
+# Two installs: what the recipes need (the demos), and the test extras on top (peft, TRL, pytest, and
+# llama-cpp-python, which builds llama.cpp from source: about 5 minutes on two cores, so only its users pay it).
+BASE := $(VENV)/.installed-base-$(SUM)
+GGUF := $(VENV)/.installed-gguf-$(SUM)
+TESTS := $(VENV)/.installed-test-$(SUM)
 
 .PHONY: install demo demo-gguf demo-dpo demo-tiny test test-fast bench clean
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first and pinned: a looser request would pull a multi-GB CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test]"
-	rm -f $(VENV)/.installed-*; touch $(STAMP)
+$(BASE): pyproject.toml
+	@test -x $(PY) || { echo "== make: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@# torch first and pinned: a looser request would pull a multi-GB CUDA build.
+	@echo "== make: installing torch 2.13.0 (CPU build) into $(VENV)"
+	@$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	@echo "== make: installing moai-recipes and what it needs (torchtune, torchao, transformers, Hydra, W&B, lm-eval)"
+	@$(PY) -m pip install --quiet --disable-pip-version-check -e .
+	@rm -f $(VENV)/.installed-base-*; touch $(BASE)
 
-install: $(STAMP)
+$(TESTS): $(BASE)
+	@echo "== make: installing the test extras (pytest, peft, TRL, llama-cpp-python: it builds llama.cpp, about 5 minutes once)"
+	@$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	@rm -f $(VENV)/.installed-test-*; touch $(TESTS)
 
-demo: $(STAMP)
+$(GGUF): $(BASE)
+	@echo "== make: installing llama-cpp-python (it builds llama.cpp from source: about 5 minutes once)"
+	@$(PY) -m pip install --quiet --disable-pip-version-check -e ".[gguf]"
+	@rm -f $(VENV)/.installed-gguf-*; touch $(GGUF)
+
+install: $(BASE)
+
+demo: $(BASE)
 	$(PY) -m recipes.lora_finetune model=smollm2_135m dataset=facts flavor=cpu epochs=6 batch_size=8 \
 		optimizer.lr=2e-3 optimizer.warmup_steps=4 lora.rank=16 lora.alpha=32 \
 		lora.attn_modules=[q_proj,k_proj,v_proj,output_proj] lora.apply_to_mlp=true
 
 # After `make demo`: its model (the adapter merged) as one q8_0 GGUF file, asked the demo's questions by llama.cpp.
-demo-gguf: $(STAMP)
+demo-gguf: $(GGUF)
 	@run=$$(ls -d outputs/lora_finetune/*/adapter 2>/dev/null | tail -1); \
 	test -n "$$run" || { echo "no demo run in outputs/lora_finetune: make demo first"; exit 2; }; \
 	$(PY) -m recipes.export adapter_dir=$$run outtype=q8_0 \
@@ -33,23 +50,23 @@ demo-gguf: $(STAMP)
 
 # Preference tuning of the real model: DPO with LoRA teaches SmolLM2 to answer as a pirate (about three minutes),
 # its answers to questions the pairs do not hold printed before and after, the reward margin growing step by step.
-demo-dpo: $(STAMP)
+demo-dpo: $(BASE)
 	$(PY) -m recipes.dpo model=smollm2_135m dataset=pirate method=lora flavor=cpu epochs=3 batch_size=8 \
 		optimizer.lr=2e-4 optimizer.warmup_steps=2 lora.rank=16 lora.alpha=32 \
 		lora.attn_modules=[q_proj,k_proj,v_proj,output_proj] lora.apply_to_mlp=true
 
 # The tiny model on the embedded demo data: full fine-tuning in about 15 seconds, nothing to fetch.
-demo-tiny: $(STAMP)
+demo-tiny: $(BASE)
 	$(PY) -m recipes.full_finetune model=tiny dataset=demo flavor=cpu epochs=40 batch_size=8 optimizer.lr=3e-3 optimizer.warmup_steps=10
 
 # Two pytest workers, one per core, each taking whole test modules (a module's shared runs stay in one process):
 # run one after the other the tests leave a core idle 30% of the time (a process starting, a signal on its way, a
 # file written). Measured: 10:58 on two workers sharing one cache, on this 2-core machine (2026-11-25, 424 tests);
 # 9:44 in CI the stop before.
-test: $(STAMP)
+test: $(TESTS)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
-test-fast: $(STAMP)
+test-fast: $(TESTS)
 	$(PY) -m pytest -q -m "not slow"
 
 clean:

@@ -249,6 +249,17 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+def assert_same_weights(expected: Path, got: Path) -> None:
+    """The Hugging Face folders `expected` and `got` hold the same tensors, bit for bit: the same names (every layer
+    of the config's, none missing on either side) and the same values."""
+    ref, out = tensors(expected), tensors(got)
+    layers = json.loads((expected / "config.json").read_text())["num_hidden_layers"]
+    assert {f"model.layers.{i}." for i in range(layers)} <= {re.sub(r"(layers\.\d+\.).*", r"\1", k) for k in ref}, sorted(ref)
+    assert ref.keys() == out.keys(), sorted(set(ref) ^ set(out))
+    different = [k for k in ref if not torch.equal(ref[k], out[k])]
+    assert not different, f"{len(different)} of {len(ref)} tensors differ: {different[:5]}"
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

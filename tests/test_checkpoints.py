@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from moai_recipes.checkpoint.integrity import checksums
 from moai_recipes.errors import EXIT_STOPPED
-from tests.helpers import FSDP, ROOT, command_env, layout, make_hf_checkpoint, metrics, run_recipe, tensors
+from tests.helpers import (FSDP, ROOT, assert_same_weights, command_env, layout, make_hf_checkpoint, metrics,
+                           run_recipe)
 
 pytestmark = pytest.mark.slow
 
@@ -121,8 +122,7 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path, references
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"continuing at step {stopped_at + 1}" in r.stdout and layout(out) == kind
     assert losses(out) == losses(reference)
-    ref, got = tensors(reference / "model"), tensors(out / "model")
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert_same_weights(reference / "model", out / "model")
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tmp_path, references):
@@ -137,8 +137,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tm
     assert proc.returncode == 0, log
     assert "restarting the 2 processes" in log and "Resumed from" in log and layout(out) == "sharded"
     assert losses(out) == losses(reference)
-    ref, got = tensors(reference / "model"), tensors(out / "model")
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert_same_weights(reference / "model", out / "model")
 
 
 # A checkpoint crosses from one process to several and from two to four, and between FSDP2 shards and plain
@@ -272,8 +271,7 @@ def test_killed_outright_mid_save_and_mid_export_the_same_command_ends_bit_for_b
     assert "continuing at step 11" in r.stdout  # the last checkpoint before the export: step 10
     assert not any(out.glob(".*.tmp*")) and not any((out / "checkpoints").glob(".*.tmp"))
     assert layout(out) == layout(reference) and losses(out) == losses(reference)
-    ref, got = tensors(reference / "model"), tensors(out / "model")
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert_same_weights(reference / "model", out / "model")
 
 
 def test_a_disk_that_fills_mid_run_ends_it_cleanly_and_the_last_checkpoint_resumes(references, small_disk):
@@ -305,8 +303,7 @@ def test_a_disk_that_fills_mid_run_ends_it_cleanly_and_the_last_checkpoint_resum
     assert again.returncode == 0, again.stdout + again.stderr
     assert "continuing at step 3" in again.stdout
     assert losses(out) == losses(reference)
-    ref, got = tensors(reference / "model"), tensors(out / "model")
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert_same_weights(reference / "model", out / "model")
 
 
 def test_a_damaged_newest_checkpoint_is_named_and_passed_over_for_the_one_before(tmp_path):
@@ -330,8 +327,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_passed_over_for_the_one_before
     assert f"warning: {damaged} is truncated (1000 of " in r.stderr and "step-000004 is damaged" in r.stderr
     assert "continuing at step 3" in r.stdout
     assert losses(out) == losses(whole)
-    ref, got = tensors(whole / "model"), tensors(out / "model")
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert_same_weights(whole / "model", out / "model")
 
     changed = out / "checkpoints" / "step-000004" / "train_state.pt"  # saved again by the resumed run: whole
     data = bytearray(changed.read_bytes())

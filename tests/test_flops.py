@@ -150,10 +150,12 @@ def test_a_cpu_measured_while_busy_is_said_so_and_measured_again_later(tmp_path,
         known[speed_key(cores)] |= entry
         path.write_text(json.dumps(known))
 
-    # Old, and slower than any CPU: measured again, each rate the better of the two.
-    cached_as(fp32_flops=1.0, bytes_per_s=1.0, bf16_flops=1.0, measured_at=time.time() - MEASURE_BUSY_AGAIN_S - 1)
+    # Old: measured again, each rate the better of the two readings, not the newest. The cached fp32 rate is faster
+    # than any CPU (kept), the others slower than any (replaced by the new reading).
+    cached_as(fp32_flops=1e18, bytes_per_s=1.0, bf16_flops=1.0, measured_at=time.time() - MEASURE_BUSY_AGAIN_S - 1)
     again = cpu_speed(cores)
-    assert again.fp32_flops > 1e9 and again.bf16_flops > 1e9 and again.bytes_per_s > 1e8
+    assert again.fp32_flops == 1e18
+    assert 1e9 < again.bf16_flops < 1e18 and again.bytes_per_s > 1e8
     assert again.measured_at > time.time() - 60
     # Quiet, however old: never measured again.
     cached_as(fp32_flops=1.0, quiet=True, measured_at=0.0)

@@ -10,7 +10,7 @@ byte what one process exports. Each run states its mesh in plan.json, and the te
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import instruct_rows, layout, make_hf_checkpoint, metrics, run_recipe, write_jsonl
+from tests.helpers import instruct_rows, layout, make_hf_checkpoint, metrics, run_recipe, tensors, write_jsonl
 
 STEPS = 4
 # Eight layers (pipeline 4 interleaved runs eight stages), four key/value heads (tensor 4 cuts them); 48 samples:
@@ -103,15 +103,24 @@ def test_a_pipelined_checkpoint_resumes_on_one_process(model, meshes, tmp_path):
 
 
 def test_a_cut_model_exports_what_one_process_exports(model, tmp_path):
-    """No step learns anything (lr 0): the merged model and the adapter a pipeline 2 x tensor 2 LoRA run gathers
-    (each weight whole among its stage's tensor devices, then sent from its stage to rank 0) and writes are byte for
-    byte those of one process."""
+    """A LoRA trained one step (its B no longer zero) and saved; its checkpoint resumed with no step left, on one
+    process and on pipeline 2 x tensor 2: the adapter the cut model gathers (each weight whole among its stage's
+    tensor devices, then sent from its stage to rank 0) and the model it merges (B.A added to each cut weight) are
+    byte for byte those of one process."""
+    trained = tmp_path / "trained"
+    _run(model, trained, "lora", "packed", "flavor=cpu", "max_steps=2", "checkpoint_every=1")
     outs = {}
     for flavor, forced in (("cpu", []), ("cpu-4", ["plan.tensor_parallel=2", "plan.pipeline_stages=2",
                                                     "plan.pipeline_schedule=1f1b"])):
         outs[flavor] = tmp_path / flavor
-        _run(model, outs[flavor], "lora", "packed", f"flavor={flavor}", *forced, "optimizer.lr=0", "max_steps=1")
+        _run(model, outs[flavor], "lora", "packed", f"flavor={flavor}", *forced,
+             f"resume={trained / 'checkpoints' / 'step-000001'}", "max_steps=1")
     assert layout(outs["cpu-4"]) == "pipeline 2 (1f1b) x data 1 x tensor 2"
+    adapter = load_file(outs["cpu"] / "adapter" / "adapter_model.safetensors")
+    trained_b = [k for k in adapter if "lora_B" in k]
+    assert trained_b and all(adapter[k].abs().max() > 0 for k in trained_b)  # merged: B.A is not zero
+    base, merged, q = tensors(model["checkpoint"]), tensors(outs["cpu"] / "model"), "model.layers.0.self_attn.q_proj.weight"
+    assert merged[q].dtype == base[q].dtype and not merged[q].equal(base[q])
     for name in ("model/model.safetensors", "adapter/adapter_model.safetensors"):
         a, b = (load_file(outs[f] / name) for f in ("cpu", "cpu-4"))
         assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), name

@@ -11,12 +11,21 @@ from pathlib import Path
 from moai_recipes.errors import UserError
 
 
-def _llama(path: Path, *, n_ctx: int = 2048):
+def require() -> None:
+    """Refuses (UserError) where llama-cpp-python is not installed: before a file is written to be asked."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
     except ImportError:
-        raise UserError("asking a GGUF file needs llama-cpp-python: pip install llama-cpp-python "
-                        "(it builds llama.cpp once, a few minutes), or leave prompts= empty") from None
+        raise UserError("prompts= asks the file through llama.cpp, and llama-cpp-python is not installed: "
+                        "pip install llama-cpp-python (or `make demo-gguf`, or pip install 'moai-recipes[gguf]'; it "
+                        "builds llama.cpp from source, about 5 minutes once), or leave prompts= empty to write the "
+                        "file only") from None
+
+
+def _llama(path: Path, *, n_ctx: int = 2048):
+    require()
+    from llama_cpp import Llama
+
     # llama.cpp prints its load log on the C side's stderr even with verbose=False: silenced at the descriptor.
     with open(os.devnull, "w") as null:
         fd = os.dup(2)

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from moai_recipes.config.compose import load_config
 from moai_recipes.errors import UserError, exit_on_user_error
 from moai_recipes.files import in_units
-from moai_recipes.inference.llama_cpp import answers
+from moai_recipes.inference import llama_cpp
 from moai_recipes.inputs import model_and_adapter
 from moai_recipes.models.gguf_export import Exported, export_gguf, source_type
 
@@ -39,6 +39,8 @@ def export(cfg: DictConfig) -> Exported:
         out = adapter.folder.parent / f"{adapter.folder.name}-merged-{outtype}.gguf"
     else:
         out = hf.folder.parent / f"{hf.folder.name}-{outtype}.gguf"
+    if cfg.prompts:
+        llama_cpp.require()
 
     # 2. The file.
     say(f"Writing {hf.folder}" + (f" with the adapter {adapter.folder} merged" if adapter else "")
@@ -48,7 +50,7 @@ def export(cfg: DictConfig) -> Exported:
         f"tokenizer pre-tokenizer {done.tokenizer_pre!r}")
 
     # 3. The prompts, answered by llama.cpp from the file just written.
-    for prompt, answer in zip(cfg.prompts, answers(done.path, list(cfg.prompts), max_new_tokens=cfg.max_new_tokens)):
+    for prompt, answer in zip(cfg.prompts, llama_cpp.answers(done.path, list(cfg.prompts), max_new_tokens=cfg.max_new_tokens)):
         say(f"llama.cpp> {prompt}\n{answer}")
     return done
 

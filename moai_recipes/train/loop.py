@@ -63,6 +63,7 @@ class LoopSettings:
     objective: object = None  # what a step optimises: None, the token loss; train/preference_step's for DPO
     peak_flops: float = 0.0  # one device's, in the compute dtype (ProcessSettings): MFU's denominator
     profile_steps: tuple[int, ...] = ()  # steps measured by torch.profiler (train/profiling.py)
+    measure_memory: bool = True  # the peak tensor memory measured (train/peak_memory.py)
 
     @classmethod
     def from_config(cls, cfg, process: ProcessSettings, objective=None) -> "LoopSettings":
@@ -71,7 +72,7 @@ class LoopSettings:
                    eval_every=cfg.eval_every, fault_oom_tokens=process.fault_oom_tokens,
                    fault_step_delay=process.fault_step_delay, fault_memory_headroom=process.fault_memory_headroom,
                    peak_flops=process.peak_flops, objective=objective,
-                   profile_steps=tuple(cfg.profile_steps))
+                   profile_steps=tuple(cfg.profile_steps), measure_memory=cfg.measure_memory)
 
 
 @dataclass
@@ -213,7 +214,8 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     flops = ModelFlops.of(inputs.spec, inputs.lora)
     runner = SmallerOnOutOfMemory(choice, world=world, out=inputs.out, hint=inputs.out_of_memory_hint, log=log)
     meter, step_times, nonfinite = PeakMemory(world.device, compiled=runner.plan.compile,
-                                                   pipelined=runner.plan.pipeline_stages > 1), [], 0
+                                              pipelined=runner.plan.pipeline_stages > 1,
+                                              wanted=settings.measure_memory), [], 0
     if inputs.eval_tasks is not None and (runner.plan.pipeline_stages > 1 or runner.plan.tensor_parallel > 1):
         raise UserError(f"eval_tasks run on data-parallel plans only, and this run's plan has "
                         f"{runner.plan.pipeline_stages} pipeline stage(s) and tensor parallelism "
@@ -289,7 +291,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     # The steady step's peak, the largest of any rank (each measured its own).
     (steady_peak,) = _all_reduce([meter.steady[0]], world.device, op=dist.ReduceOp.MAX)
     measured = Measured(peak_bytes=int(steady_peak) if meter.counts else None, shapes=meter.steady[1],
-                        step_times=step_times) if step_times else None
+                        step_times=step_times, not_measured=meter.not_counted) if step_times else None
     return LoopResult(choice=runner.choice, measured=measured)
 
 

@@ -6,8 +6,9 @@ its resident memory also holds the runtime, the libraries and what the allocator
 first steps PyTorch's MemTracker (torch.distributed._tools.mem_tracker) follows every tensor storage as it is
 made, resized (FSDP2 frees and refills gathered parameters in place) and freed, and keeps the peak of their sum.
 It is not the planner's ledger (planner/live_storages.py): a counting mistake there cannot hide in the measurement.
-Following every operator slows those steps, so only the first TRACKED_STEPS steps of a process are followed; the
-step-time median leaves them out anyway (train/plan_accuracy.py). The process's resident peak (`host_peak_bytes`)
+Following every operator slows those steps (SmolLM2: about 1.7x a plain step, some 7% of the demo's run), so only
+the first TRACKED_STEPS steps of a process are followed, the step-time median leaves them out anyway
+(train/plan_accuracy.py), and `measure_memory=false` follows none (bench/memory_measurement.py measures the cost). The process's resident peak (`host_peak_bytes`)
 is reported beside it: what the machine gives the process.
 
 Not with compiled layers or pipeline stages on the CPU (for the pipeline: see PeakMemory): a layer whose first call runs under a dispatch mode is never compiled
@@ -19,7 +20,7 @@ import contextlib
 import resource
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 # Steps of a process whose tensors are followed on the CPU: the first makes the optimizer state, the second
@@ -36,12 +37,16 @@ class PeakMemory:
     """Each measured step's peak tensor bytes, as `with meter.step(model, optimizer, largest):` around each step
     runs them: on a GPU every step (the allocator's own count), on the CPU the first TRACKED_STEPS."""
 
-    def __init__(self, device: torch.device, *, compiled: bool = False, pipelined: bool = False):
+    def __init__(self, device: torch.device, *, compiled: bool = False, pipelined: bool = False, wanted: bool = True):
         self.device = device
         # Where tensors are counted at all: a GPU's allocator always; the CPU's MemTracker only for eager layers
         # outside a pipeline (the schedule infers its stages' gradients with autograd.grad, which MemTracker's
-        # gradient hooks refuse).
-        self.counts = device.type == "cuda" or not (compiled or pipelined)
+        # gradient hooks refuse), and only where the user wants it (measure_memory).
+        self.not_counted = (None if device.type == "cuda" else
+                            "measure_memory=false" if not wanted else
+                            "on the CPU PyTorch's tensor counting sees neither compiled layers nor pipeline stages"
+                            if compiled or pipelined else None)
+        self.counts = self.not_counted is None
         self.peaks: list[int] = []  # of the measured steps, in order
         self.shapes: list[list[tuple[int, int, int]]] = []  # their micro-batches (train/micro_batches.py)
 
@@ -86,6 +91,25 @@ class _MemTracker(MemTracker):
         hooked.update({p: (_NO_HOOK, _NO_HOOK) for p in module.parameters() if not p.requires_grad and p not in hooked})
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
+    def _update_peak_stats(self, peak_state) -> None:
+        # MemTracker also keeps each module's own peak: after every operator it walks every module it has seen
+        # (450 in SmolLM2 with LoRA) and copies the snapshot of each active one at a new peak, which made a
+        # traced step 12 times slower than a plain one. Only the process's peak is read (peak_bytes): kept alone.
+        for device, snapshot in self._curr_mem_snap.items():
+            total = snapshot[_TOTAL_KEY]
+            if self._peak_mem.get(device, 0) < total:
+                self._peak_mem[device] = total
+
+    def get_tracker_snapshot(self, type: str = "current"):
+        # Taken at every module's entry and exit: {device: {kind: bytes}} copied two levels deep (what deepcopy
+        # does to it, at a tenth of the cost).
+        snapshot = {"current": self._curr_mem_snap, "peak": self._peak_mem_snap}[type]
+        return {device: dict(kinds) for device, kinds in snapshot.items()}
+
+    def peak_bytes(self) -> int:
+        """The most bytes tensors held at once while the tracker was on, over all devices."""
+        return sum(self._peak_mem.values())
+
     def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
         # A bf16 compute copy's gradient (train/mixed_precision.py) is added to its fp32 master and dropped by a
         # hook that runs before the tracker's own post-accumulate one, which then finds None (and warns): it was
@@ -126,6 +150,6 @@ class _Step:
         else:
             self.tracker.__exit__(*exc)
             self.hook.remove()
-            peak = sum(d["Total"] for d in self.tracker.get_tracker_snapshot("peak").values())
+            peak = self.tracker.peak_bytes()
         self.meter.peaks.append(int(peak))
         self.meter.shapes.append(self.shapes)

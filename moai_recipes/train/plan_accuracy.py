@@ -29,6 +29,7 @@ class Measured:
     # counted (compiled layers on the CPU)
     shapes: list[tuple[int, int, int]]  # that step's micro-batches (train/micro_batches.micro_batch_shapes)
     step_times: list[float | None]  # every step this process ran, in order; None: a profiled step (profile_steps)
+    not_measured: str | None = None  # why peak_bytes is None
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Accuracy:
     largest: tuple[int, int]  # (rows, tokens per row) of the measured step's largest micro-batch
     memory: MemoryBreakdown  # the planner's, default constants, at the measured step's micro-batches
     compiled_graphs: int | None = None  # graphs torch.compile captured in this process (plan.compile); None: eager
+    not_measured: str | None = None  # why measured_peak_bytes is None
 
     @property
     def peak_error(self) -> float | None:
@@ -59,7 +61,7 @@ class Accuracy:
         rows, tokens = self.largest
         if self.measured_peak_bytes is None:
             lines = [f"Peak tensor memory per device: predicted {self.predicted_peak_bytes / GiB:.3f} GiB; not measured "
-                     "(on the CPU PyTorch's tensor counting sees neither compiled layers nor pipeline stages); the plan reserves "
+                     f"({self.not_measured}); the plan reserves "
                      f"{self.planned_peak_bytes / GiB:.3f} GiB for the worst the data can form"]
         else:
             lines = [f"Peak tensor memory per device: predicted {self.predicted_peak_bytes / GiB:.3f} GiB, measured "
@@ -92,7 +94,7 @@ def compare(choice: PlanChoice, work: Workload, measured: Measured, device_kind:
                     predicted_step_s=choice.chosen.time.total_s,
                     measured_step_s=steady[len(steady) // 2] if steady else None, steady_steps=len(steady),
                     largest=max(((r, t) for _, r, t in measured.shapes), key=_size, default=(1, 1)), memory=memory,
-                    compiled_graphs=_compiled_graphs() if plan.compile else None)
+                    compiled_graphs=_compiled_graphs() if plan.compile else None, not_measured=measured.not_measured)
 
 
 def predicted_memory(plan: Plan, work: Workload, shapes: list[tuple[int, int, int]], device_kind: str) -> MemoryBreakdown:
