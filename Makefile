@@ -64,7 +64,7 @@ demo-tiny: $(BASE)
 # file written). Measured: 10:58 on two workers sharing one cache, on this 2-core machine (2026-11-25, 424 tests);
 # 9:44 in CI the stop before.
 test: $(TESTS)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: $(TESTS)
 	$(PY) -m pytest -q -m "not slow"

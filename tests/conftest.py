@@ -22,6 +22,34 @@ from tests.helpers import machine_cache, make_hf_checkpoint  # noqa: E402
 FAMILIES = ("llama", "mistral", "qwen2")
 
 
+# The modules that take longest, in seconds of one worker (`make test` on this 2-core machine, 2026-11-25).
+# `make test` hands whole modules to its workers in the order collected (--no-loadscope-reorder), and they are
+# collected longest first: the longest start at once, the short ones fill in at the end, and the workers end
+# together instead of one running a long module alone while the other core idles. A module not named here counts
+# as short; a wrong figure costs balance, never a test.
+LONGEST_FIRST = {"test_checkpoints.py": 247, "test_compile.py": 150, "test_full_finetune.py": 87,  # compile: cold
+                 "test_layouts.py": 79, "test_cli.py": 62, "test_smollm2.py": 58, "test_install.py": 49,
+                 "test_lora_finetune.py": 49, "test_dpo.py": 37, "test_eval.py": 34, "test_planner.py": 31,
+                 "test_out_of_memory.py": 27, "test_readme.py": 25, "test_config.py": 24}
+
+# Under pytest-xdist each worker gets its share of the cores for the runs it makes (in this process and the
+# processes it starts): two workers of two threads each on two cores made OpenMP's threads wait on each other.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+# This CPU's speed as the planner reads it from the suite's cache (per thread: a quiet measurement of this
+# machine, rounded), never measured during the suite: a measurement depends on how busy the machine is, and
+# one taken while the suite ran was taken again ten minutes later (planner/cpu_speed.py), so a plan chosen
+# between two runs that must match bit for bit could change (packed rows for one, padded for the other). Tests
+# of the measurement itself give their own cache.
+CPU_SPEED_PER_THREAD = {"fp32_flops": 9e10, "bytes_per_s": 2e10, "bf16_flops": 2.2e11}
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: -LONGEST_FIRST.get(item.path.name, 0))  # stable: the order within a module is kept
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
     """One tiny checkpoint per family: {'llama': Path, 'mistral': Path, 'qwen2': Path}."""
@@ -55,6 +83,19 @@ def varied_file(tmp_path_factory):
             n = min(int(rng.lognormvariate(3.0, 0.9)) + 2, 200)
             f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(n))}) + "\n")
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _pinned_cpu_speed(tmp_path_factory):
+    from moai_recipes.files import write_json
+    from moai_recipes.planner.cpu_speed import speed_key
+
+    cache = machine_cache(tmp_path_factory)
+    cache.mkdir(parents=True, exist_ok=True)
+    write_json(cache / "cpu-speed.json", {
+        speed_key(threads): {**{k: v * threads for k, v in CPU_SPEED_PER_THREAD.items()}, "quiet": True,
+                             "measured_at": 0.0}
+        for threads in range(1, (os.cpu_count() or 1) + 1)})
 
 
 @pytest.fixture(autouse=True)

@@ -249,6 +249,15 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+def without_packages(folder: Path, *names: str) -> dict:
+    """The environment changes under which a process cannot import the packages `names` (as on a machine where
+    they were never installed): a sitecustomize in `folder`, first on PYTHONPATH, marks them absent."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        "import sys\n" + "".join(f"sys.modules[{n!r}] = None  # its import fails\n" for n in names))
+    return {"PYTHONPATH": str(folder)}
+
+
 def assert_same_weights(expected: Path, got: Path) -> None:
     """The Hugging Face folders `expected` and `got` hold the same tensors, bit for bit: the same names (every layer
     of the config's, none missing on either side) and the same values."""

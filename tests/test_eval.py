@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FSDP, layout, make_hf_checkpoint, make_peft_adapter, make_quiz_tasks, metrics, run_recipe, wandb_records
+from tests.helpers import (FSDP, layout, make_hf_checkpoint, make_peft_adapter, make_quiz_tasks, metrics, run_recipe,
+                           wandb_records, without_packages)
 
 pytest.importorskip("lm_eval")
 
@@ -85,6 +86,22 @@ def test_a_task_that_is_not_there_or_whose_data_is_not_is_refused_by_name(tmp_pa
                    env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, isolated=True)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "'arc_easy' needs its data (allenai/ai2_arc)" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_without_lm_eval_tasks_say_how_to_get_it_and_the_held_out_loss_needs_none(tmp_path):
+    """lm-eval is an optional dependency (`make demo` installs none): tasks, in recipes.eval and while training, are
+    refused with how to get it; the validation loss and perplexity are computed without it."""
+    gone = without_packages(tmp_path / "site", "lm_eval")
+    for module, args in (("recipes.eval", ["tasks=[quiz_mc]"]),
+                         ("recipes.full_finetune", ["eval_tasks=[quiz_mc]", "max_steps=1", "batch_size=4"])):
+        r = run_recipe(f"tasks_dir={make_quiz_tasks(tmp_path / 'tasks')}" if module == "recipes.eval" else
+                       f"eval_tasks_dir={tmp_path / 'tasks'}", *args, "logger=stdout",
+                       f"output_dir={tmp_path / module}", module=module, env=gone, isolated=True)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
+        assert "lm-evaluation-harness, which is not installed: pip install 'moai-recipes[eval]'" in r.stderr, r.stderr
+    r = run_recipe("dataset.val_split=0.25", "logger=stdout", f"output_dir={tmp_path / 'held-out'}",
+                   module="recipes.eval", env=gone, isolated=True)
+    assert r.returncode == 0 and "perplexity" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, SmallDisk, command_env, make_hf_checkpoint, make_peft_adapter, run_recipe
+from tests.helpers import (ROOT, SmallDisk, command_env, make_hf_checkpoint, make_peft_adapter, run_recipe,
+                           without_packages)
 
 pytest.importorskip("llama_cpp")
 
@@ -139,11 +140,8 @@ def test_prompts_without_llama_cpp_say_how_to_get_it_before_writing(tmp_path):
     """`make demo` installs no llama-cpp-python (it builds llama.cpp: minutes): prompts= on such a machine is refused
     with how to get it, exit 2, before any file is written. The package is made unimportable for that process."""
     folder = make_hf_checkpoint(tmp_path / "model", "llama")
-    without = tmp_path / "without-llama-cpp"
-    without.mkdir()
-    (without / "sitecustomize.py").write_text("import sys\nsys.modules['llama_cpp'] = None  # its import fails\n")
     r = run_recipe(f"model.checkpoint_dir={folder}", "prompts=[Hello]", module="recipes.export", isolated=True,
-                   env={"PYTHONPATH": str(without)})
+                   env=without_packages(tmp_path / "site", "llama_cpp"))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert "llama-cpp-python is not installed: pip install llama-cpp-python" in r.stderr, r.stderr
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*.tmp-*"))

@@ -255,7 +255,7 @@ def test_layers_are_compiled_where_the_run_pays_for_the_compile_time():
     assert choose_plan(Workload(spec=tiny, batch_size=8, seq_len=128), cpu, forced={"compile": True}).chosen.plan.compile
     _, smol, _ = setup("model=smollm2_135m")
     bf16 = [choose_plan(Workload(spec=smol, batch_size=8, seq_len=512, dtype="bf16", steps=n), cpu).chosen
-            for n in (10**4, 20)]
+            for n in (10**4, 2)]
     assert bf16[0].plan.compile and bf16[0].time.once_s > 0 and not bf16[1].plan.compile
 
 

@@ -19,11 +19,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lm_eval.api.model import TemplateLM
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from moai_recipes.errors import UserError
+
+try:  # an optional dependency (the `eval` extra): the training recipes and the demo do without it
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError:
+    raise UserError("lm-eval tasks need EleutherAI's lm-evaluation-harness, which is not installed: pip install "
+                    "'moai-recipes[eval]' (or 'lm-eval>=0.4.8,<0.5'; make test installs it)") from None
 
 from moai_recipes.data.tokenizer import Tokenizer
-from moai_recipes.errors import UserError
 from moai_recipes.inference.loading import whole_sequence_logits
 
 

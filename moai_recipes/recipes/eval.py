@@ -22,7 +22,6 @@ from omegaconf import DictConfig, OmegaConf
 from moai_recipes.config.compose import load_config
 from moai_recipes.errors import UserError, exit_on_user_error
 from moai_recipes.files import write_json, write_text
-from moai_recipes.inference.harness import MoaiLM, Scoring, Tasks, headline, load_tasks, run_tasks
 from moai_recipes.data.training_data import read_data
 from moai_recipes.inference.loading import load_for_inference
 from moai_recipes.inference.validation import validation_loss
@@ -42,13 +41,16 @@ def evaluate(cfg: DictConfig) -> dict:
         raise UserError("nothing to evaluate: name lm-eval tasks (tasks=[arc_easy,hellaswag], or your own: "
                         "tasks_dir=FOLDER tasks=[my_task]) and/or a validation set (dataset.val_split=0.05 or "
                         "dataset.val_path=FILE, with the training run's dataset settings)")
-    tasks = Tasks(manager=load_tasks(list(cfg.tasks), tasks_dir=cfg.tasks_dir), names=list(cfg.tasks),
-                  limit=cfg.limit, num_fewshot=cfg.num_fewshot) if cfg.tasks else None
-    scoring = Scoring(batch_size=cfg.batch_size, max_length=cfg.max_length or min(hf.spec.max_position_embeddings, 4096),
-                      add_bos_token=cfg.add_bos_token)
+    tasks = None
+    if cfg.tasks:  # lm-eval (an optional dependency): imported by the runs that use it
+        from moai_recipes.inference.harness import Tasks, load_tasks
+
+        tasks = Tasks(manager=load_tasks(list(cfg.tasks), tasks_dir=cfg.tasks_dir), names=list(cfg.tasks),
+                      limit=cfg.limit, num_fewshot=cfg.num_fewshot)
+    max_length = cfg.max_length or min(hf.spec.max_position_embeddings, 4096)  # tokens a scored input keeps
 
     # 2. The model on this machine's devices, as recipes.generate builds it.
-    loaded = load_for_inference(cfg, hf, adapter, max_seq_len=max(scoring.max_length, cfg.max_seq_len))
+    loaded = load_for_inference(cfg, hf, adapter, max_seq_len=max(max_length, cfg.max_seq_len))
     say(loaded.summary)
 
     # 3. The validation loss, then the tasks through lm-eval.
@@ -64,8 +66,12 @@ def evaluate(cfg: DictConfig) -> dict:
         metrics.update(eval_loss=v["eval_loss"], perplexity=v["perplexity"])
     out = None
     if tasks is not None:
-        out = run_tasks(MoaiLM(loaded.model, tokenizer, scoring, device=loaded.device), tasks)
         from lm_eval.utils import make_table
+
+        from moai_recipes.inference.harness import MoaiLM, Scoring, headline, run_tasks
+
+        scoring = Scoring(batch_size=cfg.batch_size, max_length=max_length, add_bos_token=cfg.add_bos_token)
+        out = run_tasks(MoaiLM(loaded.model, tokenizer, scoring, device=loaded.device), tasks)
 
         print(make_table(out), flush=True)
         results.update({k: out[k] for k in ("results", "n-shot", "n-samples", "versions")},
