@@ -20,7 +20,7 @@ $(BASE): pyproject.toml
 	@# torch first and pinned: a looser request would pull a multi-GB CUDA build.
 	@echo "== make: installing torch 2.13.0 (CPU build) into $(VENV)"
 	@$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	@echo "== make: installing moai-recipes and what it needs (torchtune, torchao, transformers, Hydra, W&B, lm-eval)"
+	@echo "== make: installing moai-recipes and what it needs (torchtune, torchao, transformers, Hydra, W&B)"
 	@$(PY) -m pip install --quiet --disable-pip-version-check -e .
 	@rm -f $(VENV)/.installed-base-*; touch $(BASE)
 
