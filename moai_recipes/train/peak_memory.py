@@ -6,10 +6,10 @@ its resident memory also holds the runtime, the libraries and what the allocator
 first steps PyTorch's MemTracker (torch.distributed._tools.mem_tracker) follows every tensor storage as it is
 made, resized (FSDP2 frees and refills gathered parameters in place) and freed, and keeps the peak of their sum.
 It is not the planner's ledger (planner/live_storages.py): a counting mistake there cannot hide in the measurement.
-Following every operator slows those steps (SmolLM2: about 1.7x a plain step, some 7% of the demo's run), so only
-the first TRACKED_STEPS steps of a process are followed, the step-time median leaves them out anyway
-(train/plan_accuracy.py), and `measure_memory=false` follows none (bench/memory_measurement.py measures the cost). The process's resident peak (`host_peak_bytes`)
-is reported beside it: what the machine gives the process.
+Following every operator slows those steps (SmolLM2: about 1.5x a plain step, 4% of the demo's run), so only the
+first TRACKED_STEPS steps of a process are followed, the step-time median leaves them out anyway
+(train/plan_accuracy.py), and `measure_memory=false` follows none (bench/memory_measurement.py measures the cost).
+The process's resident peak (`host_peak_bytes`) is reported beside it: what the machine gives the process.
 
 Not with compiled layers or pipeline stages on the CPU (for the pipeline: see PeakMemory): a layer whose first call runs under a dispatch mode is never compiled
 (dynamo leaves the frame to eager for good, as tests/test_compile.py found), and once compiled, its kernels
@@ -102,9 +102,10 @@ class _MemTracker(MemTracker):
 
     def get_tracker_snapshot(self, type: str = "current"):
         # Taken at every module's entry and exit: {device: {kind: bytes}} copied two levels deep (what deepcopy
-        # does to it, at a tenth of the cost).
-        snapshot = {"current": self._curr_mem_snap, "peak": self._peak_mem_snap}[type]
-        return {device: dict(kinds) for device, kinds in snapshot.items()}
+        # does to it, at a tenth of the cost). The peak keeps its totals only (_update_peak_stats).
+        if type == "peak":
+            return {device: {_TOTAL_KEY: total} for device, total in self._peak_mem.items()}
+        return {device: dict(kinds) for device, kinds in self._curr_mem_snap.items()}
 
     def peak_bytes(self) -> int:
         """The most bytes tensors held at once while the tracker was on, over all devices."""
