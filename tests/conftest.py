@@ -98,14 +98,20 @@ def _pinned_cpu_speed(tmp_path_factory):
         for threads in range(1, (os.cpu_count() or 1) + 1)})
 
 
-@pytest.fixture(autouse=True)
-def _quiet_env(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("WANDB_MODE", os.environ.get("WANDB_MODE", "offline"))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("MOAI_CACHE", str(machine_cache(tmp_path_factory)))
+@pytest.fixture(scope="session", autouse=True)
+def _quiet_env(tmp_path_factory):
+    """The suite's environment, for every test and every fixture: session-wide, so that it is set before the module
+    fixtures that make reference runs (a reference made without MOAI_CACHE read the developer's cache and its CPU
+    speed, measured under the suite's load, and planned another micro-batching than the runs compared with it)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("WANDB_MODE", os.environ.get("WANDB_MODE", "offline"))
+    patch.setenv("WANDB_SILENT", "true")
+    patch.setenv("HF_HUB_OFFLINE", "1")
+    patch.setenv("MOAI_CACHE", str(machine_cache(tmp_path_factory)))
     # The developer's own `moai switch` choice (and running recipes) must never reach a test.
-    monkeypatch.setenv("MOAI_HOME", str(tmp_path_factory.getbasetemp() / "moai-home"))
+    patch.setenv("MOAI_HOME", str(tmp_path_factory.getbasetemp() / "moai-home"))
+    yield
+    patch.undo()
 
 
 @pytest.fixture
