@@ -36,7 +36,7 @@ from moai_recipes.models.hf_format import HFFolder
 from moai_recipes.models.lora import LoraOptions, lora_options
 from moai_recipes.models.peft_adapter import PeftAdapter
 from moai_recipes.models.sources import model_source, resolve_model_dir
-from moai_recipes.models.spec import ModelSpec, check_context, spec_for
+from moai_recipes.models.spec import ModelSpec, check_context, spec_for, with_aux_loss_coef
 from moai_recipes.planner.plan import Workload
 
 if TYPE_CHECKING:
@@ -78,7 +78,9 @@ class RunInputs:
         """What was read, a line each, as a run prints it before its plan and `moai validate` after its checks."""
         spec = self.spec
         where = f"from {self.hf.folder}" if self.hf else f"on the Hugging Face Hub ({cfg.model.hf_repo})"
-        lines = [f"Model {self.model_name} {where}: {spec.family}, {spec.num_params() / 1e6:,.1f}M parameters"
+        experts = (f" ({spec.num_params(active=True) / 1e6:,.1f}M active: {spec.experts_per_token} of "
+                   f"{spec.num_experts} experts a token)" if spec.is_moe else "")
+        lines = [f"Model {self.model_name} {where}: {spec.family}, {spec.num_params() / 1e6:,.1f}M parameters{experts}"
                  + (f" in {len(self.hf.files)} safetensors file(s), tokenizer of {self.tokenizer.vocab_size} tokens"
                     if self.hf else "; the first run downloads it (not checked here: model.checkpoint_dir=DIR "
                     "checks a local copy)")]
@@ -118,6 +120,7 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     hf = HFFolder.open(folder) if folder else None
     spec = spec_for(architecture=m.architecture, checkpoint_dir=hf.folder if hf else None,
                     any_family=m.name == DEFAULT_MODEL)
+    spec = with_aux_loss_coef(spec, m.get("router_aux_loss_coef"))
     check_context(spec, cfg.max_seq_len, what=f"max_seq_len={cfg.max_seq_len}",
                   fix=f"use max_seq_len={spec.sliding_window} or less")
     tokenizer = checked_tokenizer(hf) if hf else None

@@ -98,7 +98,7 @@ def _environment(changes: dict):
 
 def make_hf_checkpoint(folder: Path, family: str = "llama", *, tie: bool = False, max_shard_size: str | None = None,
                        dtype: str = "float32", num_layers: int = 2, hidden: int = 64, intermediate: int | None = None,
-                       seed: int = 0, kv_heads: int = 2) -> Path:
+                       seed: int = 0, kv_heads: int = 2, experts: int = 8) -> Path:
     """Write a tiny Hugging Face checkpoint of `family` with transformers' own save_pretrained."""
     import transformers
 
@@ -124,6 +124,16 @@ def make_hf_checkpoint(folder: Path, family: str = "llama", *, tie: bool = False
     elif family == "qwen3":  # per-head q/k norm, and a head_dim that is not hidden / heads
         cfg = transformers.Qwen3Config(rope_theta=1000000.0, head_dim=hidden // 2, **common)
         cls = transformers.Qwen3ForCausalLM
+    elif family == "qwen3_moe":  # 8 experts, top 2 not renormalised; layer 1 dense (mlp_only_layers)
+        cfg = transformers.Qwen3MoeConfig(rope_theta=1000000.0, head_dim=hidden // 2, num_experts=experts,
+                                          num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
+                                          mlp_only_layers=[1] if num_layers > 2 else [], norm_topk_prob=False,
+                                          **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    elif family == "mixtral":  # every layer sparse, top 2 renormalised
+        cfg = transformers.MixtralConfig(rope_theta=1000000.0, num_local_experts=experts, num_experts_per_tok=2,
+                                         **common)
+        cls = transformers.MixtralForCausalLM
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
@@ -132,6 +142,10 @@ def make_hf_checkpoint(folder: Path, family: str = "llama", *, tie: bool = False
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("mlp.gate.weight"):  # a router of std 0.02 scores every expert alike: sharpen it
+                p.mul_(50)
+            if ".experts." in name:  # experts of std 0.02 add next to nothing to the residual stream: weigh them
+                p.mul_(4 if family == "qwen3_moe" else 2)  # (Mixtral's are wider)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     return folder

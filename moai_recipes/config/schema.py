@@ -124,6 +124,9 @@ class ModelConfig:
     checkpoint_dir: Optional[str] = setting(None, "a Hugging Face folder (config.json, *.safetensors, tokenizer files); "
                                             "its config.json is the truth for the architecture")
     architecture: dict[str, Any] = setting({}, "config.json's fields, for planning without files")
+    router_aux_loss_coef: Optional[float] = setting(None, "Mixture-of-Experts: the weight of the load-balancing loss "
+                                                         "added to the token loss (null: config.json's "
+                                                         "router_aux_loss_coef; 0: none)")
 
 
 @dataclass
@@ -199,6 +202,9 @@ class PlanConfig:
                                                    "through them (null: the planner decides)")
     pipeline_schedule: Optional[str] = setting(None, "gpipe | 1f1b | interleaved_1f1b: the order of the pipeline's "
                                                      "forward and backward passes (null: the planner decides)")
+    expert_parallel: Optional[int] = setting(None, "a Mixture-of-Experts model: data-parallel devices that split each "
+                                                   "layer's experts between them, tokens sent to their experts by "
+                                                   "all-to-all (null: the planner decides)")
 
 
 @dataclass

@@ -4,7 +4,8 @@ of them the recipes reach into.
 Not torchtune's fixed-size model builders: every layer is put together here from its modules
 (MultiHeadAttention, FeedForward, RMSNorm, TransformerDecoder, LoRALinear, FrozenNF4Linear), so any
 checkpoint of the Llama, Mistral, Qwen2 and Qwen3 lineage builds: tied or untied embeddings, any RoPE
-rope.py computes, q/k/v biases, per-head q/k RMSNorm, any head_dim and grouped-query ratio. Weights keep
+rope.py computes, q/k/v biases, per-head q/k RMSNorm, any head_dim and grouped-query ratio, and the
+Mixture-of-Experts Qwen3-MoE and Mixtral, whose sparse layers' MLP is models/moe.py's MoE. Weights keep
 the Hugging Face layout (rope.py rotates halves), so the names in hf_format.py are the only mapping.
 
 Build on the meta device, then give memory:
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from moai_recipes.models.attention import use_document_attention
+from moai_recipes.models.moe import MoE
 from moai_recipes.models.rope import RotaryEmbedding
 from moai_recipes.models.spec import ModelSpec, check_supported
 
@@ -48,7 +50,7 @@ def build_model(spec: ModelSpec, *, max_seq_len: int, lora: dict | None = None,
     linears = _Linears(lora, quantize_base)
     d = spec.embed_dim
     embeddings = nn.Embedding(spec.vocab_size, d)
-    layers = nn.ModuleList(_layer(spec, linears, max_seq_len) for _ in range(spec.num_layers))
+    layers = nn.ModuleList(_layer(spec, linears, max_seq_len, i) for i in range(spec.num_layers))
     output = (TiedLinear(embeddings) if spec.tie_word_embeddings else
               linears("output", d, spec.vocab_size, quantize=False))
     model = TransformerDecoder(tok_embeddings=embeddings, layers=layers, max_seq_len=max_seq_len,
@@ -58,7 +60,7 @@ def build_model(spec: ModelSpec, *, max_seq_len: int, lora: dict | None = None,
     return model
 
 
-def _layer(spec: ModelSpec, linears: _Linears, max_seq_len: int) -> nn.Module:
+def _layer(spec: ModelSpec, linears: _Linears, max_seq_len: int, index: int) -> nn.Module:
     from torchtune.modules import (
         FeedForward,
         MultiHeadAttention,
@@ -78,8 +80,12 @@ def _layer(spec: ModelSpec, linears: _Linears, max_seq_len: int) -> nn.Module:
         output_proj=linears("output_proj", q, d, bias=spec.output_bias),
         pos_embeddings=RotaryEmbedding(h, max_seq_len=max_seq_len, base=spec.rope_base, scaling=spec.rope_scaling),
         max_seq_len=max_seq_len)
-    i = spec.intermediate_dim
-    mlp = FeedForward(gate_proj=linears("w1", d, i), down_proj=linears("w2", i, d), up_proj=linears("w3", d, i))
+    if index in spec.moe_layers:
+        mlp = MoE(dim=d, hidden_dim=spec.expert_dim, num_experts=spec.num_experts, top_k=spec.experts_per_token,
+                  norm_topk_prob=spec.norm_topk_prob, scores_in_fp32=spec.family == "mixtral", layer=index)
+    else:
+        i = spec.intermediate_dim
+        mlp = FeedForward(gate_proj=linears("w1", d, i), down_proj=linears("w2", i, d), up_proj=linears("w3", d, i))
     return TransformerSelfAttentionLayer(attn=attn, mlp=mlp, sa_norm=RMSNorm(d, eps=spec.norm_eps),
                                          mlp_norm=RMSNorm(d, eps=spec.norm_eps))
 

@@ -161,16 +161,30 @@ _TOP_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.
               "lm_head.weight": "output.weight"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _TUNE_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias|scale)")
+# Mixture-of-Experts: each expert's projection is a tensor of its own in a Hugging Face checkpoint (Qwen3-MoE:
+# mlp.experts.N.gate_proj, Mixtral: block_sparse_moe.experts.N.w1), a slice of our stacked weight (models/moe.py);
+# the router is `gate`.
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
+                     r"\.weight")
+_EXPERT_PROJECTIONS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
+_ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight")
 _NOT_WEIGHTS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  # old transformers' buffers
 
 
 def tune_name(hf_name: str) -> str | None:
     """Our parameter name for a Hugging Face tensor name; None for a buffer that is not a weight; KeyError for a
-    name no supported model has."""
+    name no supported model has. An expert's projection is one slice of its layer's stacked weight (expert_index)."""
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
     if _NOT_WEIGHTS.fullmatch(hf_name):
         return None
+    m = _EXPERT.fullmatch(hf_name)
+    if m:
+        layer, _, projection = m.groups()
+        return f"layers.{layer}.mlp.experts.{_EXPERT_PROJECTIONS[projection]}"
+    m = _ROUTER.fullmatch(hf_name)
+    if m:
+        return f"layers.{m.group(1)}.mlp.router.weight"
     m = _LAYER.fullmatch(hf_name)
     if m:
         layer, module, kind = m.groups()
@@ -179,6 +193,12 @@ def tune_name(hf_name: str) -> str | None:
         if module in _LAYER_NORMS and kind == "weight":
             return f"layers.{layer}.{_LAYER_NORMS[module]}.scale"
     raise KeyError(hf_name)
+
+
+def expert_index(hf_name: str) -> int | None:
+    """The expert a Hugging Face tensor holds one projection of (its slice of our stacked weight), or None."""
+    m = _EXPERT.fullmatch(hf_name)
+    return int(m.group(2)) if m else None
 
 
 _HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
@@ -215,18 +235,29 @@ def tune_names(hf: HFFolder) -> dict[str, str | None]:
 
 def _check_matches(model: torch.nn.Module, hf: HFFolder, names: dict[str, str | None],
                    allow_missing: tuple[str, ...]) -> None:
-    """UserError unless the checkpoint has exactly the model's parameters, with their shapes."""
+    """UserError unless the checkpoint has exactly the model's parameters, with their shapes (every expert of a
+    stacked weight, each its slice's shape)."""
     params = dict(model.named_parameters())
+    experts: dict[str, set[int]] = {}
     for hf_name, tune in names.items():
         if tune is None or (tune == _TIED_OUTPUT and hf.spec.tie_word_embeddings):
             continue
         if tune not in params:
             raise UserError(f"{hf.folder}: tensor {hf_name} has no place in the model its config.json describes; "
                             "the weights and config.json do not belong together")
-        if hf.shapes[hf_name] != tuple(params[tune].shape):
+        index, shape = expert_index(hf_name), tuple(params[tune].shape)
+        if index is not None:
+            if index >= shape[0]:
+                raise UserError(f"{hf.folder}: tensor {hf_name} is of expert {index}, but its config.json has "
+                                f"{shape[0]} experts; the weights and config.json do not belong together")
+            experts.setdefault(tune, set()).add(index)
+            shape = shape[1:]
+        if hf.shapes[hf_name] != shape:
             raise UserError(f"{hf.folder}: tensor {hf_name} has shape {list(hf.shapes[hf_name])} but its config.json "
-                            f"needs {list(params[tune].shape)}; the weights and config.json do not belong together")
+                            f"needs {list(shape)}; the weights and config.json do not belong together")
     missing = set(params) - set(names.values()) - {p for p in params if any(s in p for s in allow_missing)}
+    missing |= {f"{tune} (experts {sorted(set(range(params[tune].shape[0])) - have)[:4]})"
+                for tune, have in experts.items() if len(have) < params[tune].shape[0]}
     if missing:
         raise UserError(f"{hf.folder} has no weights for {', '.join(sorted(missing)[:4])}; the weights are "
                         "incomplete or do not belong to its config.json")
@@ -274,11 +305,23 @@ def load_weights(model: torch.nn.Module, hf: HFFolder, *, allow_missing: tuple[s
     names = tune_names(hf)
     _check_matches(whole_model(model), hf, names, allow_missing)  # before reading any weight
     params = dict(model.named_parameters())
+    stacks: dict[str, dict[int, torch.Tensor]] = {}  # a stacked experts' weight, its experts as they are read
     for fname, hf_names in hf.files.items():
         with _open(hf.folder / fname) as f:
             for hf_name in hf_names:
-                if names[hf_name] in params:  # skips rotary inv_freq and the tied lm_head
-                    copy_full_into(params[names[hf_name]], f.get_tensor(hf_name))
+                tune = names[hf_name]
+                if tune not in params:  # rotary inv_freq, the tied lm_head, another pipeline stage's
+                    continue
+                index = expert_index(hf_name)
+                if index is None:
+                    copy_full_into(params[tune], f.get_tensor(hf_name))
+                    continue
+                stack = stacks.setdefault(tune, {})
+                stack[index] = f.get_tensor(hf_name)
+                if len(stack) == params[tune].shape[0]:  # the last of its experts: the whole weight is here
+                    copy_full_into(params[tune], torch.stack([stack[e] for e in range(len(stack))]))
+                    del stacks[tune]
+    assert not stacks, sorted(stacks)  # _check_matches saw every expert
 
 
 def whole_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -338,7 +381,7 @@ def save_weights(model: torch.nn.Module, hf: HFFolder, out_dir: Path, *, rank: i
             tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         writes.run(make_tmp)
     try:
-        export = lambda tune: _export_tensor(model, params, hf, tune, transform)
+        export = _Export(model, params, hf, transform)
         total_size = sum(_save_file(export, hf, names, fname, tmp, writes) for fname in hf.files)
         if rank == 0:
             writes.run(lambda: _write_index_and_extras(hf, tmp, total_size))
@@ -358,7 +401,7 @@ def _save_file(export, hf: HFFolder, names: dict, fname: str, tmp: Path | None, 
     with _open(hf.folder / fname) as f:
         for hf_name in hf.files[fname]:  # the same order on every rank: full_tensor() is a collective
             # A tensor that is not a weight of the model (rotary inv_freq) is copied as it was.
-            tensor = f.get_tensor(hf_name) if names[hf_name] is None else export(names[hf_name])
+            tensor = f.get_tensor(hf_name) if names[hf_name] is None else export(names[hf_name], expert_index(hf_name))
             size += math.prod(hf.shapes[hf_name]) * hf.dtypes[hf_name].itemsize
             if tensor is None:  # held by another pipeline stage, sent to rank 0
                 continue
@@ -372,11 +415,32 @@ def _save_file(export, hf: HFFolder, names: dict, fname: str, tmp: Path | None, 
     return size
 
 
-def _export_tensor(model, params: dict, hf: HFFolder, tune: str, transform) -> torch.Tensor | None:
-    """One whole weight, gathered and transformed; its intermediates die on return."""
-    source = "tok_embeddings.weight" if tune == _TIED_OUTPUT and hf.spec.tie_word_embeddings else tune
-    whole = whole_parameter(model, source, params)
-    return whole if transform is None or whole is None else transform(source, whole)
+class _Export:
+    """Whole weights gathered (a collective) and transformed, one at a time. A stacked experts' weight is kept while
+    its experts are written one by one (a file lists a layer's experts' projections in turn: gathering the whole
+    weight for each expert would take E collectives); its layer's three are kept, no more."""
+
+    KEPT = 3
+
+    def __init__(self, model, params: dict, hf: HFFolder, transform):
+        self.model, self.params, self.hf, self.transform = model, params, hf, transform
+        self.kept: dict[str, torch.Tensor | None] = {}
+
+    def __call__(self, tune: str, expert: int | None) -> torch.Tensor | None:
+        if expert is None:
+            return self._whole(tune)
+        if tune not in self.kept:
+            if len(self.kept) == self.KEPT:
+                del self.kept[next(iter(self.kept))]
+            self.kept[tune] = self._whole(tune)
+        whole = self.kept[tune]
+        return None if whole is None else whole[expert]
+
+    def _whole(self, tune: str) -> torch.Tensor | None:
+        """One whole weight, gathered and transformed; its intermediates die on return."""
+        source = "tok_embeddings.weight" if tune == _TIED_OUTPUT and self.hf.spec.tie_word_embeddings else tune
+        whole = whole_parameter(self.model, source, self.params)
+        return whole if self.transform is None or whole is None else self.transform(source, whole)
 
 
 def _write_index_and_extras(hf: HFFolder, tmp: Path, total_size: int) -> None:

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moai_recipes.errors import UserError
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")  # Mixture-of-Experts: some layers' MLP is routed experts (models/moe.py)
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -39,22 +40,51 @@ class ModelSpec:
     output_bias: bool = False  # a bias on the attention's output projection too (Llama's attention_bias)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     sliding_window: int | None = None  # tokens a position attends back to, where the config turns it on
+    # Mixture-of-Experts (qwen3_moe, mixtral): the layers `moe_layers` replace their MLP with `num_experts` SwiGLU
+    # experts of `expert_dim` (moe_intermediate_size), each token sent to the `experts_per_token` a linear router
+    # scores highest (softmax, top-k, renormalised with `norm_topk_prob`). The other layers keep a dense MLP of
+    # intermediate_dim. The load-balancing loss is added with `router_aux_loss_coef`.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_dim: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
 
-    def num_params(self) -> int:
-        """Exact parameter count; tied embeddings counted once."""
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+    def mlp_params(self, layer: int, *, active: bool = False) -> int:
+        """Weights of a layer's MLP: dense, or its router and experts (`active`: the top-k experts a token uses)."""
+        d = self.embed_dim
+        if layer not in self.moe_layers:
+            return 3 * d * self.intermediate_dim
+        experts = self.experts_per_token if active else self.num_experts
+        return d * self.num_experts + experts * 3 * d * self.expert_dim
+
+    def mean_mlp_params(self, *, active: bool = False) -> float:
+        """A layer's MLP weights, averaged over the layers (dense and sparse alike)."""
+        return sum(self.mlp_params(i, active=active) for i in range(self.num_layers)) / self.num_layers
+
+    def num_params(self, *, active: bool = False) -> int:
+        """Exact parameter count; tied embeddings counted once. `active`: those one token computes with (a
+        Mixture-of-Experts layer's top-k experts, not all of them)."""
         d, q, kv = self.embed_dim, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = d * q + 2 * d * kv + q * d + ((q + 2 * kv) if self.attention_bias else 0) + (d if self.output_bias else 0)
-        layer = attn + 3 * d * self.intermediate_dim + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
+        layer = attn + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
+        mlps = sum(self.mlp_params(i, active=active) for i in range(self.num_layers))
         embeddings = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return embeddings + self.num_layers * layer + d
+        return embeddings + self.num_layers * layer + mlps + d
 
     @property
     def attention_length(self) -> int:
         """The length of a document whose attention costs as many FLOPs as the rest of its layers' work: per
-        token, 6 per weight of a layer (forward and backward); per pair of tokens, 12 per query dimension (the
-        scores and the weighted sum, forward and backward). A document of n tokens costs n x (1 + n / this)."""
+        token, 6 per weight of a layer that it computes with (forward and backward); per pair of tokens, 12 per
+        query dimension (the scores and the weighted sum, forward and backward). A document of n tokens costs
+        n x (1 + n / this)."""
         d, q, kv = self.embed_dim, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        weights = 2 * d * q + 2 * d * kv + 3 * d * self.intermediate_dim
+        weights = 2 * d * q + 2 * d * kv + self.mean_mlp_params(active=True)
         return max(1, round(6 * weights / (12 * q)))
 
 
@@ -91,6 +121,9 @@ def check_supported(spec: ModelSpec) -> None:
                         f"num_key_value_heads={spec.num_kv_heads}")
     if spec.head_dim % 2:
         raise UserError(f"{what} has an odd head_dim={spec.head_dim}; RoPE rotates pairs of dimensions")
+    if spec.is_moe and not 0 < spec.experts_per_token <= spec.num_experts:
+        raise UserError(f"{what} routes each token to num_experts_per_tok={spec.experts_per_token} of "
+                        f"{spec.num_experts} experts; it must be between 1 and the number of experts")
     s = spec.rope_scaling
     if s is None:
         return
@@ -117,6 +150,10 @@ def spec_from_hf_config(config: Mapping) -> ModelSpec:
     """A ModelSpec from the fields of a Hugging Face config.json (either transformers 4 or 5 layout); anything it
     asks that we cannot build is a UserError naming the field."""
     family = config.get("model_type")
+    if family in _SHARED_EXPERT_FAMILIES:
+        raise UserError(f"model_type {family!r} has shared experts beside its routed ones "
+                        f"(shared_expert_intermediate_size / n_shared_experts), which are not supported; the "
+                        f"Mixture-of-Experts families supported are {', '.join(MOE_FAMILIES)}")
     if family not in SUPPORTED_FAMILIES:
         raise UserError(f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
     missing = [k for k in _REQUIRED_KEYS if k not in config]
@@ -141,11 +178,46 @@ def spec_from_hf_config(config: Mapping) -> ModelSpec:
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), rope_scaling=scaling,
         attention_bias=qkv_bias, output_bias=family != "qwen2" and bool(config.get("attention_bias", False)),
-        qk_norm=family == "qwen3", sliding_window=_sliding_window(family, config),
+        qk_norm=family in ("qwen3", "qwen3_moe"), sliding_window=_sliding_window(family, config),
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+        **(_experts(family, config) if family in MOE_FAMILIES else {}),
     )
     check_supported(spec)
     return spec
+
+
+# Mixture-of-Experts families whose layers also hold shared (always active) experts: not built here.
+_SHARED_EXPERT_FAMILIES = ("qwen2_moe", "deepseek_v2", "deepseek_v3", "qwen3_next")
+
+
+def _experts(family: str, config: Mapping) -> dict:
+    """A Mixture-of-Experts config's routed experts, as transformers reads them: Qwen3-MoE's num_experts,
+    moe_intermediate_size, decoder_sparse_step and mlp_only_layers (the others dense); Mixtral's num_local_experts
+    of intermediate_size in every layer, top-k always renormalised. What transformers would compute and we cannot
+    (router jitter, shared experts) is refused by name."""
+    what = f"this {family} config"
+    if float(config.get("router_jitter_noise") or 0.0) > 0:
+        raise UserError(f"{what} has router_jitter_noise={config['router_jitter_noise']}: a router that multiplies "
+                        "its inputs by random noise while training is not supported; set it to 0 in config.json")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if config.get(key):
+            raise UserError(f"{what} has {key}={config[key]}: shared experts beside the routed ones are not supported")
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if not experts:
+        raise UserError(f"{what} names no experts (num_experts / num_local_experts); is it a complete config.json?")
+    layers = config["num_hidden_layers"]
+    if family == "mixtral":
+        sparse, expert_dim, norm_topk = tuple(range(layers)), config["intermediate_size"], True
+    else:
+        if "moe_intermediate_size" not in config:
+            raise UserError(f"{what} is missing moe_intermediate_size; is it a complete config.json?")
+        step, dense = int(config.get("decoder_sparse_step") or 1), set(config.get("mlp_only_layers") or ())
+        sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        expert_dim, norm_topk = config["moe_intermediate_size"], bool(config.get("norm_topk_prob", False))
+    top_k = config.get("num_experts_per_tok") or (2 if family == "mixtral" else 8)  # transformers' defaults
+    return {"num_experts": int(experts), "experts_per_token": int(top_k),
+            "expert_dim": int(expert_dim), "norm_topk_prob": norm_topk, "moe_layers": sparse,
+            "router_aux_loss_coef": float(config.get("router_aux_loss_coef", 0.001))}
 
 
 def _sliding_window(family: str, config: Mapping) -> int | None:
@@ -154,12 +226,24 @@ def _sliding_window(family: str, config: Mapping) -> int | None:
     window = config.get("sliding_window")
     if not window:
         return None
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         if not config.get("use_sliding_window", False):
             return None
         if config.get("max_window_layers", 0) >= config["num_hidden_layers"]:
             return None  # Qwen slides only from layer max_window_layers on: here, on none
     return int(window)
+
+
+def with_aux_loss_coef(spec: ModelSpec, coef: float | None) -> ModelSpec:
+    """`spec` with the load-balancing loss weighted by `coef` (None: as config.json says)."""
+    if coef is None:
+        return spec
+    if not spec.is_moe:
+        raise UserError(f"model.router_aux_loss_coef={coef} weighs a Mixture-of-Experts model's load-balancing loss, "
+                        f"and this {spec.family} model has no experts; leave it out")
+    if coef < 0:
+        raise UserError(f"model.router_aux_loss_coef={coef} is negative; use 0 (no balancing loss) or more")
+    return replace(spec, router_aux_loss_coef=float(coef))
 
 
 def read_spec(checkpoint_dir: str | Path) -> ModelSpec:

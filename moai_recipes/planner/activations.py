@@ -43,7 +43,7 @@ from moai_recipes.models.spec import ModelSpec
 from moai_recipes.planner.live_storages import LiveStorages
 from moai_recipes.models.recompute import apply_recompute
 
-_VERSION = 6  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 7  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -241,8 +241,11 @@ def _meta_model(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.d
     its layer recomputed as planned."""
     from moai_recipes.models.lora import freeze_base
 
+    # The layer traced is of the kind most of the model's are: dense, or a Mixture-of-Experts layer.
+    sparse = (0,) if 2 * len(spec.moe_layers) >= spec.num_layers else ()
     with torch.device("meta"):
-        model = build_model(replace(spec, num_layers=1), max_seq_len=seq_len, lora=dict(lora) if lora else None)
+        model = build_model(replace(spec, num_layers=1, moe_layers=sparse), max_seq_len=seq_len,
+                            lora=dict(lora) if lora else None)
     model.to(dtype)
     if lora:
         freeze_base(model)  # frozen weights get no gradient, and autograd saves less for them

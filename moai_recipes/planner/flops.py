@@ -48,20 +48,22 @@ class ModelFlops:
 
     @classmethod
     def of(cls, spec: ModelSpec, lora=None) -> "ModelFlops":
-        """`lora` (models.lora.LoraOptions): the adapters, the base frozen; None: every weight trained."""
+        """`lora` (models.lora.LoraOptions): the adapters, the base frozen; None: every weight trained. A
+        Mixture-of-Experts layer counts its router and the experts a token is sent to (top-k), not all of them."""
         d, q, kv, ff = spec.embed_dim, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
             spec.intermediate_dim
         shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "output_proj": (q, d),
                   "w1": (d, ff), "w3": (d, ff), "w2": (ff, d)}
-        layer = sum(i * o for i, o in shapes.values())
         head = spec.vocab_size * d
         adapted = set() if lora is None else set(lora.attn_modules) | ({"w1", "w2", "w3"} if lora.apply_to_mlp else set())
+        experts_adapted = lora is not None and getattr(lora, "apply_to_experts", False)
         rank = 0 if lora is None else lora.rank
 
-        def linear(name: str, i: int, o: int, grad_in: bool) -> tuple[float, bool]:
+        def linear(name: str, i: int, o: int, grad_in: bool, has_adapter: bool | None = None) -> tuple[float, bool]:
             """A linear's FLOPs per token, and whether its output needs a gradient. Its weight's gradient is
             computed when it trains; its input's when the input needs one; a LoRA adapter's A and B train."""
-            trained, has_adapter = lora is None, name in adapted
+            trained = lora is None
+            has_adapter = name in adapted if has_adapter is None else has_adapter
             flops = 2 * i * o * (1 + grad_in + trained)
             if has_adapter:
                 flops += 2 * rank * i * (2 + grad_in) + 6 * rank * o
@@ -69,8 +71,8 @@ class ModelFlops:
 
         # Which activations need a gradient, layer by layer: under LoRA the frozen embedding's output needs none, so
         # the first layers compute fewer input gradients (and their attention fewer of its own) until an adapter.
-        per_token, per_pair, grad = 0.0, 0.0, lora is None
-        for _ in range(spec.num_layers):
+        per_token, per_pair, grad, forward = 0.0, 0.0, lora is None, 0.0
+        for index in range(spec.num_layers):
             out = {}
             for name in ("q_proj", "k_proj", "v_proj"):
                 flops, out[name] = linear(name, *shapes[name], grad)
@@ -82,16 +84,26 @@ class ModelFlops:
             flops, attended = linear("output_proj", *shapes["output_proj"], qk or out["v_proj"])
             per_token += flops
             grad = grad or attended
-            flops1, g1 = linear("w1", *shapes["w1"], grad)
-            flops3, g3 = linear("w3", *shapes["w3"], grad)
-            flops2, g2 = linear("w2", *shapes["w2"], g1 or g3)
-            per_token += flops1 + flops3 + flops2
+            forward += 2 * sum(i * o for name, (i, o) in shapes.items() if not name.startswith("w"))
+            if index in spec.moe_layers:
+                e, k = spec.expert_dim, spec.experts_per_token
+                router, _ = linear("router", d, spec.num_experts, grad, has_adapter=False)
+                flops1, g1 = linear("experts.w1", d, e, grad, has_adapter=experts_adapted)
+                flops3, g3 = linear("experts.w3", d, e, grad, has_adapter=experts_adapted)
+                flops2, g2 = linear("experts.w2", e, d, g1 or g3, has_adapter=experts_adapted)
+                per_token += router + k * (flops1 + flops3 + flops2)
+                forward += 2 * d * spec.num_experts + k * 2 * 3 * d * e
+            else:
+                flops1, g1 = linear("w1", *shapes["w1"], grad)
+                flops3, g3 = linear("w3", *shapes["w3"], grad)
+                flops2, g2 = linear("w2", *shapes["w2"], g1 or g3)
+                per_token += flops1 + flops3 + flops2
+                forward += 2 * 3 * d * ff
             grad = grad or g2
         per_token += 2 * head * (1 + grad + (lora is None))  # the output projection (its input: the last layer's)
         if lora is not None and lora.apply_to_output:
             per_token += 2 * rank * d * (2 + grad) + 6 * rank * spec.vocab_size
-        return cls(per_token=per_token, layer_forward=2 * spec.num_layers * layer,
-                   per_pair=per_pair, pair_forward=4 * spec.num_layers * q)
+        return cls(per_token=per_token, layer_forward=forward, per_pair=per_pair, pair_forward=4 * spec.num_layers * q)
 
     def step(self, lengths: list[int], *, recompute: str = "none") -> StepFlops:
         """The FLOPs of a step over documents of `lengths` tokens, as the plan (its recomputation) computes them."""

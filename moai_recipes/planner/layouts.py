@@ -5,6 +5,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from moai_recipes.errors import UserError
 from moai_recipes.models.spec import ModelSpec
 from moai_recipes.planner.plan import stages_per_device
 
@@ -16,7 +17,7 @@ EMBEDDING_COST = 0.0
 def stage_costs(spec: ModelSpec) -> tuple[float, float, float]:
     """(embedding, one layer, head): each part's forward and backward work, in multiply-adds per token."""
     d, q, kv = spec.embed_dim, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    layer = d * (2 * q + 2 * kv) + 3 * d * spec.intermediate_dim
+    layer = d * (2 * q + 2 * kv) + spec.mean_mlp_params(active=True)  # a sparse layer: its router and top-k experts
     return EMBEDDING_COST * spec.vocab_size * d, float(layer), float(spec.vocab_size * d)
 
 
@@ -85,15 +86,39 @@ def why_not_pipeline(spec: ModelSpec, stages: int, schedule: str) -> str | None:
     return None
 
 
+def expert_degrees(spec: ModelSpec, data: int, tensor: int = 1) -> list[int]:
+    """The expert-parallel degrees that split a Mixture-of-Experts model's experts evenly over `data` data-parallel
+    devices (1 alone for a dense model), beside `tensor`-parallel ones."""
+    return [e for e in range(1, data + 1) if data % e == 0 and not why_not_expert(spec, e, data, tensor)]
+
+
+def why_not_expert(spec: ModelSpec, degree: int, data: int, tensor: int = 1) -> str | None:
+    """Why `degree` of the `data` data-parallel devices cannot split this model's experts (None: they can)."""
+    if degree == 1:
+        return None
+    if not spec.is_moe:
+        return f"this {spec.family} model has no experts"
+    if spec.num_experts % degree:
+        return f"its {spec.num_experts} experts (num_experts) do not divide by {degree}"
+    if data % degree:
+        return f"the plan's {data} data-parallel device(s) do not divide by {degree}"
+    if tensor > 1:
+        return "experts split over devices that tensor parallelism also cuts are not supported yet (tensor " \
+               "parallelism keeps every expert whole on each of its devices)"
+    return None
+
+
 def layouts(work, flavor, forced: dict) -> list[dict]:
     """Every way to spread `work`'s model over `flavor`'s devices that the forced plan fields allow: tensor degrees
     that divide its heads (inside a node: tensor parallelism all-gathers twice a layer), pipeline stages that
-    divide its layers, the data-parallel copies left over. A forced degree that cannot cut the model, or that does
-    not divide the devices, is a UserError naming why."""
+    divide its layers, the data-parallel copies left over, and of those the expert degrees that divide a
+    Mixture-of-Experts model's experts. A forced degree that cannot cut the model, or that does not divide the
+    devices, is a UserError naming why."""
     spec, n = work.spec, flavor.num_devices
     node = n if flavor.device.kind == "cpu" else flavor.device.per_node  # the CPU's processes share one machine
     qlora = work.lora is not None and work.lora.quantize_base
-    t_forced, p_forced, s_forced = (forced.get(k) for k in ("tensor_parallel", "pipeline_stages", "pipeline_schedule"))
+    t_forced, p_forced, s_forced, e_forced = (forced.get(k) for k in ("tensor_parallel", "pipeline_stages",
+                                                                      "pipeline_schedule", "expert_parallel"))
     _check_forced(spec, n, t_forced, p_forced, s_forced, qlora)
     tensors = [t_forced] if t_forced else [t for t in tensor_degrees(spec, min(n, node)) if n % t == 0]
     out = []
@@ -101,22 +126,32 @@ def layouts(work, flavor, forced: dict) -> list[dict]:
         for p in ([p_forced] if p_forced else range(1, n // t + 1)):
             if (n // t) % p or (qlora and (t > 1 or p > 1)):
                 continue
+            data = n // (t * p)
+            experts = [e_forced] if e_forced else expert_degrees(spec, data, t)
+            if e_forced and why_not_expert(spec, e_forced, data, t):
+                continue
             if p == 1:
                 if not s_forced:
-                    out.append(dict(tensor_parallel=t, pipeline_stages=1, pipeline_schedule="none", stage_layers=()))
+                    out += [dict(tensor_parallel=t, pipeline_stages=1, pipeline_schedule="none", stage_layers=(),
+                                 expert_parallel=e) for e in experts]
                 continue
             for schedule in ([s_forced] if s_forced else SCHEDULES):
                 if why_not_pipeline(spec, p, schedule):
                     continue
-                out.append(dict(tensor_parallel=t, pipeline_stages=p, pipeline_schedule=schedule,
-                                stage_layers=split_layers(spec, p * stages_per_device(schedule))))
+                out += [dict(tensor_parallel=t, pipeline_stages=p, pipeline_schedule=schedule,
+                             stage_layers=split_layers(spec, p * stages_per_device(schedule)), expert_parallel=e)
+                        for e in experts]
+    if e_forced and not out:
+        t, data = t_forced or 1, n // ((t_forced or 1) * (p_forced or 1))
+        why = why_not_expert(spec, e_forced, data, t) or f"no layout of {n} devices leaves {e_forced} to split them"
+        raise UserError(f"plan.expert_parallel={e_forced} cannot split this model's experts: {why}"
+                        + (f". Degrees that can: {', '.join(map(str, expert_degrees(spec, data, t)))}" if spec.is_moe
+                           else ""))
     return out
 
 
 def _check_forced(spec: ModelSpec, n: int, tensor: int | None, stages: int | None, schedule: str | None,
                   qlora: bool) -> None:
-    from moai_recipes.errors import UserError
-
     if qlora and ((tensor or 1) > 1 or (stages or 1) > 1):
         raise UserError("QLoRA's NF4 weights are sharded by FSDP2 only: drop plan.tensor_parallel and "
                         "plan.pipeline_stages, or train LoRA (lora.quantize_base=false)")

@@ -38,6 +38,7 @@ class ModelSizes:
     nf4_largest: int = 0  # values of the largest of them (its dequantization is the transient peak)
     trainable_tensors: int = 0  # parameter tensors the optimizer steps and the clipping scales (each costs a call)
     nf4_tensors_per_layer: int = 0  # QLoRA: the layer's weights kept in NF4 (each dequantized at every use)
+    experts_per_layer: int = 0  # a Mixture-of-Experts model's experts' weights, averaged over the layers
 
 
 def model_sizes(spec: ModelSpec, lora=None) -> ModelSizes:
@@ -48,9 +49,10 @@ def model_sizes(spec: ModelSpec, lora=None) -> ModelSizes:
     per_layer = (total - root) // spec.num_layers
     trainable = lora_params(spec, lora) if lora else total
     nf4 = [r * c for (r, c), _ in nf4_weights(spec, lora).values()] if lora and lora.quantize_base else []
+    experts = len(spec.moe_layers) * spec.num_experts * 3 * spec.embed_dim * spec.expert_dim
     return ModelSizes(total=total, per_layer=per_layer, root=root, trainable=trainable, nf4_per_layer=sum(nf4),
                       nf4_largest=max(nf4, default=0), trainable_tensors=_trainable_tensors(spec, lora),
-                      nf4_tensors_per_layer=len(nf4))
+                      nf4_tensors_per_layer=len(nf4), experts_per_layer=experts // spec.num_layers)
 
 
 def _trainable_tensors(spec: ModelSpec, lora=None) -> int:
@@ -59,7 +61,8 @@ def _trainable_tensors(spec: ModelSpec, lora=None) -> int:
         adapters = len(lora.attn_modules) + (3 if lora.apply_to_mlp else 0)
         return 2 * (spec.num_layers * adapters + (1 if lora.apply_to_output else 0))
     layer = 4 + 3 + 2 + (3 if spec.attention_bias else 0) + (1 if spec.output_bias else 0) + (2 if spec.qk_norm else 0)
-    return spec.num_layers * layer + 2 + (0 if spec.tie_word_embeddings else 1)
+    # A sparse layer holds a router beside its three (stacked) projections.
+    return spec.num_layers * layer + len(spec.moe_layers) + 2 + (0 if spec.tie_word_embeddings else 1)
 
 
 def lora_params(spec: ModelSpec, lora) -> int:
@@ -129,13 +132,16 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     spec, sizes, seq_len, lora = work.spec, work.sizes, work.seq_len, work.lora_key
     micro_batch_size, recompute, cpu_offload = plan.micro_batch_size, plan.recompute, plan.cpu_offload
     c = DTYPE_BYTES[plan.param_dtype]
-    T = plan.tensor_parallel
+    T, ep = plan.tensor_parallel, plan.expert_parallel
     n, L = plan.shards, share.layers  # n: what the state is cut into (1 in a replica: whole on every process)
     full = sizes.trainable == sizes.total
     embedding = spec.vocab_size * spec.embed_dim
     root = (embedding if share.embedding else 0) + (sizes.root - embedding if share.head else 0)
-    # Parameters on this device, before FSDP2 shards them (the whole model's count exactly, without a pipeline).
-    held = (sizes.total if L == spec.num_layers else L * sizes.per_layer + root) / T
+    # Parameters on this device, before FSDP2 shards them (the whole model's count exactly, without a pipeline). A
+    # sparse layer's experts are not cut by tensor parallelism (each device routes its own tokens to them whole);
+    # FSDP2 shards them over the data-parallel devices as it shards the rest, split over the expert dimension or not.
+    experts = sizes.experts_per_layer * L
+    held = ((sizes.total if L == spec.num_layers else L * sizes.per_layer + root) - experts) / T + experts
     nf4 = sizes.nf4_per_layer * L
     master = (held - nf4) * 4 + nf4 * NF4_BYTES
     trainable = held if full else sizes.trainable * L / spec.num_layers / T
@@ -153,7 +159,9 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     # A plain module computing below its master dtype holds a copy of every weight in the compute dtype for the
     # whole step (train/mixed_precision.py), as FSDP2 does without resharding.
     fsdp, copies = plan.sharded, plan.casts_copies
-    layer_c = ((sizes.per_layer / T - sizes.nf4_per_layer) * c + (sizes.nf4_per_layer * NF4_BYTES if n > 1 else 0)) if fsdp or copies else 0
+    # A layer gathered: its dense weights cut by tensor parallelism and, of its experts, this device's 1 / ep.
+    gathered_layer = (sizes.per_layer - sizes.experts_per_layer) / T + sizes.experts_per_layer / ep
+    layer_c = ((gathered_layer - sizes.nf4_per_layer) * c + (sizes.nf4_per_layer * NF4_BYTES if n > 1 else 0)) if fsdp or copies else 0
     layers_gathered = (lambda k: k * layer_c) if plan.reshard_after_forward and not copies else (lambda k: L * layer_c)
     root_gathered = root / T * c if fsdp or copies else 0
     # The root's weight gradients (in the compute dtype, before their reduce-scatter, which comes last):
@@ -161,7 +169,7 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     # At the end of a layer's backward FSDP2 copies its gradients into one flat fp32 buffer for the
     # reduce-scatter (whatever the world size) while they are still alive (measured: +1 layer of grads).
     output_grad = (sizes.root - embedding * (not spec.tie_word_embeddings)) / T * c if full and share.head else 0
-    reduce_copy = sizes.per_layer / T * 4 * sizes.trainable / sizes.total if fsdp else 0
+    reduce_copy = gathered_layer * 4 * sizes.trainable / sizes.total if fsdp else 0
     # Sharded gradients of all layers but the first (and not yet the root's) while the first runs its backward.
     layer_trainable = (sizes.trainable - (sizes.root if full else 0)) / spec.num_layers / T
     later_grads = 0 if cpu_offload else (L - 1) * layer_trainable * 4 / n
@@ -244,7 +252,9 @@ def predict_host_memory(plan: Plan, work: Workload, processes_per_node: int) -> 
     if plan.cpu_offload:
         master = (sizes.total - nf4) * 4 + nf4 * NF4_BYTES
         offloaded = (master + sizes.trainable * (4 + 8)) / plan.shards
+    # A sparse layer's experts are loaded and exported stacked, one projection of all of them at a time.
     largest = max(spec.vocab_size * spec.embed_dim, spec.intermediate_dim * spec.embed_dim,
-                  spec.num_heads * spec.head_dim * spec.embed_dim) * 4
+                  spec.num_heads * spec.head_dim * spec.embed_dim,
+                  spec.num_experts * spec.expert_dim * spec.embed_dim) * 4
     return HostMemory(processes=processes_per_node, runtime=HOST_PROCESS_BYTES, offloaded=int(offloaded),
                       loading=largest, export_file=EXPORT_FILE_BYTES)

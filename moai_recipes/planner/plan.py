@@ -89,6 +89,10 @@ class Plan:
     pipeline_stages: int = 1
     pipeline_schedule: str = "none"  # none | gpipe | 1f1b | interleaved_1f1b (two stages a device)
     stage_layers: tuple[int, ...] = ()  # layers of each stage, in order (planner/layouts.split_layers)
+    # A Mixture-of-Experts model's experts split over this many of the data-parallel devices (each holds E / this of
+    # every sparse layer's experts; tokens reach them by all-to-all: train/expert_parallel.py). It divides the
+    # experts and data_parallel.
+    expert_parallel: int = 1
     # A row's tokens are padded up to one of this many sizes per doubling (0: not at all; Plan.padded_row). The CPU's
     # bf16 matmuls (oneDNN) JIT their kernels for each row count they have not seen, and keep them: without it a
     # step of new documents is a new row count (planner/search.ROW_SIZES_PER_DOUBLING).
@@ -98,6 +102,7 @@ class Plan:
         assert self.num_devices % (self.tensor_parallel * self.pipeline_stages) == 0, self
         assert (self.pipeline_stages > 1) == (self.pipeline_schedule != "none"), self
         assert len(self.stage_layers) == (self.pipeline_stages * self.stages_per_device if self.pipeline_stages > 1 else 0)
+        assert self.data_parallel % self.expert_parallel == 0 and not (self.expert_parallel > 1 and self.replicate), self
 
     @property
     def data_parallel(self) -> int:
@@ -219,10 +224,12 @@ class Plan:
                 f"compute, {self.master_dtype} master weights, {'compiled' if self.compile else 'eager'} layers")
 
     def layout(self) -> str:
-        """The reference's words for the mesh: `num_stages : 2 (1f1b), TP 2, DP 4`."""
+        """The reference's words for the mesh: `num_stages : 2 (1f1b), TP 2, DP 4` (and `EP 2` where the experts are
+        split over two of the data-parallel devices)."""
         stages = f"num_stages {self.pipeline_stages}" + (f" ({self.pipeline_schedule})" if self.pipeline_stages > 1 else "")
         tensor = f"TP {self.tensor_parallel}" if self.tensor_parallel > 1 else "No TP"
-        return f"{stages}, {tensor}, DP {self.data_parallel}"
+        experts = f", EP {self.expert_parallel}" if self.expert_parallel > 1 else ""
+        return f"{stages}, {tensor}, DP {self.data_parallel}{experts}"
 
     def _distribution(self) -> str:
         if self.replicate:

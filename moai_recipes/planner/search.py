@@ -99,9 +99,11 @@ def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: 
     reshards = [True, False] if data > 1 or cast else [forced.get("reshard_after_forward", True)]
     # A cut model is FSDP2-sharded over its copies, held on the devices, its loss whole per stage (the vocabulary
     # is cut by tensor parallelism already): replicas, offloading and the chunked loss are for uncut models.
-    offloads = [False, True] if flavor.device.kind == "gpu" and not cut else [False]
+    # Split experts are FSDP2-sharded over what is left of the data-parallel devices, held on them.
+    experts = layout["expert_parallel"] > 1
+    offloads = [False, True] if flavor.device.kind == "gpu" and not cut and not experts else [False]
     # Replicas are plain modules: several processes computing in their fp32 master dtype (FSDP2 casts to bf16).
-    replicas = [False, True] if data > 1 and compute == "float32" and not cut else [False]
+    replicas = [False, True] if data > 1 and compute == "float32" and not cut and not experts else [False]
     chunks = [False] if cut else [False, True]
     # Compiling is predicted to gain nothing on the CPU in fp32 (timing.COMPILED), so it is offered there only when
     # forced (in bf16 it gains, and a run long enough to win back the compile time is compiled); never with NF4 base

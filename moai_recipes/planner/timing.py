@@ -85,7 +85,7 @@ NF4_VALUE_S = {"cpu": 5e-9, "gpu": 2e-11}
 # The parts of a step the model adds up, each in seconds under the constants above. A machine's calibration
 # (planner/calibration.py, `moai calibrate`) scales each by what its own runs measured.
 TERMS = ("matmul", "memory", "dispatch", "parameters", "dequantize", "collectives", "transfer", "offload", "tensor",
-         "pipeline")
+         "pipeline", "experts")
 # Tensor parallelism's collectives sit on the compute's path (a layer waits for its input's all-gather): never
 # hidden. Per collective a fixed cost beside its bytes: on a GPU a launch and NCCL's latency inside a node, on the
 # CPU gloo's round trip and DTensor's dispatch (estimates; bench/layouts.py measures them).
@@ -100,6 +100,17 @@ TENSOR_COLLECTIVES = {"forward": 5, "backward": 5}
 # (the CPU's: pipeline 2 on cpu-2, tiny model, measured against the prediction without it; the GPU's an estimate).
 P2P_S = {"gpu": 30e-6, "cpu": 0.3e-3}
 PIPELINE_STEP_S = {"gpu": 5e-3, "cpu": 0.02}
+# Expert parallelism (train/expert_parallel.py): per sparse layer and micro-batch, the forward exchanges the counts,
+# the routed rows and the experts' outputs, the backward the last two again (full recomputation: the forward's
+# once more), each all-to-all a fixed cost beside its bytes (the CPU's: gloo's round trip, as its other collectives;
+# a GPU's: NCCL's inside a node). The exchanges wait on the compute's path: never hidden.
+ALLTOALLS = {"forward": 3, "backward": 2}
+ALLTOALL_S = {"gpu": 40e-6, "cpu": 1.0e-3}
+# The busiest expert device's share of a sparse layer's routed tokens over the mean: it sets the layer's pace.
+# An assumption, not a measurement of a trained model here: routers trained with a balancing loss keep the most
+# loaded of many experts within 1.5-2x the mean (each step's `expert_load` metric says it for a run), and a device
+# holding E / ep of them averages that out; 1.0 for ep = 1, where every device computes its own tokens' experts.
+EXPERT_DEVICE_IMBALANCE = 1.25
 
 
 @dataclass(frozen=True)
@@ -136,8 +147,9 @@ def combine(terms: dict, kind: str, scales: dict | None = None, maximum=max) -> 
     comm = t["collectives"] + t["transfer"]
     overlap = OVERLAP[kind]
     exposed = maximum(comm - overlap * compute, comm * (1 - overlap))
-    # Tensor-parallel collectives and the pipeline's bubble and sends wait on the compute's path: all exposed.
-    blocking = t["tensor"] + t["pipeline"]
+    # Tensor-parallel collectives, the pipeline's bubble and sends, the experts' all-to-alls wait on the compute's
+    # path: all exposed.
+    blocking = t["tensor"] + t["pipeline"] + t["experts"]
     return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": exposed, "offload_s": t["offload"],
             "blocking_s": blocking, "total_s": compute + exposed + t["offload"] + blocking}
 
@@ -163,6 +175,16 @@ def step_shape(plan: Plan, work: Workload) -> tuple[float, int, float]:
         return tokens * padded, micro, samples / micro
     m = min(plan.micro_batch_size, samples)
     return samples * work.mean_longest(m) * padded, plan.accumulation_steps, m
+
+
+def _routed_flops(spec, plan: Plan, work: Workload, tokens: float, layers: int) -> float:
+    """The FLOPs of a step's expert products on a device's `layers` (forward, backward, full recomputation's second
+    forward): per routed row, 2 per expert weight forward, 2 for its input's gradient, 2 for its own when trained."""
+    if not spec.is_moe:
+        return 0.0
+    passes = (3 if work.lora is None else 2) + (1 if plan.recompute == "full" else 0)
+    sparse = layers * len(spec.moe_layers) / spec.num_layers
+    return 2 * passes * tokens * spec.experts_per_token * 3 * spec.embed_dim * spec.expert_dim * sparse
 
 
 def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None = None) -> TimeEstimate:
@@ -195,7 +217,16 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     memory_speed = bandwidth * BANDWIDTH_EFFICIENCY[kind]
     terms = dict.fromkeys(TERMS, 0.0)
     efficiency = top * mb_tokens / (mb_tokens + half)
-    terms["matmul"] = flops / (peak * efficiency) + attention_flops / (attention_peak * efficiency)
+    # A sparse layer's experts each multiply only the rows routed to them (under expert parallelism, from all the
+    # expert dimension's devices): their grouped products run at the efficiency of those rows, and the busiest
+    # expert device sets the pace.
+    routed = _routed_flops(spec, plan, work, tokens, L) / T
+    ep, sparse = plan.expert_parallel, len(spec.moe_layers) / spec.num_layers
+    expert_rows = mb_tokens * spec.experts_per_token * ep / max(spec.num_experts, 1)
+    expert_efficiency = top * expert_rows / (expert_rows + half)
+    imbalance = EXPERT_DEVICE_IMBALANCE if ep > 1 else 1.0
+    terms["matmul"] = ((flops - routed) / (peak * efficiency) + routed * imbalance / (peak * expert_efficiency)
+                       + attention_flops / (attention_peak * efficiency))
     terms["memory"] = traffic / memory_speed
     # The device's part of the parameters: its layers and root, cut by the tensor degree.
     embedding = spec.vocab_size * spec.embed_dim
@@ -234,11 +265,20 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
         c = DTYPE_BYTES[compute_dtype]
         # Layers are gathered for the forward and, when resharded after it, again for the backward; the
         # root once (FSDP2 keeps it until its backward); gradients are reduce-scattered in fp32. On one
-        # device (FSDP2 for its bf16 compute or offload) each is a copy and a hook, without a peer.
+        # device (FSDP2 for its bf16 compute or offload) each is a copy and a hook, without a peer. Experts split
+        # over the expert dimension are gathered, and their gradients reduced, over the R = D / ep devices left,
+        # each of its own E / ep experts: a group of their own.
         gathers = 2 if plan.reshard_after_forward else 1
         root = sizes.root * part if L == spec.num_layers else (total - L * sizes.per_layer / T)
-        per_micro = (gathers * (total - root) * c + root * c + trainable * 4) * (D - 1) / D
-        collectives = L * (gathers + 1) + 2
+        experts = sizes.experts_per_layer * L * (trainable / total if total else 1)
+        R = D // ep
+        dense = total - root - sizes.experts_per_layer * L / T
+        per_micro = (gathers * dense * c + root * c + (trainable - experts / T) * 4) * (D - 1) / D
+        if ep > 1:
+            per_micro += (gathers * sizes.experts_per_layer * L * c + experts * 4) / ep * (R - 1) / R
+        else:
+            per_micro += (gathers * sizes.experts_per_layer * L * c + experts * 4) * (1 - 1 / T) * (D - 1) / D
+        collectives = L * (gathers + 1) * (2 if ep > 1 else 1) + 2
         terms["transfer"] = micro * per_micro / (link * 1e9)
         terms["collectives"] = micro * collectives * (LATENCY_S[kind] if D > 1 else LOCAL_COLLECTIVE_S[kind])
         if D == 1 and not plan.cpu_offload:  # one device: each gather casts a layer into a new buffer, each
@@ -251,6 +291,12 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
         count = L * (TENSOR_COLLECTIVES["forward"] * (2 if plan.recompute == "full" else 1)
                      + TENSOR_COLLECTIVES["backward"]) + 4  # the embedding's and the output projection's
         terms["tensor"] = micro * count * (TENSOR_COLLECTIVE_S[kind] + mb_bytes * (T - 1) / T / (device.intra_node_gbps * 1e9))
+    if ep > 1:  # each all-to-all sends (ep - 1) / ep of a micro-batch's routed rows (k per token) and gets as many
+        link_a2a = device.intra_node_gbps if ep * T <= device.per_node or kind == "cpu" else device.inter_node_gbps
+        count = ALLTOALLS["forward"] * (2 if plan.recompute == "full" else 1) + ALLTOALLS["backward"]
+        rows = mb_bytes / T * spec.experts_per_token * imbalance
+        terms["experts"] = micro * L * sparse * (count * ALLTOALL_S[kind]
+                                                + (count - 1) * rows * (ep - 1) / ep / (link_a2a * 1e9))
     if plan.pipeline_stages > 1:
         P, v = plan.pipeline_stages, plan.stages_per_device
         # Each of the device's stages receives a micro-batch's hidden states (its share of them under sequence

@@ -129,7 +129,7 @@ def _model(inputs, plan, world: World, *, lora, seed: int) -> torch.nn.Module:
                             quantize_base=bool(lora and lora.quantize_base))
     if lora:
         freeze_base(model)  # before sharding: FSDP2 keeps requires_grad per parameter
-    model = parallelize(model, plan, world)
+    model = parallelize(model, plan, world, spec=inputs.spec)
     load_weights(model, inputs.hf, allow_missing=(".lora_a.", ".lora_b.") if lora else ())
     if lora:
         init_adapters(model, seed=seed)

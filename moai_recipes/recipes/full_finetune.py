@@ -52,7 +52,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     # 3. Build on meta; recompute, shard and give memory in one place, one order; then the weights.
     with torch.device("meta"):
         model = build_model(inputs.spec, max_seq_len=plan.row_length)
-    model = parallelize(model, plan, world)  # under pipeline parallelism, this device's stages only
+    model = parallelize(model, plan, world, spec=inputs.spec)  # under pipeline parallelism, this device's stages only
     load_weights(model, inputs.hf)
 
     # 4. Every parameter is trained.

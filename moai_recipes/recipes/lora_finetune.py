@@ -62,7 +62,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
         model = build_model(inputs.spec, max_seq_len=plan.row_length, lora=lora.builder_kwargs(),
                             quantize_base=lora.quantize_base)
     freeze_base(model)  # before sharding: FSDP2 keeps requires_grad per parameter
-    model = parallelize(model, plan, world)  # under pipeline parallelism, this device's stages only
+    model = parallelize(model, plan, world, spec=inputs.spec)  # under pipeline parallelism, this device's stages only
     load_weights(model, inputs.hf, allow_missing=(".lora_a.", ".lora_b."))
     init_adapters(model, seed=cfg.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -9,17 +9,18 @@ global batch splits into ranks and micro-batches.
 import math
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from moai_recipes.checkpoint.output_dir import complete_checkpoints
 from moai_recipes.checkpoint.steps import TrainState, resume, save_checkpoint
 from moai_recipes.errors import Stopped, UserError
 from moai_recipes.inputs import RunInputs
 from moai_recipes.models.loss import IGNORE_INDEX, token_loss_sum
+from moai_recipes.models.moe import Routing, RoutingTotals, routing_recorded
 from moai_recipes.planner.flops import ModelFlops
 from moai_recipes.planner.plan import Plan
 from moai_recipes.planner.search import PlanChoice
@@ -38,7 +39,7 @@ from moai_recipes.train.out_of_memory import (
 )
 from moai_recipes.train.parallel import all_reduce_gradients
 from moai_recipes.train.pipeline import run_pipeline
-from moai_recipes.train.tensor_parallel import parallel_loss
+from moai_recipes.train.tensor_parallel import parallel_loss, sequence_share, summed_over
 from moai_recipes.train.peak_memory import PeakMemory, host_peak_bytes
 from moai_recipes.train.plan_accuracy import Measured
 from moai_recipes.train.process import ProcessSettings
@@ -64,6 +65,7 @@ class LoopSettings:
     peak_flops: float = 0.0  # one device's, in the compute dtype (ProcessSettings): MFU's denominator
     profile_steps: tuple[int, ...] = ()  # steps measured by torch.profiler (train/profiling.py)
     measure_memory: bool = True  # the peak tensor memory measured (train/peak_memory.py)
+    spec: object = None  # models.spec.ModelSpec: a Mixture-of-Experts model's balancing loss and experts (train_loop)
 
     @classmethod
     def from_config(cls, cfg, process: ProcessSettings, objective=None) -> "LoopSettings":
@@ -100,19 +102,40 @@ def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM)
 
 
 def _losses(model: torch.nn.Module, batches: list[dict], *, plan: Plan, world: World, pad_id: int,
-            scale: float | None) -> torch.Tensor:
+            scale: float | None, routed: RoutingTotals | None = None) -> torch.Tensor:
     """The summed loss of this process's micro-batches (model_inputs), and with `scale` their backward, the loss
     scaled by it: through the pipeline's schedule, or one micro-batch at a time. Every device of a tensor-parallel
-    group holds the same sum; under a pipeline only the last stage holds any (0 elsewhere)."""
+    group holds the same sum; under a pipeline only the last stage holds any (0 elsewhere).
+
+    A Mixture-of-Experts model adds its samples' balancing losses, scaled by routed.aux_scale, to the backward, and
+    what its routers decided to `routed` (None: nothing, as in evaluation)."""
     if plan.pipeline_stages > 1:
-        return run_pipeline(model, batches, plan=plan, pad_id=pad_id, scale=scale)
+        return run_pipeline(model, batches, plan=plan, pad_id=pad_id, scale=scale, routed=routed)
     total = torch.zeros((), device=world.device, dtype=torch.float64)
+    tensor = world.mesh["tensor"] if plan.tensor_parallel > 1 else None
     for batch in batches:
-        with parallel_loss(plan.tensor_parallel > 1):  # vocabulary-cut logits: the loss and its backward
-            loss = token_loss_sum(model, batch["tokens"].to(world.device), batch["labels"].to(world.device),
-                                  chunked=plan.chunked_loss, documents=batch.get("documents"))
-            if scale is not None:
-                (loss * scale).backward()
+        routing = None
+        if routed is not None:
+            samples = batch["samples"] if tensor is None else sequence_share(batch["samples"], tensor)
+            routing = Routing(samples.to(world.device), batch["sample_count"], routed.spec)
+        with parallel_loss(tensor is not None):  # vocabulary-cut logits: the loss and its backward
+            with routing_recorded(model, routing):
+                loss = token_loss_sum(model, batch["tokens"].to(world.device), batch["labels"].to(world.device),
+                                      chunked=plan.chunked_loss, documents=batch.get("documents"))
+            objective = loss * scale if scale is not None else None
+            if routing is not None:
+                # Under sequence parallelism a sample's tokens are spread over the tensor devices: its routing is
+                # their sum, the same on each (each backpropagates its own tokens' share).
+                stats = routing.stats() if tensor is None else summed_over(routing.stats(), tensor)
+                if tensor is None or tensor.get_local_rank() == 0:
+                    routed.add(stats)
+                if objective is not None and routed.aux_scale:
+                    aux = routed.balancing_losses(stats).sum() * routed.aux_scale
+                    if isinstance(objective, DTensor):  # the loss of vocabulary-cut logits, the same on every device
+                        aux = DTensor.from_local(aux, tensor, [Replicate()], run_check=False)
+                    objective = objective + aux
+            if objective is not None:
+                objective.backward()
         loss = loss.detach()
         total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).double()  # a replicated DTensor under TP
     return total
@@ -160,10 +183,17 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
     # Summed over every process, then over one copy of each data rank's share: its tensor and pipeline devices
     # all counted the same samples.
     copies = plan.tensor_parallel * plan.pipeline_stages
-    global_targets, global_tokens = (v / copies for v in _all_reduce([local_targets, local_tokens], world.device))
+    global_targets, global_tokens, global_samples = (
+        v / copies for v in _all_reduce([local_targets, local_tokens, len(samples)], world.device))
     # FSDP averages gradients over the data ranks: scaling by their number makes that a sum over the global batch.
     # Replicas (and one process) sum them (all_reduce_gradients).
     scale = (plan.data_parallel if plan.sharded else 1) / max(global_targets, 1)
+    # A Mixture-of-Experts model adds its load-balancing loss, a mean over the global batch's samples.
+    spec = settings.spec
+    routed = None
+    if spec is not None and spec.is_moe:
+        per_sample = scale * global_targets / max(global_samples, 1)  # the token loss's scale, per sample instead
+        routed = RoutingTotals(spec, aux_scale=per_sample * spec.router_aux_loss_coef)
     try:
         batches = []
         for micro in micro_batches:
@@ -171,7 +201,8 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
             injected_fault(batch["tokens"].numel(), settings.fault_oom_tokens)
             batches.append(batch)
         with in_compute_dtype(state.model, plan):
-            loss_sum = _losses(state.model, batches, plan=plan, world=world, pad_id=pad_id, scale=scale)
+            loss_sum = _losses(state.model, batches, plan=plan, world=world, pad_id=pad_id, scale=scale,
+                               routed=routed)
     except Exception as e:
         if not is_out_of_memory(e):
             raise
@@ -183,15 +214,18 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
     if plan.replicate:
         all_reduce_gradients(state.model)
     # Every tensor-parallel device holds the same loss; only a pipeline's last stage holds any.
-    (total_loss,) = (v / plan.tensor_parallel for v in _all_reduce([loss_sum.item()], world.device))
+    summed = _all_reduce([loss_sum.item(), *(routed.as_list() if routed else [])], world.device)
+    total_loss = summed[0] / plan.tensor_parallel
     stages = world.mesh["pipeline"].get_group() if plan.pipeline_stages > 1 else None
     grad_norm = clip_gradients(state.model, settings.max_grad_norm, stages=stages)
     finite = math.isfinite(total_loss) and math.isfinite(grad_norm)  # the same verdict on every rank
     if finite:  # a NaN/inf step is never applied: the weights stay those of the last good step
         state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
+    # Each sample's routing was added once: by the process that computes its loss (one tensor device of it).
+    extra = routed.metrics(summed[1:], global_samples) if routed else {}
     return StepResult(loss=total_loss / max(global_targets, 1), tokens=int(global_tokens),
-                      target_tokens=int(global_targets), grad_norm=grad_norm, finite=finite)
+                      target_tokens=int(global_targets), grad_norm=grad_norm, finite=finite, extra=extra)
 
 
 def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, settings: LoopSettings, world: World,
@@ -204,6 +238,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     loss or gradient.
     """
     batches, pad_id = inputs.batches, inputs.tokenizer.pad_id
+    settings = replace(settings, spec=inputs.spec)
     first = 0
     if inputs.resume_from is not None:
         meta = resume(inputs.resume_from, state, batches, world)

@@ -138,6 +138,7 @@ class MetricsLog:
                   + (f" | Eval loss: {m['eval_loss']:.8g} ({m['eval_time_s']:.2f} s)" if "eval_loss" in m else "")
                   + "".join(f" | {name}: {value:.4g}" for name, value in m.get("tasks", {}).items())
                   + "".join(f" | {name}: {m[name]:.4g}" for name in ("rewards/margins", "rewards/accuracies") if name in m)
+                  + "".join(f" | {name}: {m[name]:.4f}" for name in ("aux_loss", "expert_load") if name in m)
                   + (" | memory traced: a slower step" if m.get("traced") else "")
                   + (" | profiled: a slower step" if m.get("profiled") else ""))
         self._bar.update(1)

@@ -45,17 +45,27 @@ def micro_batch_shapes(plan: Plan, samples: list[dict]) -> list[tuple[int, int, 
 
 def model_inputs(micro: list[dict] | None, plan: Plan, pad_id: int) -> dict:
     """A micro-batch as the model takes it: padded rows, or one packed row with its documents and positions. An
-    empty one (None) is one padding token whose label is ignored: it adds nothing to the loss or the gradients."""
+    empty one (None) is one padding token whose label is ignored: it adds nothing to the loss or the gradients.
+    `samples` says which of its `sample_count` samples each token belongs to (-1: padding): a Mixture-of-Experts
+    model's balancing loss is a sample's (models/moe.py)."""
+    real = [len(s["tokens"]) for s in micro or []]
     micro = micro or [_EMPTY | {"tokens": [pad_id]}]
     # Tensor parallelism cuts a row's tokens into equal shares (sequence parallelism), and the CPU's bf16 matmuls
     # reuse their kernels only for a row count they have seen (Plan.row_sizes): padding at the end gives the row
     # its planned length, and changes nothing before it (causal attention, ignored labels).
     micro = _padded_row(micro, plan, pad_id)
     if not plan.packing:
-        return collate(micro, pad_id=pad_id)
-    docs = Documents(tuple(len(s["tokens"]) for s in micro))
-    return {"tokens": torch.tensor([[t for s in micro for t in s["tokens"]]]),
-            "labels": torch.tensor([[t for s in micro for t in s["labels"]]]), "documents": docs}
+        batch = collate(micro, pad_id=pad_id)
+        samples = torch.full_like(batch["tokens"], -1)
+        for row, n in enumerate(real):
+            samples[row, :n] = row
+    else:
+        docs = Documents(tuple(len(s["tokens"]) for s in micro))
+        batch = {"tokens": torch.tensor([[t for s in micro for t in s["tokens"]]]),
+                 "labels": torch.tensor([[t for s in micro for t in s["labels"]]]), "documents": docs}
+        samples = torch.full_like(batch["tokens"], -1)
+        samples[0, :sum(real)] = torch.repeat_interleave(torch.arange(len(real)), torch.tensor(real, dtype=torch.long))
+    return {**batch, "samples": samples, "sample_count": len(real)}
 
 
 def _padded_row(micro: list[dict], plan: Plan, pad_id: int) -> list[dict]:

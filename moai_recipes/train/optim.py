@@ -25,10 +25,14 @@ def build_scheduler(optimizer, settings, *, total_steps: int):
 def clip_gradients(model: nn.Module, max_norm: float | None, *, stages=None) -> float:
     """Clip to `max_norm` (None: measure only) and return the total gradient norm before clipping: over every
     shard (DTensor), and over the pipeline's `stages` (a process group: each stage holds its own layers)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    # DTensors on different meshes (split experts beside FSDP2's shards) are measured and scaled mesh by mesh.
+    by_mesh: dict = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0) for group in by_mesh.values()]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    norm = norms[0] if len(norms) == 1 else torch.stack([n.double() for n in norms]).norm().to(norms[0].dtype)
     if stages is not None:
         squared = norm.double() ** 2
         dist.all_reduce(squared, group=stages)
@@ -36,7 +40,8 @@ def clip_gradients(model: nn.Module, max_norm: float | None, *, stages=None) -> 
     # torch scales by min(1, max_norm / (norm + 1e-6)): by exactly 1, a pass over every gradient that changes
     # nothing (3% of a SmolLM2 bf16 CPU step, perf): skipped, on the same condition computed in the same dtype.
     if max_norm is not None and float(max_norm / (norm + 1e-6)) < 1.0:
-        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, norm)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return float(norm)
 
 

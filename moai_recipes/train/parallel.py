@@ -1,5 +1,6 @@
 """Parallelise a model in one place and one order (`parallelize`): activation checkpointing, then
-compilation, then tensor parallelism, then pipeline stages, then FSDP2, then memory on the device.
+compilation, then tensor parallelism, then expert parallelism, then pipeline stages, then FSDP2, then memory on
+the device.
 
 torchtitan's order: recomputation wraps each transformer layer first, then each layer is compiled
 (around its recomputation), then `fully_shard` shards every layer and finally the root, so each
@@ -18,8 +19,10 @@ from torch.distributed.tensor import DTensor
 from moai_recipes.train.world import World
 from moai_recipes.models.attention import keep_attention_eager
 from moai_recipes.models.build import init_buffers, is_nf4
+from moai_recipes.models.moe import MoE
 from moai_recipes.models.recompute import apply_recompute
 from moai_recipes.planner.plan import Plan
+from moai_recipes.train.expert_parallel import apply_expert_parallel
 from moai_recipes.train.pipeline import pipeline_stages
 from moai_recipes.train.tensor_parallel import apply_tensor_parallel
 
@@ -38,11 +41,12 @@ def apply_compile(layers: nn.ModuleList) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
-def parallelize(model: nn.Module, plan: Plan, world: World) -> nn.Module:
+def parallelize(model: nn.Module, plan: Plan, world: World, spec=None) -> nn.Module:
     """Recompute, compile, cut, shard and give memory to a model built on the meta device, as `plan` says: each
     layer's recomputation first, its compilation (plan.compile), then the tensor-parallel cut of its heads and
     MLP (plan.tensor_parallel), this device's pipeline stages (plan.pipeline_stages: the model returned holds
-    only those), FSDP2 on each layer and each stage's root (where Plan.sharded), then memory on the world's
+    only those; `spec`, the model's, tells them a Mixture-of-Experts model's routing to pass on), FSDP2 on each layer
+    and each stage's root (where Plan.sharded), then memory on the world's
     device (the CPU for what FSDP offloads) and the RoPE buffers. The weights come next
     (models.hf_format.load_weights). A LoRA model's base is frozen before: FSDP2 keeps requires_grad per
     parameter. `world` must be laid out for the plan (World.laid_out)."""
@@ -51,23 +55,30 @@ def parallelize(model: nn.Module, plan: Plan, world: World) -> nn.Module:
         apply_compile(model.layers)
     if plan.tensor_parallel > 1:
         apply_tensor_parallel(model, world.mesh["tensor"])
+    if plan.expert_parallel > 1:
+        apply_expert_parallel(model, world.mesh["expert"])
     roots = [model]
     if plan.pipeline_stages > 1:
-        model = pipeline_stages(model, plan, world)
+        model = pipeline_stages(model, plan, world, spec)
         roots = model.stages
     if plan.sharded:
+        experts = world.mesh["replica"] if plan.expert_parallel > 1 else None
         for root in roots:
             shard_model(root, mesh=world.mesh["data"], param_dtype=getattr(torch, plan.param_dtype),
-                        reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
+                        reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload,
+                        experts_mesh=experts)
     materialize(model, device=world.device, cpu_offload=plan.cpu_offload)
     init_buffers(model, device=world.device)
     return model
 
 
 def shard_model(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype, reshard_after_forward: bool = True,
-                cpu_offload: bool = False) -> None:
+                cpu_offload: bool = False, experts_mesh: DeviceMesh | None = None) -> None:
     """FSDP2: shard each transformer layer (model.layers), then the root (embeddings, final norm, output; a
     pipeline stage's, train/pipeline.py).
+
+    Experts split over the mesh's expert dimension (train/expert_parallel.py) are sharded over `experts_mesh`, what
+    is left of the data-parallel devices, as a group of their own.
 
     NF4 weights (QLoRA) are sharded like the others through torchao's FSDP2 all-gather hooks, except
     in a single process: FSDP2's world-size-1 shortcut passes only the first of NF4's three all-gather
@@ -83,6 +94,9 @@ def shard_model(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype,
     for i, layer in enumerate(layers):
         # The last layer is all-gathered again at once by the backward pass: keeping it saves a gather.
         last = i == len(layers) - 1
+        if experts_mesh is not None and isinstance(getattr(layer, "mlp", None), MoE):
+            fully_shard(layer.mlp.experts, mesh=experts_mesh, mp_policy=mp, offload_policy=offload,
+                        reshard_after_forward=reshard_after_forward and not last, ignored_params=ignored)
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_after_forward and not last, ignored_params=ignored)
     # The root (embeddings, final norm, output) takes FSDP2's own default: gathered from the forward to

@@ -22,34 +22,51 @@ from torch.distributed.tensor import DTensor
 
 from moai_recipes.models.attention import Documents
 from moai_recipes.models.loss import IGNORE_INDEX, cross_entropy_sum
+from moai_recipes.models.moe import Routing, RoutingTotals, balancing_losses, routing_recorded
 from moai_recipes.planner.plan import Plan
-from moai_recipes.train.tensor_parallel import parallel_loss
+from moai_recipes.train.tensor_parallel import parallel_loss, sequence_share, summed_over
 from moai_recipes.train.world import World
 
 
 class Stage(nn.Module):
-    """One stage: the embedding (first stage), its layers, the final norm and output projection (last stage)."""
+    """One stage: the embedding (first stage), its layers, the final norm and output projection (last stage).
 
-    def __init__(self, decoder: nn.Module, layers: range, *, first: bool, last: bool):
+    Of a Mixture-of-Experts model (`spec`), each stage also passes on the routing of its samples so far
+    (models/moe.Routing.stats(), a row per sample slot, differentiable), its own layers' added: the last stage's
+    loss has every sparse layer's, as one device's would."""
+
+    def __init__(self, decoder: nn.Module, layers: range, *, first: bool, last: bool, spec=None, tensor=None):
         super().__init__()
         self.tok_embeddings = decoder.tok_embeddings if first else None
         self.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layers})
         self.norm = decoder.norm if last else None
         self.output = decoder.output if last else None
+        self.__dict__["spec"] = spec if spec is not None and spec.is_moe else None
+        self.__dict__["tensor"] = tensor  # the tensor mesh, under sequence parallelism
 
-    def forward(self, h: torch.Tensor, document_lengths: torch.Tensor | None = None,
-                input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        if self.tok_embeddings is not None:
+    def forward(self, h: torch.Tensor, routed: torch.Tensor | None = None, *,
+                document_lengths: torch.Tensor | None = None, input_pos: torch.Tensor | None = None,
+                samples: torch.Tensor | None = None, sample_slots: torch.Tensor | None = None):
+        first = self.tok_embeddings is not None
+        if first:
             h = self.tok_embeddings(h)
         mask = None
         if document_lengths is not None:  # a packed row's documents travel as a tensor (the schedule cuts tensors)
             mask = Documents(tuple(n for n in document_lengths[0].tolist() if n))
-        for layer in self.layers.values():
-            h = layer(h, mask=mask, input_pos=input_pos)
+        routing = None
+        if self.spec is not None:
+            mine = samples if self.tensor is None else sequence_share(samples, self.tensor)
+            routing = Routing(mine, sample_slots.shape[1], self.spec, tokens=first)
+        with routing_recorded(self, routing):
+            for layer in self.layers.values():
+                h = layer(h, mask=mask, input_pos=input_pos)
         if self.output is not None:
             h = self.output(self.norm(h))
             h = h.float()
-        return h
+        if routing is None:
+            return h
+        stats = routing.stats() if self.tensor is None else summed_over(routing.stats(), self.tensor)
+        return h, stats if routed is None else routed + stats
 
 
 class PipelinedModel(nn.Module):
@@ -112,10 +129,13 @@ class PipelinedModel(nn.Module):
         return None
 
 
-def pipeline_stages(decoder: nn.Module, plan: Plan, world: World) -> PipelinedModel:
-    """This device's stages of `decoder` (built on meta), as the plan splits its layers (Plan.stage_layers)."""
+def pipeline_stages(decoder: nn.Module, plan: Plan, world: World, spec=None) -> PipelinedModel:
+    """This device's stages of `decoder` (built on meta), as the plan splits its layers (Plan.stage_layers). `spec`:
+    the model's, whose sparse layers' routing the stages pass on (models/moe.py)."""
     split = plan.stage_ranges()
-    stages = [Stage(decoder, split[s], first=s == 0, last=s == len(split) - 1) for s in _stage_ids(plan, world)]
+    tensor = world.mesh["tensor"] if plan.tensor_parallel > 1 else None
+    stages = [Stage(decoder, split[s], first=s == 0, last=s == len(split) - 1, spec=spec, tensor=tensor)
+              for s in _stage_ids(plan, world)]
     return PipelinedModel(decoder, stages, world=world, plan=plan)
 
 
@@ -126,33 +146,47 @@ def _stage_ids(plan: Plan, world: World) -> range:
 
 
 def run_pipeline(model: PipelinedModel, batches: list[dict], *, plan: Plan, pad_id: int,
-                 scale: float | None) -> torch.Tensor:
+                 scale: float | None, routed: RoutingTotals | None = None) -> torch.Tensor:
     """Forward of a step's (or a validation batch's) `batches` (train/micro_batches.model_inputs) through the
     schedule, and with `scale` their backward, the loss scaled by it. Returns the summed loss, unscaled, on the
-    last stage (0 elsewhere). `plan`: the model's, or a smaller one of the same layout (an out-of-memory step)."""
+    last stage (0 elsewhere). `plan`: the model's, or a smaller one of the same layout (an out-of-memory step).
+    A Mixture-of-Experts model adds its samples' balancing losses, scaled by routed.aux_scale, and the last stage
+    adds what its routers decided to `routed`."""
     from torch.distributed.pipelining import PipelineStage
 
-    world = model.world
-    inputs = _stacked(batches, _count(plan, len(batches)), pad_id)
+    world, spec = model.world, model.stages[0].spec
+    moe = spec is not None
+    aux_scale = routed.aux_scale if routed is not None else 0.0
+    inputs = _stacked(batches, _count(plan, len(batches)), pad_id, routing=moe)
     group = world.mesh["pipeline"].get_group()
     count = plan.pipeline_stages * plan.stages_per_device
     stages = [PipelineStage(stage, s, count, world.device, group=group)
               for stage, s in zip(model.stages, model.stage_ids)]
 
     def loss_fn(output, target):
-        return cross_entropy_sum(output, target) * (scale or 1.0)
+        if not moe:
+            return cross_entropy_sum(output, target) * (scale or 1.0)
+        logits, stats = output
+        balancing = balancing_losses(stats, spec.num_experts, len(spec.moe_layers)).sum()
+        return cross_entropy_sum(logits, target) * (scale or 1.0) + balancing * aux_scale
 
     schedule = _schedule(plan.pipeline_schedule, stages, inputs["count"], loss_fn)
     args = (inputs["tokens"].to(world.device),) if any(s.is_first for s in stages) else ()
-    kwargs = {k: inputs[k].to(world.device) for k in ("document_lengths", "input_pos") if k in inputs}
+    kwargs = {k: inputs[k].to(world.device) for k in ("document_lengths", "input_pos", "samples", "sample_slots")
+              if k in inputs}
     target = inputs["labels"].to(world.device) if any(s.is_last for s in stages) else None
     losses = []  # the schedule's, one per micro-batch (its first forward also infers the stages' shapes)
     with parallel_loss(plan.tensor_parallel > 1):
         run = schedule.step if scale is not None else schedule.eval
-        run(*args, target=target, losses=losses, **kwargs)
+        output = run(*args, target=target, losses=losses, **kwargs)
     total = torch.zeros((), dtype=torch.float64, device=world.device)
     for loss in losses:
         total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double()
+    if moe and output is not None:  # the last stage: every micro-batch's routing, their balancing losses taken out
+        stats = output[1].detach()
+        total -= balancing_losses(stats, spec.num_experts, len(spec.moe_layers)).sum().double() * aux_scale
+        if routed is not None and (plan.tensor_parallel == 1 or world.coordinate("tensor") == 0):
+            routed.add(stats)
     return total / (scale or 1.0)
 
 
@@ -174,9 +208,10 @@ def _schedule(name: str, stages: list, count: int, loss_fn):
     return kind(stages[0], n_microbatches=count, loss_fn=loss_fn, scale_grads=False)
 
 
-def _stacked(batches: list[dict], count: int, pad_id: int) -> dict:
+def _stacked(batches: list[dict], count: int, pad_id: int, *, routing: bool = False) -> dict:
     """Micro-batches of one shape, stacked along the rows (the schedule cuts them apart again): `count` of them
-    (empty ones added: a row of padding), each of the most rows and the longest row of any."""
+    (empty ones added: a row of padding), each of the most rows and the longest row of any. `routing`: each token's
+    sample (-1: padding) and a slot per sample, as many as the most samples of any micro-batch (Stage.forward)."""
     rows = max(b["tokens"].shape[0] for b in batches)
     width = max(b["tokens"].shape[1] for b in batches)
     packed = "documents" in batches[0]
@@ -187,6 +222,9 @@ def _stacked(batches: list[dict], count: int, pad_id: int) -> dict:
     if packed:
         out["document_lengths"] = torch.zeros((count, docs), dtype=torch.long)
         out["input_pos"] = torch.zeros((count, width), dtype=torch.long)
+    if routing:
+        out["samples"] = torch.full((count * rows, width), -1, dtype=torch.long)
+        out["sample_slots"] = torch.zeros((count, max(1, max(b["sample_count"] for b in batches))))
     for m in range(count):
         b = batches[m] if m < len(batches) else None
         r0 = m * rows
@@ -202,4 +240,6 @@ def _stacked(batches: list[dict], count: int, pad_id: int) -> dict:
         n, w = b["tokens"].shape
         tokens[r0:r0 + n, :w] = b["tokens"]
         labels[r0:r0 + n, :w] = b["labels"]
+        if routing:
+            out["samples"][r0:r0 + n, :w] = b["samples"]
     return out

@@ -12,11 +12,16 @@ LoRA adapters follow their base weight: a column-wise LoRALinear keeps `lora_a` 
 rows; a row-wise one cuts `lora_a` by columns and keeps `lora_b` whole (its partial sum joins the base's).
 Every device computes exactly what one device would, up to the order of floating-point sums.
 
+A Mixture-of-Experts layer (models/moe.py) keeps its router and experts whole on every device: each routes its own
+share of the sequence (sequence parallelism already cuts it there), and their gradients are summed over the group.
+
 The tokens of a micro-batch must divide by the degree (train/micro_batches.py pads them).
 """
 
 from contextlib import nullcontext
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -29,6 +34,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from moai_recipes.models.moe import MoE
 
 
 COLUMN_WISE = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.w1", "mlp.w3")
@@ -48,12 +55,22 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     for layer in model.layers:
         plan = {"sa_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
                 "attn": PrepareModuleInput(input_layouts=(Shard(1), Shard(1)),
-                                           desired_input_layouts=(Replicate(), Replicate())),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
+                                           desired_input_layouts=(Replicate(), Replicate()))}
+        sparse = isinstance(layer.mlp, MoE)
+        if sparse:
+            # A sparse layer routes each device's own share of the tokens (the sequence stays cut): its router and
+            # experts are whole on every device, their gradients summed over the group (MoE.summed_over).
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                             use_local_output=True)
+            _replicate(layer.mlp, mesh)
+        else:
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         for name in COLUMN_WISE:
-            plan[name] = _style(layer.get_submodule(name), "column")
+            if not (sparse and name.startswith("mlp.")):
+                plan[name] = _style(layer.get_submodule(name), "column")
         for name in ROW_WISE:
-            plan[name] = _style(layer.get_submodule(name), "row", output_layouts=Shard(1))
+            if not (sparse and name.startswith("mlp.")):
+                plan[name] = _style(layer.get_submodule(name), "row", output_layouts=Shard(1))
         parallelize_module(layer, mesh, plan)
         # torchtune's attention reshapes by its head counts: a device holds 1/degree of them.
         layer.attn.num_heads //= degree
@@ -61,6 +78,41 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         layer.attn.embed_dim //= degree
     for name, p in model.named_parameters():
         p.requires_grad_(name not in frozen)
+
+
+def sequence_share(rows: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This device's share of [rows, tokens] under sequence parallelism: its slice of each row's tokens."""
+    return rows.chunk(mesh.size(), dim=1)[mesh.get_local_rank()]
+
+
+class _Summed(torch.autograd.Function):
+    """The sum over a process group of each device's tensor, the same on all; the backward hands each device the
+    gradient of the sum as it is (each device backpropagates the same loss of it through its own share)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def summed_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """`x` summed over the devices of `mesh` (one dimension), differentiable as _Summed says."""
+    return _Summed.apply(x, mesh.get_group())
+
+
+def _replicate(moe: MoE, mesh: DeviceMesh) -> None:
+    """A sparse layer's router and experts whole on every device of `mesh` (replicated DTensors, as the norms'
+    weights are), computed on each device's tokens, their gradients summed over it."""
+    for module in (moe.router, moe.experts):
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]),
+                                                         requires_grad=p.requires_grad))
+    moe.summed_over = moe.experts.summed_over = mesh.get_group()
 
 
 def parallel_loss(enabled: bool):

@@ -37,15 +37,19 @@ class World:
         return self.rank == 0
 
     # The mesh's dimensions, outermost first: pipeline stages span nodes, tensor cuts stay inside one (the
-    # devices of consecutive ranks share a node's fast links).
-    DIMS = ("pipeline", "data", "tensor")
+    # devices of consecutive ranks share a node's fast links). Data parallelism is `replica` x `expert`: both
+    # split the global batch (their flattening is the `data` dimension, over which FSDP2 shards the model), and a
+    # Mixture-of-Experts model's experts are split over `expert` (train/expert_parallel.py), sharded by FSDP2 over
+    # `replica`.
+    DIMS = ("pipeline", "replica", "expert", "tensor")
 
     def laid_out(self, plan) -> "World":
-        """This world with the plan's mesh: pipeline x data x tensor devices (planner.plan.Plan)."""
-        shape = (plan.pipeline_stages, plan.data_parallel, plan.tensor_parallel)
+        """This world with the plan's mesh: pipeline x replica x expert x tensor devices (planner.plan.Plan)."""
+        shape = (plan.pipeline_stages, plan.data_parallel // plan.expert_parallel, plan.expert_parallel,
+                 plan.tensor_parallel)
         if tuple(self.mesh.shape) == shape:
             return self
-        return replace(self, mesh=init_device_mesh(self.device.type, shape, mesh_dim_names=self.DIMS))
+        return replace(self, mesh=_mesh(self.device, shape))
 
     def size(self, dim: str) -> int:
         return self.mesh[dim].size()
@@ -57,6 +61,13 @@ class World:
     @property
     def data_rank(self) -> int:
         return self.coordinate("data")
+
+
+def _mesh(device: torch.device, shape: tuple[int, ...]) -> DeviceMesh:
+    """The device mesh of World.DIMS in `shape`, with `data` (replica x expert) flattened from it."""
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=World.DIMS)
+    mesh["replica", "expert"]._flatten("data")
+    return mesh
 
 
 def free_port() -> int:
@@ -133,7 +144,7 @@ def join_world(flavor: Flavor, given: env.GivenWorld | None, *, restarts: int = 
                             world_size=given.world_size, timeout=timedelta(minutes=30),
                             device_id=device if device.type == "cuda" else None)
     try:
-        mesh = init_device_mesh(device.type, (1, given.world_size, 1), mesh_dim_names=World.DIMS)
+        mesh = _mesh(device, (1, given.world_size, 1, 1))
         yield World(rank=given.rank, world_size=given.world_size, local_rank=given.local_rank, device=device, mesh=mesh,
                     restarts=restarts)
     finally:

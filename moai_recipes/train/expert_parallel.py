@@ -1,0 +1,98 @@
+"""Expert parallelism: each sparse layer's experts split over the mesh's `expert` dimension, tokens sent to their
+experts' devices and back with all-to-all.
+
+The `expert` devices of a mesh are also data-parallel: each brings its own tokens. A sparse layer routes them
+where they are (the router is everyone's), sorts the token-expert pairs by expert (so by the device that holds
+it: expert e lives on device e // (E / degree)), and one all-to-all sends each device the pairs of its experts,
+counts first (each device learns how many rows it receives, per source and per local expert). The device groups
+what it received by expert, runs its experts' grouped products, and a second all-to-all sends the outputs back in
+the order they came; the scores and the sum over a token's experts happen at home, as on one device
+(models/moe.py). The backward is the same two exchanges reversed. Uneven splits, experts that receive nothing and
+every token sent to one expert are all plain all-to-alls of other sizes: every device takes part in each, so none
+waits for another.
+
+The experts' weights are DTensors sharded on dim 0 over the `expert` dimension (a device's slice: its E / degree
+experts), so a step checkpoint (DCP) holds whole [E, ...] weights and resumes on any expert degree, and the
+Hugging Face export gathers them whole. FSDP2 then shards them over the `replica` dimension, what is left of data
+parallelism (train/parallel.py).
+
+Test: `python -m pytest tests/test_expert_parallel.py -q`.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from moai_recipes.models.moe import MoE, combine, moe_modules, sort_by_expert
+
+
+class _AllToAll(torch.autograd.Function):
+    """dist.all_to_all_single with autograd: rows `send` [n, d] split by `sent` go out, rows split by `received`
+    come in; the backward sends the gradients back the way they came."""
+
+    @staticmethod
+    def forward(ctx, x, sent: list[int], received: list[int], group):
+        ctx.sent, ctx.received, ctx.group = sent, received, group
+        out = x.new_empty((sum(received), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), received, sent, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty((sum(ctx.sent), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.received, group=ctx.group)
+        return back, None, None, None
+
+
+class ExpertDispatch:
+    """A sparse layer's tokens to its experts over `mesh` (1-D: the expert dimension) and back. Set on every MoE
+    module of the model as its `expert_parallel` (MoE.forward calls it with its router's decisions)."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.group, self.degree = mesh.get_group(), mesh.size()
+
+    def __call__(self, moe: MoE, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        top_k, degree = experts.shape[-1], self.degree
+        local = moe.num_experts // degree
+        order, counts = sort_by_expert(experts, moe.num_experts)  # counts [E]: this device's pairs per expert
+        # Each device learns what it receives: from each source, the pairs of each of its local experts.
+        incoming = torch.empty_like(counts)
+        dist.all_to_all_single(incoming, counts, group=self.group)
+        incoming = incoming.view(degree, local)  # [source, local expert]
+        sent = counts.view(degree, local).sum(1).tolist()
+        received = incoming.sum(1).tolist()
+        rows = _AllToAll.apply(x[order // top_k], sent, received, self.group)
+        # Received rows come source by source, each source's by expert: regroup them expert by expert (stable, so
+        # an expert's rows stay in source order), run the experts, and put the outputs back in arrival order.
+        expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(degree), incoming.flatten())
+        by_expert = torch.argsort(expert_of, stable=True)
+        out = _unsorted(moe.experts(rows[by_expert], incoming.sum(0)), by_expert)
+        back = _AllToAll.apply(out, received, sent, self.group)
+        return combine(x, back, order, weights, top_k)
+
+
+def _unsorted(values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The rows of `values` (in `order`) back in their original places: the inverse of values = original[order]."""
+    return torch.empty_like(values).index_copy(0, order, values)
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Split every sparse layer's experts of `model` (on the meta device, before FSDP2) over the 1-D `mesh`: their
+    stacked weights become DTensors sharded on dim 0, and the layer's tokens go to them through ExpertDispatch.
+
+    A device's experts get the gradients of the tokens of every device of `mesh`; FSDP2 then averages them over the
+    devices of the replica dimension alone, where every other weight's are averaged over all the data-parallel
+    devices (replica x expert): the experts' gradients are divided by the mesh's size on their way (GroupedExperts'
+    grad_scale), so that both are the same mean."""
+    dispatch = ExpertDispatch(mesh)
+    for moe in moe_modules(model):
+        assert moe.num_experts % mesh.size() == 0, (moe.num_experts, mesh.size())  # the planner's degrees divide
+        experts = moe.experts
+        for name, p in list(experts.named_parameters(recurse=False)):
+            sharded = nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]), requires_grad=p.requires_grad)
+            experts.register_parameter(name, sharded)
+        moe.expert_parallel = dispatch
+        experts.grad_scale = 1.0 / mesh.size()
+

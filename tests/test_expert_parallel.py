@@ -1,0 +1,132 @@
+"""Mixture-of-Experts models on several processes: experts split over 2 and 4 of them (expert parallelism), beside
+FSDP2's data parallelism, pipeline stages and tensor parallelism, give one process's per-step losses, gradient norms
+and balancing losses, packed and padded, also when the routers send every token to two experts (the others and
+their devices receive nothing); a run's checkpoints resume across expert degrees. Each run's plan is asserted
+from its own configuration line. Run: pytest tests/test_expert_parallel.py (about two minutes)
+"""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from moai_recipes.errors import EXIT_STOPPED
+from tests.helpers import ROOT, command_env, make_hf_checkpoint, metrics, run_recipe
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["logger=stdout", "batch_size=8", "max_steps=6", "optimizer.lr=1e-3", "optimizer.warmup_steps=1",
+          "sample_max_new_tokens=0", "measure_memory=false"]
+PACKED, PADDED = "plan.packing=true", "plan.packing=false"
+
+
+def skew_routers(folder):
+    """Make every router of `folder` send every token to experts 0 and 1, in that order: the embedding gives each
+    token a large first hidden unit, which the routers weigh alone (RMSNorm keeps it the largest by far)."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.embed_tokens.weight"][:, 0] = 30.0
+    for name, w in tensors.items():
+        if name.endswith("mlp.gate.weight"):
+            w.zero_()
+            w[0, 0], w[1, 0] = 4.0, 2.0
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {"qwen3_moe": make_hf_checkpoint(root / "qwen3_moe", "qwen3_moe", num_layers=3),
+            "skewed": skew_routers(make_hf_checkpoint(root / "skewed", "qwen3_moe", num_layers=3)),
+            "mixtral": make_hf_checkpoint(root / "mixtral", "mixtral", num_layers=2)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, checkpoints):
+    """The one-process run of a checkpoint (packed rows): its metrics rows, made on first use."""
+    made = {}
+
+    def rows(name: str) -> list[dict]:
+        if name not in made:
+            out = tmp_path_factory.mktemp(f"ref-{name}") / "run"
+            r = run_recipe(*COMMON, "flavor=cpu", PACKED, f"model.checkpoint_dir={checkpoints[name]}",
+                           f"output_dir={out}")
+            assert r.returncode == 0, r.stdout + r.stderr
+            made[name] = metrics(out)
+        return made[name]
+
+    return rows
+
+
+def assert_same_numbers(expected: list[dict], got: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for a, b in zip(expected, got):
+        for key in ("loss", "grad_norm", "aux_loss", "expert_load"):
+            assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]), (a["step"], key, a[key], b[key])
+
+
+def configuration(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith("Configuration for parallelism"))
+
+
+# name: (flavor, checkpoint, overrides, the layout the configuration line names)
+LAYOUTS = {
+    "expert 2 x data 2, packed, every token to two experts": (
+        "cpu-4", "skewed", ("plan.expert_parallel=2", "plan.pipeline_stages=1", "plan.tensor_parallel=1", PACKED),
+        "num_stages 1, No TP, DP 4, EP 2"),
+    "expert 2 x pipeline 2, padded": (
+        "cpu-4", "qwen3_moe", ("plan.expert_parallel=2", "plan.pipeline_stages=2", "plan.pipeline_schedule=1f1b", PADDED),
+        "num_stages 2 (1f1b), No TP, DP 2, EP 2"),
+    "tensor 2, padded": ("cpu-2", "mixtral", ("plan.tensor_parallel=2", PADDED), "num_stages 1, TP 2, DP 1"),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_layout_gives_one_process_numbers(tmp_path, checkpoints, reference, name):
+    flavor, checkpoint, overrides, layout = LAYOUTS[name]
+    out = tmp_path / "run"
+    r = run_recipe(*COMMON, f"flavor={flavor}", *overrides, f"model.checkpoint_dir={checkpoints[checkpoint]}",
+                   f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"{layout}," in configuration(r.stdout), configuration(r.stdout)
+    assert_same_numbers(reference(checkpoint), metrics(out))
+    if checkpoint == "skewed":  # every sparse layer sent every token to experts 0 and 1: twice the mean, 4 of 8
+        assert all(abs(row["expert_load"] - 4.0) < 1e-6 for row in metrics(out))
+
+
+def start(*args):
+    return subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *COMMON, *map(str, args)], cwd=ROOT,
+                            env=command_env({"MOAI_FAULT_STEP_DELAY": "0.5"}), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def stopped_after(proc, out, step: int) -> tuple[int, str]:
+    """SIGTERM once `step` steps are logged; (the step it saved and stopped at, its output)."""
+    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < step:
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == EXIT_STOPPED, log
+    return len((out / "metrics.jsonl").read_text().splitlines()), log
+
+
+def test_a_checkpoint_resumes_across_expert_degrees(tmp_path, checkpoints, reference):
+    """Expert 2 (two processes, packed), stopped; expert 4 (four, padded) resumes it, stopped again; one process
+    ends it: every step as the uninterrupted one-process run's."""
+    out, model = tmp_path / "run", f"model.checkpoint_dir={checkpoints['qwen3_moe']}"
+    first, log = stopped_after(start("flavor=cpu-2", "plan.expert_parallel=2", PACKED, model, f"output_dir={out}"),
+                               out, 2)
+    assert "DP 2, EP 2," in configuration(log)
+    second, log = stopped_after(start("flavor=cpu-4", "plan.expert_parallel=4", PADDED, model, f"output_dir={out}"),
+                                out, first + 1)
+    assert "DP 4, EP 4," in configuration(log) and f"continuing at step {first + 1}" in log
+    assert second < 6, "the run ended before it could be stopped"
+    r = run_recipe(*COMMON, "flavor=cpu", model, f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"continuing at step {second + 1}" in r.stdout and "DP 1," in configuration(r.stdout)
+    assert_same_numbers(reference("qwen3_moe"), metrics(out))

@@ -1,0 +1,214 @@
+"""Mixture-of-Experts models (Qwen3-MoE, Mixtral) against transformers, on tiny checkpoints transformers writes.
+
+- logits, the token loss and the load-balancing loss equal transformers' (fp32, padded rows included);
+- each sample's balancing loss is transformers' load_balancing_loss_func on that sample alone;
+- the grouped experts equal the per-expert loop bit for bit, forward and backward, also when the routing is skewed
+  (every token to one expert, the others empty);
+- Hugging Face in and out: a transformers-saved checkpoint (sharded, bf16, tied) loads and saves back byte for
+  byte, and transformers reads a trained model we write with our logits;
+- what cannot be built is refused by name.
+Run: python -m pytest tests/test_moe.py -q
+"""
+
+import json
+
+import pytest
+import torch
+import transformers
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+from helpers import make_hf_checkpoint, metrics, run_recipe
+from moai_recipes.errors import UserError
+from moai_recipes.models.build import build_model, init_buffers
+from moai_recipes.models.hf_format import HFFolder, load_weights, save_weights
+from moai_recipes.models.loss import IGNORE_INDEX, token_loss_sum
+from moai_recipes.models.moe import GroupedExperts, MoE, Routing, local_experts, routing_recorded
+from moai_recipes.models.spec import spec_from_hf_config
+
+FAMILIES = {"qwen3_moe": dict(num_layers=3), "mixtral": dict(num_layers=2)}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp(request.param) / "hf", request.param, **FAMILIES[request.param])
+
+
+def ours(folder):
+    hf = HFFolder.open(folder)
+    with torch.device("meta"):
+        model = build_model(hf.spec, max_seq_len=128)
+    model.to_empty(device="cpu")
+    init_buffers(model, device="cpu")
+    load_weights(model, hf)
+    return model, hf.spec
+
+
+def theirs(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def padded_batch(seed=0):
+    """Three rows of 24 tokens, the last two right-padded (attention mask 0) after 17 and 9 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, 300, (3, 24), generator=g)
+    mask = torch.ones_like(tokens)
+    mask[1, 17:], mask[2, 9:] = 0, 0
+    return tokens, mask
+
+
+def test_logits_and_losses_equal_transformers(checkpoint):
+    model, spec = ours(checkpoint)
+    hf = theirs(checkpoint)
+    tokens, mask = padded_batch()
+    labels = tokens.masked_fill(mask == 0, IGNORE_INDEX)
+    with torch.no_grad():
+        out = hf(tokens, attention_mask=mask, labels=labels, output_router_logits=True)
+        samples = torch.where(mask == 1, 0, -1)  # the whole batch one sample: transformers' balancing loss
+        with routing_recorded(model, Routing(samples, 1, spec)) as routing:
+            logits = model(tokens)
+        shifted = torch.cat([labels[:, 1:], torch.full((3, 1), IGNORE_INDEX)], dim=1)
+        targets = int((shifted != IGNORE_INDEX).sum())
+        ce = token_loss_sum(model, tokens, shifted) / targets
+    kept = mask == 1
+    assert (logits[kept] - out.logits[kept]).abs().max() < 1e-5
+    aux = routing.balancing_losses()[0]
+    assert abs(float(aux) - float(out.aux_loss)) < 1e-6, (aux, out.aux_loss)
+    assert spec.router_aux_loss_coef == hf.config.router_aux_loss_coef == 0.001
+    assert abs(float(ce + spec.router_aux_loss_coef * aux) - float(out.loss)) < 1e-5, (ce, aux, out.loss)
+    picks = routing.picks.sum(0)  # [sparse layers, E]: every sparse layer routed every real token to two experts
+    assert picks.shape == (len(spec.moe_layers), spec.num_experts) and torch.all(picks.sum(1) == 2 * kept.sum())
+    assert spec.moe_layers == ((0, 2) if spec.family == "qwen3_moe" else (0, 1))  # qwen3_moe's layer 1 is dense
+
+
+def test_each_samples_balancing_loss_is_transformers_on_it_alone(checkpoint):
+    """The balancing loss training adds is a sample's (so a step's is the same on any flavor and micro-batching)."""
+    model, spec = ours(checkpoint)
+    hf = theirs(checkpoint)
+    tokens, mask = padded_batch(seed=1)
+    samples = torch.where(mask == 1, torch.arange(3)[:, None], -1)
+    with torch.no_grad():
+        with routing_recorded(model, Routing(samples, 3, spec)) as routing:
+            model(tokens)
+        per_sample = routing.balancing_losses()
+        for row in range(3):
+            n = int(mask[row].sum())
+            gates = hf(tokens[row:row + 1, :n], output_router_logits=True).router_logits
+            alone = load_balancing_loss_func(gates, spec.num_experts, spec.experts_per_token)
+            assert abs(float(per_sample[row]) - float(alone)) < 1e-6, (row, per_sample[row], alone)
+
+
+def _forward_backward(model, spec, tokens):
+    model.zero_grad(set_to_none=True)
+    samples = torch.zeros_like(tokens)
+    with routing_recorded(model, Routing(samples, 1, spec)) as routing:
+        logits = model(tokens)
+    (logits.float().square().mean() + routing.balancing_losses().sum()).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_grouped_experts_equal_the_per_expert_loop_bit_for_bit(checkpoint, monkeypatch):
+    model, spec = ours(checkpoint)
+    tokens, _ = padded_batch(seed=2)
+    grouped = _forward_backward(model, spec, tokens)
+    monkeypatch.setattr(GroupedExperts, "implementation", "loop")
+    loop = _forward_backward(model, spec, tokens)
+    assert torch.equal(grouped[0], loop[0])
+    assert grouped[1].keys() == loop[1].keys() and any(".experts.w" in k for k in grouped[1])
+    different = [k for k in grouped[1] if not torch.equal(grouped[1][k], loop[1][k])]
+    assert not different, different
+
+
+@pytest.mark.parametrize("routing", ["one expert", "uneven"])
+def test_skewed_routing_gives_the_right_outputs_and_gradients(routing):
+    """Every token to expert 5 (seven experts get nothing), or a few experts of many tokens: the grouped product
+    against each token computed by itself."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(8, 16, 12)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.3)
+    x = torch.randn(10, 16, requires_grad=True)
+    if routing == "one expert":
+        chosen = torch.full((10, 1), 5)
+    else:
+        chosen = torch.tensor([[0, 7]] * 6 + [[7, 2]] * 3 + [[2, 0]])
+    weights = torch.rand(chosen.shape)
+    out = local_experts(experts, x, chosen, weights)
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in experts.parameters()]
+    x_grad = x.grad.clone()
+    x.grad = None
+    experts.zero_grad(set_to_none=True)
+    expected = torch.stack([
+        sum(weights[t, j] * (torch.nn.functional.silu(x[t] @ experts.w1[e].T) * (x[t] @ experts.w3[e].T))
+            @ experts.w2[e].T for j, e in enumerate(chosen[t].tolist()))
+        for t in range(10)])
+    expected.square().sum().backward()
+    assert torch.allclose(out, expected, atol=1e-5)
+    assert torch.allclose(x_grad, x.grad, atol=1e-4)
+    for got, want in zip(grads, (p.grad for p in experts.parameters())):
+        assert torch.allclose(got, want, atol=1e-4)
+    unused = sorted(set(range(8)) - set(chosen.flatten().tolist()))
+    assert all(torch.equal(g[unused], torch.zeros_like(g[unused])) for g in grads)  # nothing for an idle expert
+
+
+@pytest.mark.parametrize("family,kwargs", [
+    ("qwen3_moe", dict(num_layers=3, max_shard_size="60KB")),
+    ("mixtral", dict(num_layers=2, dtype="bfloat16", tie=True, max_shard_size="100KB")),
+])
+def test_transformers_checkpoint_round_trips_byte_for_byte(tmp_path, family, kwargs):
+    src = make_hf_checkpoint(tmp_path / "src", family, **kwargs)
+    assert len(list(src.glob("*.safetensors"))) > 2  # sharded, with an index
+    names = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(".experts.7." in n for n in names)  # per-expert tensors, as every Hub checkpoint holds them
+    model, _ = ours(src)
+    save_weights(model, HFFolder.open(src), tmp_path / "out", rank=0)
+    for path in sorted(src.iterdir()):
+        assert (tmp_path / "out" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_transformers_reads_the_model_a_run_writes(tmp_path, checkpoint):
+    """Two steps of full fine-tuning (the weights move), then transformers loads the model with our logits; every
+    step's row carries the balancing loss and the experts' load, per sparse layer."""
+    out = tmp_path / "run"
+    r = run_recipe(f"model.checkpoint_dir={checkpoint}", "flavor=cpu", "max_steps=2", "batch_size=4",
+                   "optimizer.lr=1e-3", f"output_dir={out}", "logger=stdout")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "aux_loss: " in r.stdout and "expert_load: " in r.stdout
+    spec = spec_from_hf_config(json.loads((checkpoint / "config.json").read_text()))
+    for row in metrics(out):
+        assert row["aux_loss"] > 0 and row["expert_load"] >= 1
+        assert {f"expert_load/layer_{i}" for i in spec.moe_layers} <= row.keys()
+        assert row["expert_load"] == max(row[f"expert_load/layer_{i}"] for i in spec.moe_layers)
+    model, _ = ours(out / "model")
+    before, _ = ours(checkpoint)
+    assert not torch.equal(model.layers[0].mlp.experts.w2, before.layers[0].mlp.experts.w2)  # trained
+    tokens, _ = padded_batch(seed=3)
+    with torch.no_grad():
+        assert (model(tokens) - theirs(out / "model")(tokens).logits).abs().max() < 1e-5
+
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("config,named", [
+    ({**BASE, "model_type": "mixtral", "router_jitter_noise": 0.01}, "router_jitter_noise"),
+    ({**BASE, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 64}, "shared experts"),
+    ({**BASE, "model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_experts_per_tok": 6},
+     "num_experts_per_tok=6"),
+])
+def test_what_cannot_be_built_is_refused_by_name(config, named):
+    with pytest.raises(UserError, match=named):
+        spec_from_hf_config(config)
+
+
+def test_sparse_layers_as_qwen3_moe_places_them():
+    spec = spec_from_hf_config({**BASE, "model_type": "qwen3_moe", "num_hidden_layers": 6, "moe_intermediate_size": 32,
+                                "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert spec.moe_layers == (1, 5)  # (i + 1) % 2 == 0, less layer 3
+    with torch.device("meta"):
+        model = build_model(spec, max_seq_len=16)
+    assert [isinstance(layer.mlp, MoE) for layer in model.layers] == [False, True, False, False, False, True]
+    assert spec.num_params() == sum(p.numel() for p in model.parameters())
+    active = spec.num_params(active=True)
+    assert spec.num_params() - active == 2 * (4 - 2) * 3 * 64 * 32  # two sparse layers, two experts idle a token
