@@ -225,8 +225,9 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     expert_rows = mb_tokens * spec.experts_per_token * ep / max(spec.num_experts, 1)
     expert_efficiency = top * expert_rows / (expert_rows + half)
     imbalance = EXPERT_DEVICE_IMBALANCE if ep > 1 else 1.0
-    terms["matmul"] = ((flops - routed) / (peak * efficiency) + routed * imbalance / (peak * expert_efficiency)
-                       + attention_flops / (attention_peak * efficiency))
+    terms["matmul"] = (flops - routed) / (peak * efficiency) + attention_flops / (attention_peak * efficiency)
+    if routed:
+        terms["matmul"] += routed * imbalance / (peak * expert_efficiency)
     terms["memory"] = traffic / memory_speed
     # The device's part of the parameters: its layers and root, cut by the tensor degree.
     embedding = spec.vocab_size * spec.embed_dim
