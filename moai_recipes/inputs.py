@@ -87,6 +87,7 @@ class RunInputs:
         if self.lora:
             o = self.lora
             targets = [*o.attn_modules, *(["the MLP"] if o.apply_to_mlp else []),
+                       *(["every expert's projections"] if o.apply_to_experts else []),
                        *(["the output"] if o.apply_to_output else [])]
             lines.append(f"LoRA: rank {o.rank} on {', '.join(targets)}, alpha {o.alpha:g}; "
                          + ("the base frozen in NF4 (QLoRA)" if o.quantize_base else "the base frozen"))

@@ -1,7 +1,8 @@
 """Mixture-of-Experts models on several processes: experts split over 2 and 4 of them (expert parallelism), beside
 FSDP2's data parallelism, pipeline stages and tensor parallelism, give one process's per-step losses, gradient norms
-and balancing losses, packed and padded, also when the routers send every token to two experts (the others and
-their devices receive nothing); a run's checkpoints resume across expert degrees. Each run's plan is asserted
+and balancing losses, full fine-tuning and LoRA on every expert, packed and padded, also when the routers send every
+token to two experts (the others and their devices receive nothing); a run's checkpoints resume across expert
+degrees. Each run's plan is asserted
 from its own configuration line. Run: pytest tests/test_expert_parallel.py (about two minutes)
 """
 
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.slow
 COMMON = ["logger=stdout", "batch_size=8", "max_steps=6", "optimizer.lr=1e-3", "optimizer.warmup_steps=1",
           "sample_max_new_tokens=0", "measure_memory=false"]
 PACKED, PADDED = "plan.packing=true", "plan.packing=false"
+LORA = ("lora.apply_to_experts=true", "lora.apply_to_mlp=true", "lora.rank=4", "optimizer.lr=3e-3")
 
 
 def skew_routers(folder):
@@ -47,19 +49,23 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, checkpoints):
-    """The one-process run of a checkpoint (packed rows): its metrics rows, made on first use."""
+    """The one-process run of a checkpoint (packed rows), full fine-tuning or LoRA: its metrics rows, made on first
+    use."""
     made = {}
 
-    def rows(name: str) -> list[dict]:
-        if name not in made:
+    def rows(name: str, lora: bool = False) -> list[dict]:
+        if (name, lora) not in made:
             out = tmp_path_factory.mktemp(f"ref-{name}") / "run"
             r = run_recipe(*COMMON, "flavor=cpu", PACKED, f"model.checkpoint_dir={checkpoints[name]}",
-                           f"output_dir={out}")
+                           f"output_dir={out}", *(LORA if lora else ()), module=RECIPES[lora])
             assert r.returncode == 0, r.stdout + r.stderr
-            made[name] = metrics(out)
-        return made[name]
+            made[name, lora] = metrics(out)
+        return made[name, lora]
 
     return rows
+
+
+RECIPES = {False: "recipes.full_finetune", True: "recipes.lora_finetune"}
 
 
 def assert_same_numbers(expected: list[dict], got: list[dict]) -> None:
@@ -75,6 +81,8 @@ def configuration(stdout: str) -> str:
 
 # name: (flavor, checkpoint, overrides, the layout the configuration line names)
 LAYOUTS = {
+    "expert 4, LoRA on every expert, padded": (
+        "cpu-4", "qwen3_moe", ("plan.expert_parallel=4", PADDED, *LORA), "num_stages 1, No TP, DP 4, EP 4"),
     "expert 2 x data 2, packed, every token to two experts": (
         "cpu-4", "skewed", ("plan.expert_parallel=2", "plan.pipeline_stages=1", "plan.tensor_parallel=1", PACKED),
         "num_stages 1, No TP, DP 4, EP 2"),
@@ -88,12 +96,12 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_a_layout_gives_one_process_numbers(tmp_path, checkpoints, reference, name):
     flavor, checkpoint, overrides, layout = LAYOUTS[name]
-    out = tmp_path / "run"
+    out, lora = tmp_path / "run", "lora.apply_to_experts=true" in overrides
     r = run_recipe(*COMMON, f"flavor={flavor}", *overrides, f"model.checkpoint_dir={checkpoints[checkpoint]}",
-                   f"output_dir={out}")
+                   f"output_dir={out}", module=RECIPES[lora])
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"{layout}," in configuration(r.stdout), configuration(r.stdout)
-    assert_same_numbers(reference(checkpoint), metrics(out))
+    assert_same_numbers(reference(checkpoint, lora), metrics(out))
     if checkpoint == "skewed":  # every sparse layer sent every token to experts 0 and 1: twice the mean, 4 of 8
         assert all(abs(row["expert_load"] - 4.0) < 1e-6 for row in metrics(out))
 

@@ -34,12 +34,22 @@ def _llama3_scaled(folder: Path) -> Path:
     return folder
 
 
+def _renormalised(folder: Path) -> Path:
+    """Qwen3-MoE as the released models route (norm_topk_prob, which llama.cpp's qwen3moe always applies)."""
+    config = json.loads((folder / "config.json").read_text())
+    config["norm_topk_prob"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     return {"llama": _llama3_scaled(make_hf_checkpoint(root / "llama", "llama")),
             "qwen2": make_hf_checkpoint(root / "qwen2", "qwen2", seed=1),
-            "qwen3": make_hf_checkpoint(root / "qwen3", "qwen3", seed=2)}
+            "qwen3": make_hf_checkpoint(root / "qwen3", "qwen3", seed=2),
+            "qwen3_moe": _renormalised(make_hf_checkpoint(root / "qwen3_moe", "qwen3_moe", seed=3)),
+            "mixtral": make_hf_checkpoint(root / "mixtral", "mixtral", seed=5)}
 
 
 def _export(*args):
@@ -48,7 +58,7 @@ def _export(*args):
     return Path(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def test_llama_cpp_tokenizes_and_generates_as_recipes_generate(checkpoints, family):
     from moai_recipes.config.compose import load_config
     from moai_recipes.data.tokenizer import prompt_ids
@@ -118,6 +128,35 @@ def test_an_adapter_is_merged_as_peft_merges_it(tmp_path):
     assert (got - expected).abs().max() < 1e-5
 
 
+def test_an_adapter_of_every_expert_is_merged_as_peft_merges_it(tmp_path, checkpoints):
+    """A PEFT adapter of transformers' Qwen3-MoE (its attention and its stacked experts' parameters) merged into the
+    GGUF file: llama.cpp's greedy tokens are those of peft's merged model in transformers."""
+    import peft
+    import transformers
+
+    from moai_recipes.inference.llama_cpp import greedy_tokens
+
+    base = checkpoints["qwen3_moe"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                      target_parameters=["mlp.experts.gate_up_proj",
+                                                                         "mlp.experts.down_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    lora.save_pretrained(tmp_path / "adapter")
+    ids = [3, 40, 77, 120, 9, 250, 31, 8]
+    with torch.no_grad():
+        merged = lora.merge_and_unload().eval()
+        expected = merged.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        assert not torch.equal(plain(torch.tensor([ids])).logits.argmax(-1), merged(torch.tensor([ids])).logits.argmax(-1))
+    path = _export(f"adapter_dir={tmp_path / 'adapter'}", f"model.checkpoint_dir={base}", "outtype=f32")
+    assert greedy_tokens(path, ids, max_new_tokens=16) == expected and len(expected) == 16
+
+
 def test_what_gguf_cannot_say_is_refused_by_name(tmp_path):
     spm = make_hf_checkpoint(tmp_path / "spm", "llama")
     tok = json.loads((spm / "tokenizer.json").read_text())
@@ -126,8 +165,15 @@ def test_what_gguf_cannot_say_is_refused_by_name(tmp_path):
     window = make_hf_checkpoint(tmp_path / "window", "mistral")
     config = json.loads((window / "config.json").read_text())
     (window / "config.json").write_text(json.dumps({**config, "sliding_window": 64}))
+    # Qwen3-MoE that llama.cpp's qwen3moe would compute otherwise: top-k weights left as they are, a dense layer.
+    unnormalised = make_hf_checkpoint(tmp_path / "unnormalised", "qwen3_moe")
+    dense = make_hf_checkpoint(tmp_path / "dense", "qwen3_moe", num_layers=3)  # layer 1 is dense (mlp_only_layers)
+    config = json.loads((dense / "config.json").read_text())
+    (dense / "config.json").write_text(json.dumps({**config, "norm_topk_prob": True}))
     for args, words in [((f"model.checkpoint_dir={spm}",), "is not a byte-level BPE tokenizer"),
                         ((f"model.checkpoint_dir={window}",), "sliding attention window"),
+                        ((f"model.checkpoint_dir={unnormalised}",), "norm_topk_prob=false"),
+                        ((f"model.checkpoint_dir={dense}",), "keep a dense MLP"),
                         ((f"model.checkpoint_dir={spm}", f"out={tmp_path / 'x.bin'}"), "ends in .gguf"),
                         (("format=onnx",), "format")]:
         r = run_recipe(*args, module="recipes.export")

@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from moai_recipes.models.build import build_model
 from moai_recipes.models.loss import token_loss_sum
 from moai_recipes.models.lora import lora_options
+from moai_recipes.models.moe import GroupedExperts
 from moai_recipes.models.spec import ModelSpec
 from moai_recipes.planner.flops import ModelFlops
 
@@ -31,6 +32,8 @@ def _counted(spec: ModelSpec, n: int, lora=None) -> int:
     """FlopCounterMode's FLOPs of one forward and backward of one sequence of n tokens."""
     torch.manual_seed(0)
     model = build_model(spec, max_seq_len=128, lora=lora.builder_kwargs() if lora else None)
+    for p in model.parameters():  # a Mixture-of-Experts router must route: weights, not uninitialised memory
+        torch.nn.init.normal_(p, std=0.05)
     if lora:
         for name, p in model.named_parameters():
             p.requires_grad_("lora_" in name)
@@ -53,6 +56,25 @@ def test_full_fine_tuning_counts_what_torch_counts(tie):
     # By hand, for this model: 6 FLOPs per weight per token, weights of 3 layers and the output projection.
     layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 160
     assert flops.per_token == 6 * (3 * layer + 320 * 64) and flops.per_pair == 12 * 3 * 64
+
+
+@pytest.mark.parametrize("experts", [False, True])
+def test_a_mixture_of_experts_counts_the_experts_each_token_uses(monkeypatch, experts):
+    """MFU's work is the router and the top-k experts a token is sent to (counted with each expert computed by
+    itself: FlopCounterMode has no formula for the grouped product), trained or adapted (lora.apply_to_experts)."""
+    monkeypatch.setattr(GroupedExperts, "implementation", "loop")
+    spec = dataclasses.replace(SPEC, family="mixtral", num_experts=4, experts_per_token=2, expert_dim=48,
+                               norm_topk_prob=True, moe_layers=(0, 2))  # layer 1 dense
+    lora = lora_options({"attn_modules": ["q_proj"], "apply_to_mlp": True, "apply_to_output": False, "rank": 4,
+                         "alpha": 8, "dropout": 0.0, "quantize_base": False, "apply_to_experts": experts},
+                        spec=spec) if experts else None
+    n = 37
+    flops = ModelFlops.of(spec, lora)
+    assert _counted(spec, n, lora) == flops.per_token * n + flops.per_pair * n * n
+    if not experts:  # by hand: 6 per weight a token computes with, the router's and two of the four experts'
+        attention = 64 * 64 + 2 * 64 * 32 + 64 * 64
+        sparse = 64 * 4 + 2 * 3 * 64 * 48
+        assert flops.per_token == 6 * (3 * attention + 2 * sparse + 3 * 64 * 160 + 320 * 64)
 
 
 @pytest.mark.parametrize("modules,mlp,output", [(["q_proj", "v_proj"], False, False), (["output_proj"], False, False),

@@ -21,8 +21,10 @@ from helpers import make_hf_checkpoint, metrics, run_recipe
 from moai_recipes.errors import UserError
 from moai_recipes.models.build import build_model, init_buffers
 from moai_recipes.models.hf_format import HFFolder, load_weights, save_weights
+from moai_recipes.models.lora import freeze_base, gather_adapters, init_adapters, lora_options, merge_into, save_adapter
 from moai_recipes.models.loss import IGNORE_INDEX, token_loss_sum
 from moai_recipes.models.moe import GroupedExperts, MoE, Routing, local_experts, routing_recorded
+from moai_recipes.models.peft_adapter import PeftAdapter, merge_adapter
 from moai_recipes.models.spec import spec_from_hf_config
 
 FAMILIES = {"qwen3_moe": dict(num_layers=3), "mixtral": dict(num_layers=2)}
@@ -33,14 +35,30 @@ def checkpoint(request, tmp_path_factory):
     return make_hf_checkpoint(tmp_path_factory.mktemp(request.param) / "hf", request.param, **FAMILIES[request.param])
 
 
-def ours(folder):
+def ours(folder, lora=None):
+    """Our model of a checkpoint folder; with `lora` (LoraOptions) its adapters initialised, B drawn at random (so
+    that they change the model)."""
     hf = HFFolder.open(folder)
     with torch.device("meta"):
-        model = build_model(hf.spec, max_seq_len=128)
+        model = build_model(hf.spec, max_seq_len=128, lora=lora.builder_kwargs() if lora else None)
     model.to_empty(device="cpu")
     init_buffers(model, device="cpu")
-    load_weights(model, hf)
+    load_weights(model, hf, allow_missing=(".lora_a.", ".lora_b.") if lora else ())
+    if lora:
+        freeze_base(model)
+        init_adapters(model, seed=0)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_b." in name:
+                    p.normal_(0, 0.2)
     return model, hf.spec
+
+
+def expert_lora(spec, **kw):
+    return lora_options({"attn_modules": ["q_proj", "v_proj"], "apply_to_mlp": True, "apply_to_output": False,
+                         "apply_to_experts": True, "rank": 4, "alpha": 8.0, "dropout": 0.0, "quantize_base": False,
+                         **kw}, spec=spec)
 
 
 def theirs(folder):
@@ -103,17 +121,20 @@ def _forward_backward(model, spec, tokens):
     with routing_recorded(model, Routing(samples, 1, spec)) as routing:
         logits = model(tokens)
     (logits.float().square().mean() + routing.balancing_losses().sum()).backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_grouped_experts_equal_the_per_expert_loop_bit_for_bit(checkpoint, monkeypatch):
-    model, spec = ours(checkpoint)
+@pytest.mark.parametrize("adapters", [False, True])
+def test_grouped_experts_equal_the_per_expert_loop_bit_for_bit(checkpoint, monkeypatch, adapters):
+    spec = spec_from_hf_config(json.loads((checkpoint / "config.json").read_text()))
+    model, spec = ours(checkpoint, expert_lora(spec) if adapters else None)
     tokens, _ = padded_batch(seed=2)
     grouped = _forward_backward(model, spec, tokens)
     monkeypatch.setattr(GroupedExperts, "implementation", "loop")
     loop = _forward_backward(model, spec, tokens)
     assert torch.equal(grouped[0], loop[0])
-    assert grouped[1].keys() == loop[1].keys() and any(".experts.w" in k for k in grouped[1])
+    assert grouped[1].keys() == loop[1].keys()
+    assert any((".experts.lora_b." if adapters else ".experts.w") in k for k in grouped[1])
     different = [k for k in grouped[1] if not torch.equal(grouped[1][k], loop[1][k])]
     assert not different, different
 
@@ -185,6 +206,43 @@ def test_transformers_reads_the_model_a_run_writes(tmp_path, checkpoint):
     tokens, _ = padded_batch(seed=3)
     with torch.no_grad():
         assert (model(tokens) - theirs(out / "model")(tokens).logits).abs().max() < 1e-5
+
+
+def test_expert_adapters_load_in_peft_with_our_logits_and_merge_into_the_base(tmp_path, checkpoint):
+    """LoRA on every expert (and on attention and the dense MLP): only adapters train (the router and the experts
+    frozen); the PEFT adapter we write loads in peft on transformers' model with our logits, and the merged model
+    is the base plus each expert's B @ A."""
+    import peft
+
+    spec = spec_from_hf_config(json.loads((checkpoint / "config.json").read_text()))
+    opts = expert_lora(spec)
+    model, _ = ours(checkpoint, opts)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n for n in trained)
+    assert {f"layers.{i}.mlp.experts.lora_{k}.{w}" for i in spec.moe_layers for k in "ab" for w in ("w1", "w2", "w3")} \
+        <= trained
+    adapters = gather_adapters(model)
+    save_adapter(adapters, opts=opts, out_dir=tmp_path / "adapter", base_model=str(checkpoint))
+    tokens, _ = padded_batch(seed=4)
+    with torch.no_grad():
+        expected = model(tokens)
+        lora = peft.PeftModel.from_pretrained(theirs(checkpoint), tmp_path / "adapter").eval()
+        assert (lora(tokens).logits - expected).abs().max() < 1e-5
+        peft_merged = lora.merge_and_unload()(tokens).logits
+    save_weights(model, HFFolder.open(checkpoint), tmp_path / "merged", rank=0,
+                 transform=merge_into(adapters, opts.scale))
+    merged, base = ours(tmp_path / "merged")[0], ours(checkpoint)[0]
+    a, b = adapters["layers.0.mlp.experts.lora_a.w1"], adapters["layers.0.mlp.experts.lora_b.w1"]
+    assert torch.allclose(merged.layers[0].mlp.experts.w1, base.layers[0].mlp.experts.w1 + opts.scale * (b @ a),
+                          atol=1e-6)
+    with torch.no_grad():  # the merged weights as peft merges them (W + dW, against x W + x B A unmerged: 2e-5 apart)
+        assert (theirs(tmp_path / "merged")(tokens).logits - peft_merged).abs().max() < 1e-6
+    # recipes.generate's adapter_dir= reads the PEFT adapter back and merges it alike.
+    read = PeftAdapter.open(tmp_path / "adapter")
+    read.check_base(HFFolder.open(checkpoint))
+    merge_adapter(base, read, spec)
+    for name, p in merged.named_parameters():
+        assert torch.allclose(p, base.get_parameter(name), atol=1e-6), name
 
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

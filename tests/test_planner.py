@@ -149,9 +149,10 @@ def test_lora_plans_fit_where_full_fine_tuning_does_not():
     assert choice.chosen.memory.optimizer == adapters * 8 and choice.chosen.memory.grads == adapters * 4
 
 
-@pytest.mark.parametrize("model", ["tiny", "qwen2_5_0_5b"])
+@pytest.mark.parametrize("model", ["tiny", "qwen2_5_0_5b", "qwen3_30b_a3b"])
 @pytest.mark.parametrize("targets", [dict(attn_modules=["q_proj", "v_proj"], apply_to_mlp=False),
-                                     dict(attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_to_mlp=True)])
+                                     dict(attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_to_mlp=True),
+                                     dict(attn_modules=["q_proj"], apply_to_mlp=False, apply_to_experts=True)])
 def test_the_planner_counts_exactly_the_adapters_torchtune_builds(model, targets):
     import torch
 
@@ -160,17 +161,43 @@ def test_the_planner_counts_exactly_the_adapters_torchtune_builds(model, targets
     from moai_recipes.planner.memory import lora_params
 
     _, spec, _ = setup(f"model={model}")
+    if targets.get("apply_to_experts") and not spec.is_moe:
+        with pytest.raises(UserError, match="has none"):
+            _lora(spec, **targets)
+        return
     lora = _lora(spec, **targets)
     with torch.device("meta"):
         built = build_model(spec, max_seq_len=64, lora=lora.builder_kwargs())
     assert lora_params(spec, lora) == sum(p.numel() for n, p in built.named_parameters() if is_adapter(n))
 
 
-def _lora(spec, *, attn_modules, apply_to_mlp):
+def _lora(spec, *, attn_modules, apply_to_mlp, apply_to_experts=False):
     from moai_recipes.models.lora import lora_options
 
     return lora_options(dict(attn_modules=attn_modules, apply_to_mlp=apply_to_mlp, apply_to_output=False, rank=8,
-                             alpha=16, dropout=0.0, quantize_base=False), spec=spec)
+                             alpha=16, dropout=0.0, quantize_base=False, apply_to_experts=apply_to_experts), spec=spec)
+
+
+def test_the_planner_splits_experts_where_that_is_faster_and_refuses_a_degree_that_cannot():
+    """Qwen3-30B-A3B on one node of 8 H100s: the experts split over the devices beat FSDP2 gathering all 128 of each
+    layer for every micro-batch; a layer gathers 1 / EP of its experts. A degree that cannot split them is refused
+    by name, as is any on a dense model."""
+    _, spec, flavor = setup("model=qwen3_30b_a3b", "flavor=small", "flavor.device=h100", "flavor.memory_gb=640")
+    work = Workload(spec=spec, batch_size=64, seq_len=4096)
+    choice = choose_plan(work, flavor)
+    fsdp = choose_plan(work, flavor, forced={"expert_parallel": 1})
+    chosen = choice.chosen.plan
+    assert chosen.expert_parallel > 1 and chosen.data_parallel == 8 and "EP" in chosen.layout()
+    assert fsdp.chosen.time.total_s > 1.2 * choice.chosen.time.total_s
+    same = replace(fsdp.chosen.plan, expert_parallel=chosen.expert_parallel)
+    from moai_recipes.planner.memory import predict_memory
+    split, whole = predict_memory(same, work, "gpu"), predict_memory(fsdp.chosen.plan, work, "gpu")
+    assert split.gathered < whole.gathered and split.params == whole.params  # the same shards, fewer gathered
+    with pytest.raises(UserError, match="128 experts .* do not divide by 3|do not divide by 3"):
+        choose_plan(work, flavor, forced={"expert_parallel": 3})
+    _, dense, _ = setup("model=llama3_8b")
+    with pytest.raises(UserError, match="has no experts"):
+        choose_plan(Workload(spec=dense, batch_size=64, seq_len=4096), flavor, forced={"expert_parallel": 2})
 
 
 @pytest.mark.slow

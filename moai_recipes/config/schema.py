@@ -248,6 +248,8 @@ class LoraConfig:
     attn_modules: list[str] = setting(["q_proj", "v_proj"], "any of q_proj, k_proj, v_proj, output_proj")
     apply_to_mlp: bool = setting(False, "adapters on the MLP's three projections too")
     apply_to_output: bool = setting(False, "an adapter on the output projection (not with tied embeddings)")
+    apply_to_experts: bool = setting(False, "a Mixture-of-Experts model: adapters on every expert's three projections "
+                                            "(the router stays frozen)")
     rank: int = setting(8, "the adapters' rank")
     alpha: float = setting(16.0, "the adapters' scale is alpha / rank")
     dropout: float = setting(0.0, "dropout on the adapters' input")

@@ -51,7 +51,7 @@ def load_for_inference(cfg: DictConfig, hf: HFFolder, adapter: PeftAdapter | Non
     dispatch(model, placement, main=main)
     load_weights(model, hf)
     if adapter:
-        merge_adapter(model, adapter)
+        merge_adapter(model, adapter, spec)
     quantized = quantize_weights(model, cfg.quantize, device=main) if cfg.quantize != "none" else None
     model.eval()
     setup_caches(model, placement, dtype=dtype, max_seq_len=max_seq_len)

@@ -81,8 +81,10 @@ def _layer(spec: ModelSpec, linears: _Linears, max_seq_len: int, index: int) -> 
         pos_embeddings=RotaryEmbedding(h, max_seq_len=max_seq_len, base=spec.rope_base, scaling=spec.rope_scaling),
         max_seq_len=max_seq_len)
     if index in spec.moe_layers:
+        adapters = linears.lora if linears.lora and linears.lora.get("apply_lora_to_experts") else None
         mlp = MoE(dim=d, hidden_dim=spec.expert_dim, num_experts=spec.num_experts, top_k=spec.experts_per_token,
-                  norm_topk_prob=spec.norm_topk_prob, scores_in_fp32=spec.family == "mixtral", layer=index)
+                  norm_topk_prob=spec.norm_topk_prob, scores_in_fp32=spec.family == "mixtral", layer=index,
+                  rank=adapters["lora_rank"] if adapters else 0, alpha=adapters["lora_alpha"] if adapters else 0.0)
     else:
         i = spec.intermediate_dim
         mlp = FeedForward(gate_proj=linears("w1", d, i), down_proj=linears("w2", i, d), up_proj=linears("w3", d, i))

@@ -29,11 +29,15 @@ import torch
 from moai_recipes import env
 from moai_recipes.errors import UserError
 from moai_recipes.files import free_bytes, in_units, remove, room_for
-from moai_recipes.models.hf_format import HFFolder, tune_name
-from moai_recipes.models.peft_adapter import PeftAdapter
+from moai_recipes.models.hf_format import HFFolder, expert_index, tune_name
+from moai_recipes.models.peft_adapter import PeftAdapter, expert_updates
 
 FORMATS = ("f32", "f16", "bf16", "q8_0")
-_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+          "mixtral": "llama"}
+# A sparse layer's experts, one tensor per projection in a Hugging Face checkpoint, go into a GGUF file stacked
+# (convert_hf_to_gguf.py's "merged" names, which gguf's tensor map knows for every Mixture-of-Experts architecture).
+_STACKED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # The pre-tokenizer regexes llama.cpp implements (src/llama-vocab.cpp), keyed by what tokenizer.json's Split holds.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -59,10 +63,10 @@ def export_gguf(hf: HFFolder, out: Path, *, fmt: str, adapter: PeftAdapter | Non
     arch = _arch(hf)
     tokens, types, pre = _vocab(hf)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], hf.spec.num_layers)
-    plan = [(name, _gguf_name(name_map, arch, hf, name), _qtype(gguf, hf.shapes[name], fmt, name))
-            for in_file in hf.files.values() for name in in_file if tune_name(name)]  # hf.tensors()' order, no inv_freq
+    plan = [(entry, _gguf_name(name_map, arch, hf, entry.name), _qtype(gguf, entry.shape, fmt, entry.name))
+            for entry in _entries(hf)]
     extra = _rope_freqs(hf)
-    size = sum(_nbytes(gguf, hf.shapes[n], q) for n, _, q in plan) + (4 * extra.size if extra is not None else 0)
+    size = sum(_nbytes(gguf, e.shape, q) for e, _, q in plan) + (4 * extra.size if extra is not None else 0)
     size += sum(len(t.encode()) + 16 for t in tokens) + 2**20
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -82,18 +86,18 @@ def export_gguf(hf: HFFolder, out: Path, *, fmt: str, adapter: PeftAdapter | Non
             writer.add_token_types(types)
             writer.add_add_bos_token(_adds_bos(hf))
             gguf.SpecialVocab(hf.folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
-            for name, new, qtype in plan:
-                shape = hf.shapes[name]
-                writer.add_tensor_info(new, shape, np.dtype(np.float32), _nbytes(gguf, shape, qtype), raw_dtype=qtype)
+            for entry, new, qtype in plan:
+                writer.add_tensor_info(new, entry.shape, np.dtype(np.float32), _nbytes(gguf, entry.shape, qtype),
+                                       raw_dtype=qtype)
             if extra is not None:
                 writer.add_tensor_info("rope_freqs.weight", extra.shape, extra.dtype, extra.nbytes,
                                        raw_dtype=gguf.GGMLQuantizationType.F32)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
-            weights = ((name, tensor) for name, tensor in hf.tensors() if tune_name(name))
-            for (name, tensor), (_, _, qtype) in zip(weights, plan, strict=True):
-                data = _llama_cpp_layout(hf, name, tensor, adapter, arch=arch).numpy()
+            updates = expert_updates(adapter, hf.spec) if adapter is not None else {}
+            for entry, _, qtype in plan:
+                data = _llama_cpp_layout(hf, entry, adapter, updates, arch=arch).numpy()
                 writer.write_tensor_data(gguf.quants.quantize(data, qtype))
             if extra is not None:
                 writer.write_tensor_data(extra)
@@ -106,6 +110,46 @@ def export_gguf(hf: HFFolder, out: Path, *, fmt: str, adapter: PeftAdapter | Non
             raise
     return Exported(path=out, fmt=fmt, arch=arch, tensors=len(plan) + (extra is not None), bytes=out.stat().st_size,
                     tokenizer_pre=pre)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A tensor of the GGUF file: a checkpoint's tensor, or a sparse layer's experts' projection stacked from
+    theirs (`sources`, in expert order)."""
+
+    name: str
+    shape: tuple
+    sources: tuple[str, ...]
+
+
+def _entries(hf: HFFolder) -> list[_Entry]:
+    """The file's tensors in the checkpoint's order (no rotary inv_freq); a stacked projection where its first
+    expert comes."""
+    entries, stacked = [], {}
+    for in_file in hf.files.values():
+        for name in in_file:
+            tune = tune_name(name)
+            if not tune:
+                continue
+            index = expert_index(name)
+            if index is None:
+                entries.append(_Entry(name, hf.shapes[name], (name,)))
+                continue
+            if tune not in stacked:
+                stacked[tune] = {}
+                entries.append(tune)
+            stacked[tune][index] = name
+    out = []
+    for entry in entries:
+        if isinstance(entry, _Entry):
+            out.append(entry)
+            continue
+        experts = stacked[entry]
+        sources = tuple(experts[e] for e in range(len(experts)))
+        layer, projection = entry.split(".")[1], entry.rpartition(".")[2]
+        out.append(_Entry(f"model.layers.{layer}.mlp.experts.{_STACKED[projection]}.weight",
+                          (len(sources), *hf.shapes[sources[0]]), sources))
+    return out
 
 
 def _remove_stale(out: Path) -> None:
@@ -126,6 +170,13 @@ def _arch(hf: HFFolder) -> str:
     if spec.family not in _ARCHS:
         raise UserError(f"{hf.folder}: a {spec.family} model cannot be written as GGUF here; llama, mistral, qwen2 and "
                         "qwen3 can")
+    if spec.is_moe and len(spec.moe_layers) < spec.num_layers:
+        raise UserError(f"{hf.folder}: layers {sorted(set(range(spec.num_layers)) - set(spec.moe_layers))} of this "
+                        f"{spec.family} model keep a dense MLP (config.json's mlp_only_layers or decoder_sparse_step), "
+                        "which llama.cpp's Mixture-of-Experts architectures cannot hold beside sparse ones")
+    if spec.family == "qwen3_moe" and not spec.norm_topk_prob:
+        raise UserError(f"{hf.folder}/config.json has norm_topk_prob=false, and llama.cpp's qwen3moe always "
+                        "renormalises the top-k routing weights: the GGUF file would compute another model")
     if spec.sliding_window is not None:
         raise UserError(f"{hf.folder}/config.json turns on a sliding attention window ({spec.sliding_window} "
                         "tokens), which llama.cpp's llama architecture does not apply: the GGUF file would compute "
@@ -196,6 +247,11 @@ def _write_metadata(gguf, writer, hf: HFFolder, *, fmt: str, arch: str) -> None:
     writer.add_context_length(spec.max_position_embeddings)
     writer.add_embedding_length(spec.embed_dim)
     writer.add_feed_forward_length(spec.intermediate_dim)
+    if spec.is_moe:
+        writer.add_expert_count(spec.num_experts)
+        writer.add_expert_used_count(spec.experts_per_token)
+        if arch != "llama":  # Mixtral's experts are its intermediate_size wide
+            writer.add_expert_feed_forward_length(spec.expert_dim)
     writer.add_head_count(spec.num_heads)
     writer.add_head_count_kv(spec.num_kv_heads)
     writer.add_rope_freq_base(spec.rope_base)
@@ -256,10 +312,17 @@ def _nbytes(gguf, shape: tuple, qtype) -> int:
     return math.prod(shape) // block * size
 
 
-def _llama_cpp_layout(hf: HFFolder, name: str, w: torch.Tensor, adapter: PeftAdapter | None, *,
+def _llama_cpp_layout(hf: HFFolder, entry: _Entry, adapter: PeftAdapter | None, updates: dict, *,
                       arch: str) -> torch.Tensor:
-    """The tensor `name` in fp32, the adapter's product added, in the layout llama.cpp's `arch` computes with."""
-    w = w.float()
+    """The tensor of `entry` in fp32, the adapter's product added, in the layout llama.cpp's `arch` computes with."""
+    name = entry.name
+    if len(entry.sources) > 1 or entry.shape != hf.shapes.get(entry.sources[0]):  # stacked experts
+        w = torch.stack([hf.tensor(source).float() for source in entry.sources])
+        layer, projection = name.split(".")[2], name.split(".")[-2]
+        ours = next(k for k, v in _STACKED.items() if v == projection)
+        delta = updates.get(f"layers.{layer}.mlp.experts", {}).get(ours)
+        return (w + delta if delta is not None else w).contiguous()
+    w = hf.tensor(name).float()
     if adapter is not None and name.endswith(".weight") and name[:-len(".weight")] in adapter.weights:
         a, b = adapter.weights[name[:-len(".weight")]]
         w += adapter.scale * (b.float() @ a.float())

@@ -75,6 +75,12 @@ class HFFolder:
                 for name in names:
                     yield name, f.get_tensor(name)
 
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor, read from the file that holds it."""
+        fname = next(f for f, names in self.files.items() if name in names)
+        with _open(self.folder / fname) as f:
+            return f.get_tensor(name)
+
     def fingerprint(self) -> str:
         """A digest of the model as read: config.json, and each weights file's header and its first and last MiB of
         weights (another model, or the same one trained further, differs there; reading all of a 70B model would

@@ -49,6 +49,7 @@ class LoraOptions:
     alpha: float
     dropout: float
     quantize_base: bool
+    apply_to_experts: bool = False  # every expert's projections of a Mixture-of-Experts model (models/moe.py)
 
     @property
     def scale(self) -> float:
@@ -59,7 +60,7 @@ class LoraOptions:
         quantize_base on its own: the planner traces the layer's activations in full precision)."""
         return dict(lora_attn_modules=list(self.attn_modules), apply_lora_to_mlp=self.apply_to_mlp,
                     apply_lora_to_output=self.apply_to_output, lora_rank=self.rank, lora_alpha=self.alpha,
-                    lora_dropout=self.dropout)
+                    lora_dropout=self.dropout, apply_lora_to_experts=self.apply_to_experts)
 
 
 def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> LoraOptions:
@@ -68,12 +69,19 @@ def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> 
     s = settings
     apply_to_mlp, apply_to_output, quantize_base = s["apply_to_mlp"], s["apply_to_output"], s["quantize_base"]
     rank, alpha, dropout = s["rank"], s["alpha"], s["dropout"]
+    apply_to_experts = bool(s.get("apply_to_experts", False))
     modules = tuple(s["attn_modules"])
     bad = [m for m in modules if m not in ATTN_MODULES]
     if bad:
         raise UserError(f"lora.attn_modules: {', '.join(bad)} is not an attention module; valid: {', '.join(ATTN_MODULES)}")
-    if not modules and not apply_to_mlp and not apply_to_output:
+    if not modules and not apply_to_mlp and not apply_to_output and not apply_to_experts:
         raise UserError("LoRA needs at least one target: set lora.attn_modules=[q_proj,v_proj] or lora.apply_to_mlp=true")
+    if apply_to_experts and not spec.is_moe:
+        raise UserError(f"lora.apply_to_experts=true adapts a Mixture-of-Experts model's experts, and this "
+                        f"{spec.family} model has none; use lora.apply_to_mlp=true for its MLP")
+    if apply_to_experts and dropout:
+        raise UserError(f"lora.apply_to_experts=true with lora.dropout={dropout}: PEFT loads adapters of the experts' "
+                        "stacked weights only without dropout (its ParamWrapper); set lora.dropout=0")
     if rank < 1:
         raise UserError(f"lora.rank={rank} must be at least 1")
     if alpha <= 0:
@@ -83,7 +91,8 @@ def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> 
     if apply_to_output and spec.tie_word_embeddings:
         raise UserError("lora.apply_to_output=true is not possible for a model whose output shares the embedding "
                         "weights (tie_word_embeddings); leave it false")
-    opts = LoraOptions(modules, apply_to_mlp, apply_to_output, rank, float(alpha), float(dropout), quantize_base)
+    opts = LoraOptions(modules, apply_to_mlp, apply_to_output, rank, float(alpha), float(dropout), quantize_base,
+                       apply_to_experts)
     if quantize_base:
         _check_nf4(spec, opts, world_size)
     return opts
@@ -123,7 +132,7 @@ def init_adapters(model: nn.Module, *, seed: int) -> None:
     for name, p in model.named_parameters():
         if ".lora_a." in name:
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            bound = 1 / math.sqrt(p.shape[1])  # kaiming_uniform_(a=sqrt(5)) on a [rank, in] matrix
+            bound = 1 / math.sqrt(p.shape[-1])  # kaiming_uniform_(a=sqrt(5)) on a [rank, in] matrix (an expert's too)
             copy_full_into(p, (torch.rand(p.shape, generator=g) * 2 - 1) * bound)
         elif ".lora_b." in name:
             copy_full_into(p, torch.zeros(p.shape))
@@ -147,12 +156,42 @@ def merge_into(adapters: dict[str, torch.Tensor], scale: float):
 
     def transform(tune_name: str, weight: torch.Tensor) -> torch.Tensor:
         stem = tune_name.removesuffix(".weight")
-        a, b = adapters.get(f"{stem}.lora_a.weight"), adapters.get(f"{stem}.lora_b.weight")
+        if ".mlp.experts." in stem:  # a stacked experts' weight [E, out, in] and its adapters [E, out, r] @ [E, r, in]
+            owner, _, projection = stem.rpartition(".")
+            stem = f"{owner}.lora_{{}}.{projection}"
+        else:
+            stem = f"{stem}.lora_{{}}.weight"
+        a, b = adapters.get(stem.format("a")), adapters.get(stem.format("b"))
         if a is None:
             return weight
         return (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
 
     return transform
+
+
+# The experts' parameters of transformers' Qwen3-MoE and Mixtral PEFT adapts (target_parameters): the fused gate and up
+# projections [E, 2 x hidden, dim], wrapped first (its adapters under `base_layer`), and the down projection.
+PEFT_EXPERT_TARGETS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _peft_experts(prefix: str, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A sparse layer's expert adapters (lora_a.w1 [E, r, dim], lora_b.w1 [E, hidden, r], ...) as PEFT's
+    ParamWrapper holds those of transformers' stacked parameters. PEFT reads a parameter [E, m, n] as n = in and
+    m = out the other way round from F.linear, lora_A [E x R, m] and lora_B [n, R x E]: its update of expert e is
+    A_e^T B_e^T, [m, n]. So for the down projection [E, dim, hidden] A_e is our B_e^T and B_e our A_e^T; for the
+    fused gate and up [E, 2 hidden, dim], rank 2r: A_e = diag(B_gate^T, B_up^T), B_e = [A_gate^T, A_up^T]."""
+    a1, b1, a3, b3, a2, b2 = (stacked[k].float() for k in ("lora_a.w1", "lora_b.w1", "lora_a.w3", "lora_b.w3",
+                                                              "lora_a.w2", "lora_b.w2"))
+    E, r, dim = a1.shape
+    hidden = b1.shape[1]
+    fused_a = torch.zeros(E, 2 * r, 2 * hidden)
+    fused_a[:, :r, :hidden], fused_a[:, r:, hidden:] = b1.transpose(1, 2), b3.transpose(1, 2)
+    fused_b = torch.cat([a1.transpose(1, 2), a3.transpose(1, 2)], dim=2)  # [E, dim, 2r]
+    dtype = stacked["lora_a.w1"].dtype
+    return {f"{prefix}.base_layer.lora_A.weight": fused_a.reshape(E * 2 * r, 2 * hidden).to(dtype),
+            f"{prefix}.base_layer.lora_B.weight": fused_b.permute(1, 2, 0).reshape(dim, 2 * r * E).to(dtype),
+            f"{prefix}.lora_A.weight": b2.transpose(1, 2).reshape(E * r, dim).to(dtype).contiguous(),
+            f"{prefix}.lora_B.weight": a2.permute(2, 1, 0).reshape(hidden, r * E).to(dtype).contiguous()}
 
 
 def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_dir: Path, base_model: str,
@@ -169,19 +208,32 @@ def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_di
 
 
 def _write_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_dir: Path, base_model: str) -> None:
-    tensors, targets = {}, set()
+    tensors, targets, experts = {}, set(), {}
     for name, t in adapters.items():
+        if ".mlp.experts.lora_" in name:  # layers.0.mlp.experts.lora_a.w1: written per layer below
+            layer, _, leaf = name.partition(".experts.")
+            experts.setdefault(layer, {})[leaf] = t
+            continue
         stem, kind = name.rsplit(".lora_", 1)  # layers.0.attn.q_proj, a.weight
         base = hf_name(f"{stem}.weight")
         peft = "base_model.model." + base.removesuffix(".weight") + (".lora_A.weight" if kind.startswith("a") else ".lora_B.weight")
         tensors[peft] = t.contiguous()
         targets.add(_PEFT_TARGETS[stem.rsplit(".", 1)[-1]])
+    for layer, stacked in experts.items():
+        tensors.update(_peft_experts(f"base_model.model.model.{layer}.experts", stacked))
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": opts.rank, "lora_alpha": opts.alpha, "lora_dropout": opts.dropout, "target_modules": sorted(targets),
+        "r": opts.rank, "lora_alpha": opts.alpha, "lora_dropout": opts.dropout,
+        "target_modules": sorted(targets) or None,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
         "modules_to_save": None, "use_dora": False, "use_rslora": False, "layers_to_transform": None,
     }
+    if experts:
+        # transformers keeps a sparse layer's experts as two stacked parameters, the gate and up projections fused:
+        # PEFT adapts them as parameters (its ParamWrapper), the fused one with the gate's and the up's adapters
+        # side by side (rank 2r, alpha 2 alpha: the same scale).
+        config.update(target_parameters=list(PEFT_EXPERT_TARGETS),
+                      rank_pattern={"gate_up_proj": 2 * opts.rank}, alpha_pattern={"gate_up_proj": 2 * opts.alpha})
     if out_dir.exists():
         raise FileExistsError(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -31,11 +31,16 @@ from torch.distributed.tensor import DTensor
 
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU MLPs of `hidden_dim`, their weights stacked: w1, w3 [E, hidden, dim], w2 [E, dim,
-    hidden]. forward(x, counts): x holds the tokens sorted by expert, counts[e] of them for expert e."""
+    hidden]. forward(x, counts): x holds the tokens sorted by expert, counts[e] of them for expert e.
+
+    With `rank`, LoRA adapters on every expert's three projections, stacked alike (lora_a.w1 [E, rank, dim],
+    lora_b.w1 [E, hidden, rank], ...): an expert's rows go through its A, then its B, two more grouped products,
+    and its update B @ A is never made."""
 
     implementation = "grouped"  # or "loop": each expert by itself (the tests' oracle, the same bits)
+    PROJECTIONS = ("w1", "w3", "w2")
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, *, rank: int = 0, alpha: float = 0.0):
         super().__init__()
         self.num_experts = num_experts
         self.summed_over = None  # MoE.summed_over: a group over which the weights' gradients are summed
@@ -43,15 +48,37 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.scale = alpha / rank if rank else 0.0
+        if rank:
+            inputs = {"w1": dim, "w3": dim, "w2": hidden_dim}
+            outputs = {"w1": hidden_dim, "w3": hidden_dim, "w2": dim}
+            self.lora_a = nn.ParameterDict({k: nn.Parameter(torch.empty(num_experts, rank, inputs[k]))
+                                            for k in self.PROJECTIONS})
+            self.lora_b = nn.ParameterDict({k: nn.Parameter(torch.empty(num_experts, outputs[k], rank))
+                                            for k in self.PROJECTIONS})
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The stacked weights and adapters as this device computes with them: its own experts' (a DTensor's local
+        slice), their gradients scaled and summed as set."""
+        named = {k: getattr(self, k) for k in self.PROJECTIONS}
+        if hasattr(self, "lora_a"):
+            named.update({f"lora_a.{k}": v for k, v in self.lora_a.items()})
+            named.update({f"lora_b.{k}": v for k, v in self.lora_b.items()})
+        return {k: summed_gradients(_local(w), self.summed_over, self.grad_scale) for k, w in named.items()}
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [pairs, dim], the rows of each of this device's experts in turn, counts[e] of them for expert e."""
         linear = _per_expert if self.implementation == "loop" else _grouped
         ends = torch.cumsum(counts, 0, dtype=torch.int32)
-        w1, w3, w2 = (summed_gradients(_local(w), self.summed_over, self.grad_scale)
-                      for w in (self.w1, self.w3, self.w2))
-        h = F.silu(linear(x, w1, ends)) * linear(x, w3, ends)
-        return linear(h, w2, ends)
+        w = self.weights()
+
+        def projection(rows: torch.Tensor, k: str) -> torch.Tensor:
+            out = linear(rows, w[k], ends)
+            if f"lora_a.{k}" in w:
+                out = out + linear(linear(rows, w[f"lora_a.{k}"], ends), w[f"lora_b.{k}"], ends) * self.scale
+            return out
+
+        return projection(F.silu(projection(x, "w1")) * projection(x, "w3"), "w2")
 
 
 class _WeightGradient(torch.autograd.Function):
@@ -107,13 +134,13 @@ class MoE(nn.Module):
 
     `scores_in_fp32`: the router's weights scale the experts' outputs in fp32 (Mixtral) rather than cast first to
     the compute dtype (Qwen3-MoE), as each model's transformers code does. `layer`: the decoder layer it belongs to
-    (the experts' load is reported per layer)."""
+    (the experts' load is reported per layer). `rank`, `alpha`: LoRA adapters on the experts (GroupedExperts)."""
 
     def __init__(self, *, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 scores_in_fp32: bool, layer: int):
+                 scores_in_fp32: bool, layer: int, rank: int = 0, alpha: float = 0.0):
         super().__init__()
         self.router = nn.Linear(dim, num_experts, bias=False)
-        self.experts = GroupedExperts(num_experts, dim, hidden_dim)
+        self.experts = GroupedExperts(num_experts, dim, hidden_dim, rank=rank, alpha=alpha)
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.scores_in_fp32, self.layer = scores_in_fp32, layer
         self.routing: Routing | None = None  # set while a forward's routing is recorded (routing_recorded)

@@ -24,9 +24,14 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # PEFT's wrapper around the Hugging Face model
 _KINDS = {".lora_A.weight": 0, ".lora_B.weight": 1}
 _HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name of a Hugging Face Hub repository
-# Settings whose effect a plain W + scale * B @ A merge cannot reproduce: refused, not ignored.
-_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "modules_to_save": None, "rank_pattern": {},
-                "alpha_pattern": {}}
+# Settings whose effect a plain W + scale * B @ A merge cannot reproduce: refused, not ignored. (rank_pattern and
+# alpha_pattern are read for the experts' stacked parameters only: models/lora.py writes them for the fused gate and
+# up projections.)
+_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "modules_to_save": None}
+_PATTERNED = ("gate_up_proj", "down_proj")
+# A Mixture-of-Experts layer's experts as PEFT's ParamWrapper adapts them (target_parameters): the fused gate and up
+# projections under `base_layer`, the down projection outside it (models/lora.py writes them so).
+_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)(\.base_layer)?")
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class PeftAdapter:
     alpha: float
     scale: float
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # Hugging Face module name -> (A [r, in], B [out, r])
+    scales: dict[str, float] | None = None  # a module's own scale where its rank or alpha is not the adapter's
 
     @classmethod
     def open(cls, folder: str | Path) -> "PeftAdapter":
@@ -61,9 +67,15 @@ class PeftAdapter:
                 raise UserError(f"{folder / WEIGHTS}: the LoRA A and B matrices of {module} do not pair up; "
                                 "the adapter is damaged: train or download it again")
         rank, alpha = int(config["r"]), float(config["lora_alpha"])
-        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        return cls(folder=folder, base_model=config.get("base_model_name_or_path"), rank=rank, alpha=alpha, scale=scale,
-                   weights={m: (a, b) for m, (a, b) in pairs.items()})
+        scaled = lambda r, a: a / math.sqrt(r) if config.get("use_rslora") else a / r  # noqa: E731
+        scales = {}
+        for module in pairs:  # the experts' parameters may have ranks and alphas of their own
+            if _EXPERTS.fullmatch(module):
+                name = "gate_up_proj" if module.endswith(".base_layer") else "down_proj"
+                scales[module] = scaled(config.get("rank_pattern", {}).get(name, rank),
+                                        config.get("alpha_pattern", {}).get(name, alpha))
+        return cls(folder=folder, base_model=config.get("base_model_name_or_path"), rank=rank, alpha=alpha,
+                   scale=scaled(rank, alpha), weights={m: (a, b) for m, (a, b) in pairs.items()}, scales=scales)
 
     @property
     def base_on_hub(self) -> bool:
@@ -90,6 +102,9 @@ class PeftAdapter:
     def check_base(self, hf: HFFolder) -> None:
         """UserError unless every adapted module is a weight of `hf` with the adapter's shapes."""
         for module, (a, b) in self.weights.items():
+            if _EXPERTS.fullmatch(module):
+                _expert_delta(module, a, b, hf.spec, 1.0, folder=self.folder)  # its shapes checked
+                continue
             shape = hf.shapes.get(f"{module}.weight")
             if shape != (b.shape[0], a.shape[1]):
                 found = f"has shape {list(shape)}" if shape else "has no such weight"
@@ -120,17 +135,59 @@ def _read_config(folder: Path) -> dict:
     for key, plain in _UNSUPPORTED.items():
         if config.get(key) not in (plain, None):
             raise UserError(f"{path} sets {key}={config[key]!r}; only plain LoRA adapters can be merged here")
+    for key in ("rank_pattern", "alpha_pattern"):
+        other = sorted(set(config.get(key) or {}) - set(_PATTERNED))
+        if other:
+            raise UserError(f"{path} sets {key} for {', '.join(other)}; only plain LoRA adapters (per-module ranks for "
+                            "the experts' gate_up_proj and down_proj alone) can be merged here")
     if config.get("bias", "none") != "none":
         raise UserError(f"{path} sets bias={config['bias']!r}; only adapters without trained biases can be merged")
     return config
 
 
 @torch.no_grad()
-def merge_adapter(model: torch.nn.Module, adapter: PeftAdapter) -> None:
+def merge_adapter(model: torch.nn.Module, adapter: PeftAdapter, spec=None) -> None:
     """Add scale * B @ A to each adapted weight of `model` (loaded from a checkpoint that `adapter.check_base`
-    accepted), one module at a time, in fp32."""
+    accepted), one module at a time, in fp32. `spec`: the model's (its experts, for a Mixture-of-Experts adapter)."""
     params = dict(model.named_parameters())
+    for layer, updates in expert_updates(adapter, spec).items():
+        for projection, delta in updates.items():
+            param = params[f"{layer}.{projection}"]
+            param.copy_(param.float() + delta.to(param.device))
     for module, (a, b) in adapter.weights.items():
+        if _EXPERTS.fullmatch(module):
+            continue
         delta = adapter.scale * (b.float() @ a.float())  # [out, in], the layout of the weight
         param = params[tune_name(f"{module}.weight")]
         param.copy_(param.float() + delta.to(param.device))  # one rounding to the model's dtype
+
+
+def expert_updates(adapter: PeftAdapter, spec) -> dict[str, dict[str, torch.Tensor]]:
+    """The adapter's updates of each sparse layer's stacked experts, scaled, by our names: {"layers.L.mlp.experts":
+    {"w1": [E, hidden, dim], "w3": ..., "w2": [E, dim, hidden]}} (the fused gate and up update split in two)."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for module, (a, b) in adapter.weights.items():
+        m = _EXPERTS.fullmatch(module)
+        if not m:
+            continue
+        layer = tune_name(f"{m.group(1)}.0.gate_proj.weight").rpartition(".")[0]  # layers.L.mlp.experts
+        delta = _expert_delta(module, a, b, spec, adapter.scales[module], folder=adapter.folder)
+        half = delta.shape[1] // 2
+        out.setdefault(layer, {}).update({"w1": delta[:, :half], "w3": delta[:, half:]} if m.group(2) else {"w2": delta})
+    return out
+
+
+def _expert_delta(module: str, a: torch.Tensor, b: torch.Tensor, spec, scale: float, *, folder: Path) -> torch.Tensor:
+    """The update of a sparse layer's stacked experts from PEFT's ParamWrapper matrices: A [E x R, m], B [n, R x E],
+    expert e's update A_e^T B_e^T [m, n]: the fused gate and up projections [E, 2 x hidden, dim] (under `base_layer`)
+    or the down projection [E, dim, hidden], scaled."""
+    E, hidden, dim = spec.num_experts, spec.expert_dim, spec.embed_dim
+    fused = module.endswith(".base_layer")
+    want = (2 * hidden, dim) if fused else (dim, hidden)
+    if not spec.is_moe or a.shape[0] % E or (a.shape[1], b.shape[0]) != want:
+        raise UserError(f"the adapter {folder} adapts {module} with matrices {list(a.shape)} and {list(b.shape)}, "
+                        f"which are not of this model's {E} experts ({'gate_up_proj' if fused else 'down_proj'} "
+                        f"{[E, *want]}); set model.checkpoint_dir to the base it was trained on")
+    rank = a.shape[0] // E
+    return torch.einsum("ore,eri->eio", b.float().reshape(b.shape[0], rank, E),
+                        a.float().reshape(E, rank, a.shape[1])) * scale

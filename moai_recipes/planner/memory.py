@@ -58,8 +58,10 @@ def model_sizes(spec: ModelSpec, lora=None) -> ModelSizes:
 def _trainable_tensors(spec: ModelSpec, lora=None) -> int:
     """How many parameter tensors are trained: every weight, bias and norm; with LoRA two per adapter."""
     if lora:
-        adapters = len(lora.attn_modules) + (3 if lora.apply_to_mlp else 0)
-        return 2 * (spec.num_layers * adapters + (1 if lora.apply_to_output else 0))
+        dense = spec.num_layers - len(spec.moe_layers)
+        adapters = (spec.num_layers * len(lora.attn_modules) + (3 * dense if lora.apply_to_mlp else 0)
+                    + (3 * len(spec.moe_layers) if lora.apply_to_experts else 0))  # an expert adapter is stacked
+        return 2 * (adapters + (1 if lora.apply_to_output else 0))
     layer = 4 + 3 + 2 + (3 if spec.attention_bias else 0) + (1 if spec.output_bias else 0) + (2 if spec.qk_norm else 0)
     # A sparse layer holds a router beside its three (stacked) projections.
     return spec.num_layers * layer + len(spec.moe_layers) + 2 + (0 if spec.tie_word_embeddings else 1)
@@ -70,10 +72,11 @@ def lora_params(spec: ModelSpec, lora) -> int:
     d, q, kv, h = spec.embed_dim, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_dim
     shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "output_proj": (q, d)}
     per_layer = sum(sum(shapes[m]) for m in lora.attn_modules)
-    if lora.apply_to_mlp:
-        per_layer += 3 * (d + h)  # gate, up and down projections
+    dense = spec.num_layers - len(spec.moe_layers)  # a sparse layer's MLP is its experts
+    mlp = 3 * (d + h) * dense if lora.apply_to_mlp else 0  # gate, up and down projections
+    experts = 3 * (d + spec.expert_dim) * spec.num_experts * len(spec.moe_layers) if lora.apply_to_experts else 0
     output = (d + spec.vocab_size) if lora.apply_to_output else 0
-    return lora.rank * (spec.num_layers * per_layer + output)
+    return lora.rank * (spec.num_layers * per_layer + mlp + experts + output)
 
 
 @dataclass(frozen=True)

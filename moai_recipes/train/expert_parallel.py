@@ -90,9 +90,11 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     for moe in moe_modules(model):
         assert moe.num_experts % mesh.size() == 0, (moe.num_experts, mesh.size())  # the planner's degrees divide
         experts = moe.experts
-        for name, p in list(experts.named_parameters(recurse=False)):
-            sharded = nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]), requires_grad=p.requires_grad)
-            experts.register_parameter(name, sharded)
+        for name, p in list(experts.named_parameters()):  # the stacked weights, and their adapters (LoRA)
+            owner, _, leaf = name.rpartition(".")
+            module = experts.get_submodule(owner) if owner else experts
+            module.register_parameter(leaf, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]),
+                                                         requires_grad=p.requires_grad))
         moe.expert_parallel = dispatch
         experts.grad_scale = 1.0 / mesh.size()
 

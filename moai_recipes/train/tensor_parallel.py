@@ -108,10 +108,10 @@ def summed_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 def _replicate(moe: MoE, mesh: DeviceMesh) -> None:
     """A sparse layer's router and experts whole on every device of `mesh` (replicated DTensors, as the norms'
     weights are), computed on each device's tokens, their gradients summed over it."""
-    for module in (moe.router, moe.experts):
-        for name, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]),
-                                                         requires_grad=p.requires_grad))
+    for name, p in list(moe.named_parameters()):  # the router, the experts and their adapters (LoRA)
+        owner, _, leaf = name.rpartition(".")
+        moe.get_submodule(owner).register_parameter(leaf, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]),
+                                                                       requires_grad=p.requires_grad))
     moe.summed_over = moe.experts.summed_over = mesh.get_group()
 
 
