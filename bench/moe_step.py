@@ -4,8 +4,9 @@
 
 The checkpoint is a Qwen3-MoE that transformers makes (random weights, `--layers` layers, every one sparse: `--experts`
 experts of `--expert-dim`, top `--top-k`), saved once; every variant loads it and trains on the same batch of token ids
-(`--batch` rows of `--seq` tokens, no padding), fp32, 2 threads, fused AdamW (lr 1e-5) for all, the load-balancing loss
-added with config.json's coefficient by all:
+(`--batch` rows of `--seq` tokens, no padding), in fp32 (or `--dtype bf16`: every weight, gradient and moment in bf16,
+as transformers trains a bf16 model), 2 threads, fused AdamW (lr 1e-5) for all, the load-balancing loss added with
+config.json's coefficient by all (transformers' over the batch, ours per sample: the same work):
 - ours: models/build.py's model, the experts stacked and computed by grouped products (torch._grouped_mm), each
   sample's balancing loss (models/moe.py), one step as train/loop.py takes it;
 - ours-loop: the same with each expert computed by itself (GroupedExperts.implementation = "loop", the tests' oracle);
@@ -25,7 +26,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("ours", "ours-loop", "transformers-grouped_mm", "transformers-batched_mm", "transformers-eager")
+# transformers' batched_mm gathers every token-expert pair's weights ([pairs, hidden, dim] a projection: 8 GiB at the
+# default shapes) and runs this 24 GiB machine out of memory: pass it with --variants to try a smaller shape.
+VARIANTS = ("ours", "ours-loop", "transformers-grouped_mm", "transformers-eager")
 
 _ONE = r'''
 import json, resource, statistics, sys, time
@@ -33,6 +36,7 @@ sys.path.insert(0, sys.argv[1])
 import torch
 torch.set_num_threads(2)
 variant, folder, batch, seq, steps = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+dtype = getattr(torch, sys.argv[7])
 ids = torch.randint(0, 8000, (batch, seq), generator=torch.Generator().manual_seed(0))
 if variant.startswith("transformers"):
     import transformers
@@ -58,6 +62,7 @@ else:
         with routing_recorded(model, Routing(samples, batch, hf.spec)) as routing:
             ce = cross_entropy_sum(model(ids), labels) / targets
         return ce + hf.spec.router_aux_loss_coef * routing.balancing_losses().mean()
+model.to(dtype)  # bf16: every weight, gradient and moment in bf16, as transformers trains a bf16 model
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 ready = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 times, first = [], None
@@ -91,7 +96,8 @@ def make_checkpoint(folder: Path, args) -> Path:
 
 def run(variant: str, folder: Path, args) -> dict:
     r = subprocess.run([sys.executable, "-c", _ONE, str(ROOT), variant, str(folder), str(args.batch), str(args.seq),
-                        str(args.steps)], capture_output=True, text=True, timeout=3600)
+                        str(args.steps), {"fp32": "float32", "bf16": "bfloat16"}[args.dtype]], capture_output=True,
+                       text=True, timeout=3600)
     if r.returncode:
         raise SystemExit(f"{variant} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -109,6 +115,7 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = p.parse_args()
     variants = args.variants.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,7 +126,7 @@ def main():
                 results[v].append(run(v, folder, args))
                 print(f"round {r + 1} {v}: {results[v][-1]}", flush=True)
     print(f"\nQwen3-MoE, {args.layers} layers, hidden {args.hidden}, {args.experts} experts of {args.expert_dim}, "
-          f"top {args.top_k}; {args.batch} x {args.seq} tokens, fp32, 2 threads; medians of {args.rounds} rounds")
+          f"top {args.top_k}; {args.batch} x {args.seq} tokens, {args.dtype}, 2 threads; medians of {args.rounds} rounds")
     best = min((statistics.median(x["seconds"] for x in results[v]), v) for v in variants if v.startswith("transf"))
     print(f"{'variant':<26} {'s/step':>8} {'spread':>15} {'peak MiB':>9} {'vs best transformers':>21} {'first loss':>11}")
     for v in variants:

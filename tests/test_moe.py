@@ -260,6 +260,16 @@ def test_what_cannot_be_built_is_refused_by_name(config, named):
         spec_from_hf_config(config)
 
 
+def test_lora_settings_the_experts_cannot_take_are_refused_by_name(checkpoint):
+    spec = spec_from_hf_config(json.loads((checkpoint / "config.json").read_text()))
+    for settings, named in [({"dropout": 0.1}, "lora.dropout=0.1"), ({"quantize_base": True}, "QLoRA of a Mixture")]:
+        with pytest.raises(UserError, match=named):
+            expert_lora(spec, **settings)
+    dense = spec_from_hf_config({**BASE, "model_type": "mistral"})
+    with pytest.raises(UserError, match="has none"):
+        expert_lora(dense)
+
+
 def test_sparse_layers_as_qwen3_moe_places_them():
     spec = spec_from_hf_config({**BASE, "model_type": "qwen3_moe", "num_hidden_layers": 6, "moe_intermediate_size": 32,
                                 "decoder_sparse_step": 2, "mlp_only_layers": [3]})

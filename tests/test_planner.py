@@ -178,6 +178,21 @@ def _lora(spec, *, attn_modules, apply_to_mlp, apply_to_experts=False):
                              alpha=16, dropout=0.0, quantize_base=False, apply_to_experts=apply_to_experts), spec=spec)
 
 
+@pytest.mark.parametrize("model", ["qwen3_30b_a3b", "mixtral_8x7b"])
+def test_a_traced_sparse_layer_computes_the_flops_of_its_top_k_experts(model):
+    """The planner's trace of a Mixture-of-Experts layer (on fake tensors, in the GPUs' bf16 and the CPU's fp32)
+    counts the router's and the top-k experts' FLOPs that MFU counts (planner/flops.py), no more, no less."""
+    import torch
+
+    from moai_recipes.planner.flops import ModelFlops
+
+    _, spec, _ = setup(f"model={model}")
+    per_layer = (ModelFlops.of(spec).per_token - 6 * spec.vocab_size * spec.embed_dim) / spec.num_layers
+    for dtype in (torch.bfloat16, torch.float32):
+        traced = trace_layer(spec, seq_len=512, recompute="none", dtype=dtype)
+        assert (traced.flops - traced.attention_flops) / 512 == per_layer, dtype
+
+
 def test_the_planner_splits_experts_where_that_is_faster_and_refuses_a_degree_that_cannot():
     """Qwen3-30B-A3B on one node of 8 H100s: the experts split over the devices beat FSDP2 gathering all 128 of each
     layer for every micro-batch; a layer gathers 1 / EP of its experts. A degree that cannot split them is refused

@@ -124,9 +124,11 @@ def _grouped(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch
 
 
 def _per_expert(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """The same as _grouped, one F.linear per expert (the counts read on the host)."""
-    bounds = [0, *ends.tolist()]
-    return torch.cat([F.linear(x[bounds[e]:bounds[e + 1]], weight[e]) for e in range(weight.shape[0])])
+    """The same as _grouped, one F.linear per expert (the counts read on the host). Split and unbound, not sliced and
+    indexed: their backwards are one concatenation and one stack, where each slice's or index's would fill a whole
+    tensor of zeros."""
+    counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    return torch.cat([F.linear(rows, w) for w, rows in zip(weight.unbind(0), x.split(counts))])
 
 
 class MoE(nn.Module):

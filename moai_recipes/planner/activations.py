@@ -43,7 +43,7 @@ from moai_recipes.models.spec import ModelSpec
 from moai_recipes.planner.live_storages import LiveStorages
 from moai_recipes.models.recompute import apply_recompute
 
-_VERSION = 7  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 8  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -178,10 +178,22 @@ def _cpu_flash_backward_flops(grad_out, query, key, value, *args, out_val=None, 
     return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
 
 
-# PyTorch's formulas, and the CPU's flash attention (which has none) counted as the GPU kernels are.
+def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
+    """A grouped product (models/moe.py's experts): each row of a [rows, k] times its group's [k, n] of b [groups, k,
+    n]; or, for the weights' gradient, a [k, rows] times b [rows, n], each group's rows summed into its own [k, n]."""
+    if a.dim() == 2 and b.dim() == 3:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[2]
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * math.prod(out_val.shape) * a.shape[-1]  # batched: every group's whole product
+
+
+# PyTorch's formulas, and those it has none for: the CPU's flash attention (counted as the GPU kernels are), the
+# experts' grouped product.
 _FLOP_FORMULAS = {**flop_registry,
                   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
-                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops}
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
+                  torch.ops.aten._grouped_mm: _grouped_mm_flops}
 
 
 def _nbytes(tensors) -> int:
