@@ -1,5 +1,6 @@
 """Mixture-of-Experts models on several processes: experts split over 2 and 4 of them (expert parallelism), beside
-FSDP2's data parallelism, pipeline stages and tensor parallelism, give one process's per-step losses, gradient norms
+FSDP2's data parallelism, pipeline stages and tensor parallelism of the attention (each device routing its share of
+the sequence), give one process's per-step losses, gradient norms
 and balancing losses, full fine-tuning and LoRA on every expert, packed and padded, also when the routers send every
 token to two experts (the others and their devices receive nothing); a run's checkpoints resume across expert
 degrees. Each run's plan is asserted
@@ -89,7 +90,9 @@ LAYOUTS = {
     "expert 2 x pipeline 2, padded": (
         "cpu-4", "qwen3_moe", ("plan.expert_parallel=2", "plan.pipeline_stages=2", "plan.pipeline_schedule=1f1b", PADDED),
         "num_stages 2 (1f1b), No TP, DP 2, EP 2"),
-    "tensor 2, padded": ("cpu-2", "mixtral", ("plan.tensor_parallel=2", PADDED), "num_stages 1, TP 2, DP 1"),
+    "expert 2 x tensor 2, padded": ("cpu-4", "mixtral", ("plan.expert_parallel=2", "plan.tensor_parallel=2",
+                                                         "plan.pipeline_stages=1", PADDED),
+                                    "num_stages 1, TP 2, DP 2, EP 2"),
 }
 
 

@@ -102,9 +102,6 @@ def why_not_expert(spec: ModelSpec, degree: int, data: int, tensor: int = 1) -> 
         return f"its {spec.num_experts} experts (num_experts) do not divide by {degree}"
     if data % degree:
         return f"the plan's {data} data-parallel device(s) do not divide by {degree}"
-    if tensor > 1:
-        return "experts split over devices that tensor parallelism also cuts are not supported yet (tensor " \
-               "parallelism keeps every expert whole on each of its devices)"
     return None
 
 

@@ -1,5 +1,5 @@
 """Parallelise a model in one place and one order (`parallelize`): activation checkpointing, then
-compilation, then tensor parallelism, then expert parallelism, then pipeline stages, then FSDP2, then memory on
+compilation, then expert parallelism, then tensor parallelism, then pipeline stages, then FSDP2, then memory on
 the device.
 
 torchtitan's order: recomputation wraps each transformer layer first, then each layer is compiled
@@ -43,8 +43,9 @@ def apply_compile(layers: nn.ModuleList) -> None:
 
 def parallelize(model: nn.Module, plan: Plan, world: World, spec=None) -> nn.Module:
     """Recompute, compile, cut, shard and give memory to a model built on the meta device, as `plan` says: each
-    layer's recomputation first, its compilation (plan.compile), then the tensor-parallel cut of its heads and
-    MLP (plan.tensor_parallel), this device's pipeline stages (plan.pipeline_stages: the model returned holds
+    layer's recomputation first, its compilation (plan.compile), a sparse layer's experts split over the expert
+    dimension (plan.expert_parallel), then the tensor-parallel cut of its heads and MLP (plan.tensor_parallel),
+    this device's pipeline stages (plan.pipeline_stages: the model returned holds
     only those; `spec`, the model's, tells them a Mixture-of-Experts model's routing to pass on), FSDP2 on each layer
     and each stage's root (where Plan.sharded), then memory on the world's
     device (the CPU for what FSDP offloads) and the RoPE buffers. The weights come next
@@ -53,10 +54,10 @@ def parallelize(model: nn.Module, plan: Plan, world: World, spec=None) -> nn.Mod
     apply_recompute(model.layers, plan.recompute)
     if plan.compile:
         apply_compile(model.layers)
+    if plan.expert_parallel > 1:  # before the tensor cut, which keeps split experts as they are
+        apply_expert_parallel(model, world.mesh["expert"])
     if plan.tensor_parallel > 1:
         apply_tensor_parallel(model, world.mesh["tensor"])
-    if plan.expert_parallel > 1:
-        apply_expert_parallel(model, world.mesh["expert"])
     roots = [model]
     if plan.pipeline_stages > 1:
         model = pipeline_stages(model, plan, world, spec)

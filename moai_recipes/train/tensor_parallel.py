@@ -107,8 +107,11 @@ def summed_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 def _replicate(moe: MoE, mesh: DeviceMesh) -> None:
     """A sparse layer's router and experts whole on every device of `mesh` (replicated DTensors, as the norms'
-    weights are), computed on each device's tokens, their gradients summed over it."""
+    weights are), computed on each device's tokens, their gradients summed over it. Experts already split over the
+    expert dimension (train/expert_parallel.py) stay as they are: each device of `mesh` holds the same split."""
     for name, p in list(moe.named_parameters()):  # the router, the experts and their adapters (LoRA)
+        if isinstance(p, DTensor):
+            continue
         owner, _, leaf = name.rpartition(".")
         moe.get_submodule(owner).register_parameter(leaf, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]),
                                                                        requires_grad=p.requires_grad))
