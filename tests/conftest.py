@@ -28,7 +28,7 @@ FAMILIES = ("llama", "mistral", "qwen2")
 # together instead of one running a long module alone while the other core idles. A module not named here counts
 # as short; a wrong figure costs balance, never a test.
 LONGEST_FIRST = {"test_checkpoints.py": 247, "test_compile.py": 150, "test_full_finetune.py": 87,  # compile: cold
-                 "test_layouts.py": 79, "test_expert_parallel.py": 75, "test_cli.py": 62, "test_smollm2.py": 58, "test_install.py": 49,
+                 "test_layouts.py": 79, "test_expert_parallel.py": 60, "test_cli.py": 62, "test_smollm2.py": 58, "test_install.py": 49,
                  "test_lora_finetune.py": 49, "test_dpo.py": 37, "test_eval.py": 34, "test_planner.py": 31,
                  "test_out_of_memory.py": 27, "test_readme.py": 25, "test_moe.py": 30, "test_config.py": 24}
 

@@ -24,7 +24,9 @@ def test_compiled_layers_train_as_eager_ones(tmp_path, varied_file):
     runs = {"eager": ("flavor=cpu", "plan.compile=false", "plan.packing=true", "plan.micro_batch_size=1",
                       "plan.recompute=selective"),
             "compiled, recomputed": (*cpu2, "plan.compile=true", "plan.packing=false", "plan.recompute=selective"),
-            "compiled, packed": (*cpu2, "plan.compile=true", "plan.packing=true", "plan.micro_batch_size=1",
+            # One process: a cold compile of one more graph costs a minute a process, and FSDP2's hooks around a
+            # compiled layer are the recomputed run's to show.
+            "compiled, packed": ("flavor=cpu", "plan.compile=true", "plan.packing=true", "plan.micro_batch_size=1",
                                  "plan.recompute=none")}
     losses = {}
     for name, forced in runs.items():
@@ -33,7 +35,7 @@ def test_compiled_layers_train_as_eager_ones(tmp_path, varied_file):
         assert r.returncode == 0, r.stdout + r.stderr
         compiled = name.startswith("compiled")
         assert ("compiled layers" if compiled else "eager layers") in r.stdout
-        assert layout(out) == ("sharded" if compiled else "single")
+        assert layout(out) == ("sharded" if "cpu-2" in " ".join(forced) else "single")
         graphs = re.search(r"torch.compile captured (\d+) graph", r.stdout)
         assert (int(graphs.group(1)) >= 1) if compiled else graphs is None, r.stdout[-2000:]
         losses[name] = [m["loss"] for m in metrics(out)]

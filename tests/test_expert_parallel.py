@@ -82,14 +82,12 @@ def configuration(stdout: str) -> str:
 
 # name: (flavor, checkpoint, overrides, the layout the configuration line names)
 LAYOUTS = {
-    "expert 4, LoRA on every expert, padded": (
-        "cpu-4", "qwen3_moe", ("plan.expert_parallel=4", PADDED, *LORA), "num_stages 1, No TP, DP 4, EP 4"),
     "expert 2 x data 2, packed, every token to two experts": (
         "cpu-4", "skewed", ("plan.expert_parallel=2", "plan.pipeline_stages=1", "plan.tensor_parallel=1", PACKED),
         "num_stages 1, No TP, DP 4, EP 2"),
-    "expert 2 x pipeline 2, padded": (
-        "cpu-4", "qwen3_moe", ("plan.expert_parallel=2", "plan.pipeline_stages=2", "plan.pipeline_schedule=1f1b", PADDED),
-        "num_stages 2 (1f1b), No TP, DP 2, EP 2"),
+    "expert 2 x pipeline 2, LoRA on every expert, padded": (
+        "cpu-4", "qwen3_moe", ("plan.expert_parallel=2", "plan.pipeline_stages=2", "plan.pipeline_schedule=1f1b", PADDED,
+                               *LORA), "num_stages 2 (1f1b), No TP, DP 2, EP 2"),
     "expert 2 x tensor 2, padded": ("cpu-4", "mixtral", ("plan.expert_parallel=2", "plan.tensor_parallel=2",
                                                          "plan.pipeline_stages=1", PADDED),
                                     "num_stages 1, TP 2, DP 2, EP 2"),
