@@ -23,7 +23,7 @@ from moai_recipes.models.build import build_model, init_buffers
 from moai_recipes.models.hf_format import HFFolder, load_weights, save_weights
 from moai_recipes.models.lora import freeze_base, gather_adapters, init_adapters, lora_options, merge_into, save_adapter
 from moai_recipes.models.loss import IGNORE_INDEX, token_loss_sum
-from moai_recipes.models.moe import GroupedExperts, MoE, Routing, local_experts, routing_recorded
+from moai_recipes.models.moe import GroupedExperts, MoE, Routing, is_nf4, local_experts, routing_recorded
 from moai_recipes.models.peft_adapter import PeftAdapter, merge_adapter
 from moai_recipes.models.spec import spec_from_hf_config
 
@@ -245,6 +245,53 @@ def test_expert_adapters_load_in_peft_with_our_logits_and_merge_into_the_base(tm
         assert torch.allclose(p, base.get_parameter(name), atol=1e-6), name
 
 
+def test_qlora_keeps_the_experts_in_nf4_trains_alike_on_cpu_and_cpu_2_and_merges_what_it_trained(tmp_path):
+    """QLoRA of a Mixture-of-Experts model: the experts frozen in NF4 (each projection's [E x out, in], torchao's NF4
+    being 2-D), the same losses on one process and FSDP2 over two, and the merged model the NF4 base dequantized plus
+    the adapters: peft's adapter on that base gives its logits."""
+    import peft
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    from helpers import FSDP, layout
+
+    folder = make_hf_checkpoint(tmp_path / "base", "qwen3_moe", num_layers=2, hidden=128, kv_heads=4)  # whole blocks
+    spec = spec_from_hf_config(json.loads((folder / "config.json").read_text()))
+    with torch.device("meta"):
+        built = build_model(spec, max_seq_len=64, lora=expert_lora(spec, quantize_base=True).builder_kwargs(),
+                            quantize_base=True)
+    assert all(is_nf4(getattr(built.layers[0].mlp.experts, w)) for w in ("w1", "w2", "w3"))
+    common = [f"model.checkpoint_dir={folder}", "max_steps=3", "batch_size=4", "optimizer.lr=1e-2",
+              "optimizer.warmup_steps=0", "logger=stdout", "lora.quantize_base=true", "lora.apply_to_experts=true",
+              "lora.rank=4", "sample_max_new_tokens=0"]
+    losses = {}
+    for flavor, extra in {"cpu": (), "cpu-2": FSDP}.items():
+        out = tmp_path / flavor
+        r = run_recipe(*common, f"flavor={flavor}", *extra, f"output_dir={out}", module="recipes.lora_finetune")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "base frozen in NF4 (QLoRA)" in r.stdout and "every expert's projections" in r.stdout
+        assert layout(out) == {"cpu": "single", "cpu-2": "sharded"}[flavor]
+        losses[flavor] = metrics(out)
+    for a, b in zip(losses["cpu"], losses["cpu-2"], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * a["loss"], (a, b)
+
+    def nf4(w: torch.Tensor) -> torch.Tensor:  # as QLoRA stores it: [E x out, in]
+        return to_nf4(w.reshape(-1, w.shape[-1]).clone()).get_original_weight().view(w.shape)
+
+    base = theirs(folder)
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if name.endswith("experts.gate_up_proj"):  # gate (our w1) and up (w3) quantized each on its own
+                half = p.shape[1] // 2
+                p.copy_(torch.cat([nf4(p[:, :half]), nf4(p[:, half:])], dim=1))
+            elif name.endswith(("experts.down_proj", "_proj.weight")) and ".layers." in name:
+                p.copy_(nf4(p))
+    tokens, _ = padded_batch(seed=5)
+    with torch.no_grad():
+        merged = theirs(tmp_path / "cpu-2" / "model")(tokens).logits
+        on_nf4 = peft.PeftModel.from_pretrained(base, tmp_path / "cpu-2" / "adapter")(tokens).logits
+    torch.testing.assert_close(on_nf4, merged, atol=1e-4, rtol=1e-4)
+
+
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
 
@@ -262,7 +309,7 @@ def test_what_cannot_be_built_is_refused_by_name(config, named):
 
 def test_lora_settings_the_experts_cannot_take_are_refused_by_name(checkpoint):
     spec = spec_from_hf_config(json.loads((checkpoint / "config.json").read_text()))
-    for settings, named in [({"dropout": 0.1}, "lora.dropout=0.1"), ({"quantize_base": True}, "QLoRA of a Mixture")]:
+    for settings, named in [({"dropout": 0.1}, "lora.dropout=0.1"), ({"quantize_base": True}, "cannot be stored in NF4")]:
         with pytest.raises(UserError, match=named):
             expert_lora(spec, **settings)
     dense = spec_from_hf_config({**BASE, "model_type": "mistral"})

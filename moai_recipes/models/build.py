@@ -84,7 +84,8 @@ def _layer(spec: ModelSpec, linears: _Linears, max_seq_len: int, index: int) -> 
         adapters = linears.lora if linears.lora and linears.lora.get("apply_lora_to_experts") else None
         mlp = MoE(dim=d, hidden_dim=spec.expert_dim, num_experts=spec.num_experts, top_k=spec.experts_per_token,
                   norm_topk_prob=spec.norm_topk_prob, scores_in_fp32=spec.family == "mixtral", layer=index,
-                  rank=adapters["lora_rank"] if adapters else 0, alpha=adapters["lora_alpha"] if adapters else 0.0)
+                  rank=adapters["lora_rank"] if adapters else 0, alpha=adapters["lora_alpha"] if adapters else 0.0,
+                  quantize=linears.quantize_base)
     else:
         i = spec.intermediate_dim
         mlp = FeedForward(gate_proj=linears("w1", d, i), down_proj=linears("w2", i, d), up_proj=linears("w3", d, i))
@@ -145,12 +146,20 @@ def nf4_weights(spec: ModelSpec, opts) -> dict[str, tuple[tuple[int, int], str]]
     d, i = spec.embed_dim, spec.intermediate_dim
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     hidden, inter = f"hidden_size={d}", f"intermediate_size={i}"
-    return {"attn.q_proj": ((q, d), f"num_attention_heads*head_dim={q}, {hidden}"),
-            "attn.k_proj": ((kv, d), f"num_key_value_heads*head_dim={kv}, {hidden}"),
-            "attn.v_proj": ((kv, d), f"num_key_value_heads*head_dim={kv}, {hidden}"),
-            "attn.output_proj": ((d, q), f"{hidden}, num_attention_heads*head_dim={q}"),
-            "mlp.w1": ((i, d), f"{inter}, {hidden}"), "mlp.w2": ((d, i), f"{hidden}, {inter}"),
-            "mlp.w3": ((i, d), f"{inter}, {hidden}")}
+    weights = {"attn.q_proj": ((q, d), f"num_attention_heads*head_dim={q}, {hidden}"),
+               "attn.k_proj": ((kv, d), f"num_key_value_heads*head_dim={kv}, {hidden}"),
+               "attn.v_proj": ((kv, d), f"num_key_value_heads*head_dim={kv}, {hidden}"),
+               "attn.output_proj": ((d, q), f"{hidden}, num_attention_heads*head_dim={q}")}
+    if len(spec.moe_layers) < spec.num_layers:  # dense MLPs
+        weights.update({"mlp.w1": ((i, d), f"{inter}, {hidden}"), "mlp.w2": ((d, i), f"{hidden}, {inter}"),
+                        "mlp.w3": ((i, d), f"{inter}, {hidden}")})
+    if spec.is_moe:  # a sparse layer's experts, each projection stacked and held as [E x out, in] (GroupedExperts)
+        e, x = spec.num_experts, spec.expert_dim
+        stacked = f"num_experts={e} x moe_intermediate_size={x}"
+        weights.update({"mlp.experts.w1": ((e * x, d), f"{stacked}, {hidden}"),
+                        "mlp.experts.w3": ((e * x, d), f"{stacked}, {hidden}"),
+                        "mlp.experts.w2": ((e * d, x), f"num_experts={e} x {hidden}, moe_intermediate_size={x}")})
+    return weights
 
 
 @contextmanager

@@ -253,17 +253,19 @@ def _check_matches(model: torch.nn.Module, hf: HFFolder, names: dict[str, str | 
                             "the weights and config.json do not belong together")
         index, shape = expert_index(hf_name), tuple(params[tune].shape)
         if index is not None:
-            if index >= shape[0]:
+            count = hf.spec.num_experts
+            if index >= count:
                 raise UserError(f"{hf.folder}: tensor {hf_name} is of expert {index}, but its config.json has "
-                                f"{shape[0]} experts; the weights and config.json do not belong together")
+                                f"{count} experts; the weights and config.json do not belong together")
             experts.setdefault(tune, set()).add(index)
-            shape = shape[1:]
+            # [E, out, in], or under QLoRA [E x out, in] (NF4 holds 2-D weights): one expert's slice either way.
+            shape = shape[1:] if len(shape) == 3 else (shape[0] // count, *shape[1:])
         if hf.shapes[hf_name] != shape:
             raise UserError(f"{hf.folder}: tensor {hf_name} has shape {list(hf.shapes[hf_name])} but its config.json "
                             f"needs {list(shape)}; the weights and config.json do not belong together")
     missing = set(params) - set(names.values()) - {p for p in params if any(s in p for s in allow_missing)}
-    missing |= {f"{tune} (experts {sorted(set(range(params[tune].shape[0])) - have)[:4]})"
-                for tune, have in experts.items() if len(have) < params[tune].shape[0]}
+    missing |= {f"{tune} (experts {sorted(set(range(hf.spec.num_experts)) - have)[:4]})"
+                for tune, have in experts.items() if len(have) < hf.spec.num_experts}
     if missing:
         raise UserError(f"{hf.folder} has no weights for {', '.join(sorted(missing)[:4])}; the weights are "
                         "incomplete or do not belong to its config.json")
@@ -324,8 +326,9 @@ def load_weights(model: torch.nn.Module, hf: HFFolder, *, allow_missing: tuple[s
                     continue
                 stack = stacks.setdefault(tune, {})
                 stack[index] = f.get_tensor(hf_name)
-                if len(stack) == params[tune].shape[0]:  # the last of its experts: the whole weight is here
-                    copy_full_into(params[tune], torch.stack([stack[e] for e in range(len(stack))]))
+                if len(stack) == hf.spec.num_experts:  # the last of its experts: the whole weight is here
+                    whole = torch.stack([stack[e] for e in range(len(stack))])
+                    copy_full_into(params[tune], whole.reshape(params[tune].shape))  # [E x out, in] in NF4
                     del stacks[tune]
     assert not stacks, sorted(stacks)  # _check_matches saw every expert
 
@@ -438,14 +441,17 @@ class _Export:
         if tune not in self.kept:
             if len(self.kept) == self.KEPT:
                 del self.kept[next(iter(self.kept))]
-            self.kept[tune] = self._whole(tune)
+            self.kept[tune] = self._whole(tune, stacked=True)
         whole = self.kept[tune]
         return None if whole is None else whole[expert]
 
-    def _whole(self, tune: str) -> torch.Tensor | None:
-        """One whole weight, gathered and transformed; its intermediates die on return."""
+    def _whole(self, tune: str, stacked: bool = False) -> torch.Tensor | None:
+        """One whole weight, gathered and transformed; its intermediates die on return. `stacked`: an experts'
+        weight, [E, out, in] (QLoRA holds it as [E x out, in])."""
         source = "tok_embeddings.weight" if tune == _TIED_OUTPUT and self.hf.spec.tie_word_embeddings else tune
         whole = whole_parameter(self.model, source, self.params)
+        if stacked and whole is not None and whole.dim() == 2:
+            whole = whole.view(self.hf.spec.num_experts, -1, whole.shape[-1])
         return whole if self.transform is None or whole is None else self.transform(source, whole)
 
 

@@ -79,10 +79,6 @@ def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> 
     if apply_to_experts and not spec.is_moe:
         raise UserError(f"lora.apply_to_experts=true adapts a Mixture-of-Experts model's experts, and this "
                         f"{spec.family} model has none; use lora.apply_to_mlp=true for its MLP")
-    if quantize_base and spec.is_moe:
-        raise UserError(f"lora.quantize_base=true: QLoRA of a Mixture-of-Experts model is not supported yet (torchao's "
-                        f"NF4 holds 2-D weights, and this {spec.family} model's experts are stacked 3-D ones); train "
-                        "LoRA (lora.quantize_base=false), whose frozen base can be bf16 (dtype=bf16)")
     if apply_to_experts and dropout:
         raise UserError(f"lora.apply_to_experts=true with lora.dropout={dropout}: PEFT loads adapters of the experts' "
                         "stacked weights only without dropout (its ParamWrapper); set lora.dropout=0")

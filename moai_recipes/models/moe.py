@@ -40,7 +40,8 @@ class GroupedExperts(nn.Module):
     implementation = "grouped"  # or "loop": each expert by itself (the tests' oracle, the same bits)
     PROJECTIONS = ("w1", "w3", "w2")
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, *, rank: int = 0, alpha: float = 0.0):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, *, rank: int = 0, alpha: float = 0.0,
+                 quantize: bool = False):
         super().__init__()
         self.num_experts = num_experts
         self.summed_over = None  # MoE.summed_over: a group over which the weights' gradients are summed
@@ -48,6 +49,12 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        if quantize:  # QLoRA: frozen in NF4, which holds 2-D weights: [E x out, in], the experts one after another
+            from torchao.dtypes.nf4tensor import to_nf4
+
+            for k in self.PROJECTIONS:
+                w = getattr(self, k)
+                setattr(self, k, nn.Parameter(to_nf4(w.reshape(-1, w.shape[-1])), requires_grad=False))
         self.scale = alpha / rank if rank else 0.0
         if rank:
             inputs = {"w1": dim, "w3": dim, "w2": hidden_dim}
@@ -64,7 +71,8 @@ class GroupedExperts(nn.Module):
         if hasattr(self, "lora_a"):
             named.update({f"lora_a.{k}": v for k, v in self.lora_a.items()})
             named.update({f"lora_b.{k}": v for k, v in self.lora_b.items()})
-        return {k: summed_gradients(_local(w), self.summed_over, self.grad_scale) for k, w in named.items()}
+        return {k: w if is_nf4(w) else summed_gradients(_local(w), self.summed_over, self.grad_scale)
+                for k, w in named.items()}
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [pairs, dim], the rows of each of this device's experts in turn, counts[e] of them for expert e."""
@@ -73,12 +81,40 @@ class GroupedExperts(nn.Module):
         w = self.weights()
 
         def projection(rows: torch.Tensor, k: str) -> torch.Tensor:
-            out = linear(rows, w[k], ends)
+            out = _NF4Grouped.apply(rows, w[k], ends, linear) if is_nf4(w[k]) else linear(rows, w[k], ends)
             if f"lora_a.{k}" in w:
                 out = out + linear(linear(rows, w[f"lora_a.{k}"], ends), w[f"lora_b.{k}"], ends) * self.scale
             return out
 
         return projection(F.silu(projection(x, "w1")) * projection(x, "w3"), "w2")
+
+
+def is_nf4(weight: torch.Tensor) -> bool:
+    from torchao.dtypes.nf4tensor import NF4Tensor  # loaded with torchtune's modules already
+
+    return isinstance(weight, NF4Tensor)
+
+
+class _NF4Grouped(torch.autograd.Function):
+    """The grouped product of rows with frozen NF4 experts ([E x out, in]): dequantized for the forward and again for
+    the backward (its input's gradient), never kept between them, as torchao's linear_nf4 does for one weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, ends, linear):
+        ctx.save_for_backward(ends)
+        ctx.weight, ctx.linear, ctx.experts = weight, linear, ends.shape[0]
+        return linear(x, _dequantized(weight, ctx.experts, x.dtype), ends)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ends,) = ctx.saved_tensors
+        w = _dequantized(ctx.weight, ctx.experts, grad.dtype)
+        return ctx.linear(grad, w.transpose(-2, -1), ends), None, None, None
+
+
+def _dequantized(weight: torch.Tensor, experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """Stacked NF4 experts [E x out, in] as [E, out, in] in `dtype`."""
+    return weight.get_original_weight().to(dtype).view(experts, -1, weight.shape[-1])
 
 
 class _WeightGradient(torch.autograd.Function):
@@ -136,13 +172,14 @@ class MoE(nn.Module):
 
     `scores_in_fp32`: the router's weights scale the experts' outputs in fp32 (Mixtral) rather than cast first to
     the compute dtype (Qwen3-MoE), as each model's transformers code does. `layer`: the decoder layer it belongs to
-    (the experts' load is reported per layer). `rank`, `alpha`: LoRA adapters on the experts (GroupedExperts)."""
+    (the experts' load is reported per layer). `rank`, `alpha`: LoRA adapters on the experts; `quantize`: the
+    experts frozen in NF4 (QLoRA; GroupedExperts)."""
 
     def __init__(self, *, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 scores_in_fp32: bool, layer: int, rank: int = 0, alpha: float = 0.0):
+                 scores_in_fp32: bool, layer: int, rank: int = 0, alpha: float = 0.0, quantize: bool = False):
         super().__init__()
         self.router = nn.Linear(dim, num_experts, bias=False)
-        self.experts = GroupedExperts(num_experts, dim, hidden_dim, rank=rank, alpha=alpha)
+        self.experts = GroupedExperts(num_experts, dim, hidden_dim, rank=rank, alpha=alpha, quantize=quantize)
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.scores_in_fp32, self.layer = scores_in_fp32, layer
         self.routing: Routing | None = None  # set while a forward's routing is recorded (routing_recorded)

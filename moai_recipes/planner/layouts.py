@@ -117,6 +117,9 @@ def layouts(work, flavor, forced: dict) -> list[dict]:
     t_forced, p_forced, s_forced, e_forced = (forced.get(k) for k in ("tensor_parallel", "pipeline_stages",
                                                                       "pipeline_schedule", "expert_parallel"))
     _check_forced(spec, n, t_forced, p_forced, s_forced, qlora)
+    if qlora and (e_forced or 1) > 1:
+        raise UserError(f"plan.expert_parallel={e_forced}: QLoRA's NF4 weights are sharded by FSDP2 only; drop "
+                        "plan.expert_parallel, or train LoRA (lora.quantize_base=false)")
     tensors = [t_forced] if t_forced else [t for t in tensor_degrees(spec, min(n, node)) if n % t == 0]
     out = []
     for t in tensors:
@@ -125,6 +128,8 @@ def layouts(work, flavor, forced: dict) -> list[dict]:
                 continue
             data = n // (t * p)
             experts = [e_forced] if e_forced else expert_degrees(spec, data, t)
+            if qlora:  # NF4 weights are sharded by FSDP2 only
+                experts = [e for e in experts if e == 1]
             if e_forced and why_not_expert(spec, e_forced, data, t):
                 continue
             if p == 1:
