@@ -27,10 +27,11 @@ FAMILIES = ("llama", "mistral", "qwen2")
 # collected longest first: the longest start at once, the short ones fill in at the end, and the workers end
 # together instead of one running a long module alone while the other core idles. A module not named here counts
 # as short; a wrong figure costs balance, never a test.
-LONGEST_FIRST = {"test_checkpoints.py": 247, "test_compile.py": 150, "test_full_finetune.py": 87,  # compile: cold
-                 "test_layouts.py": 79, "test_expert_parallel.py": 60, "test_cli.py": 62, "test_smollm2.py": 58, "test_install.py": 49,
-                 "test_lora_finetune.py": 49, "test_dpo.py": 37, "test_eval.py": 34, "test_planner.py": 31,
-                 "test_out_of_memory.py": 27, "test_readme.py": 25, "test_moe.py": 30, "test_config.py": 24}
+LONGEST_FIRST = {"test_checkpoints.py": 250, "test_compile.py": 125, "test_full_finetune.py": 110,  # compile: cold
+                 "test_smollm2.py": 85, "test_layouts.py": 80, "test_cli.py": 70, "test_expert_parallel.py": 55,
+                 "test_eval.py": 60, "test_install.py": 55, "test_lora_finetune.py": 55, "test_planner.py": 44,
+                 "test_dpo.py": 41, "test_out_of_memory.py": 31, "test_config.py": 30, "test_readme.py": 28,
+                 "test_hf_datasets.py": 24, "test_moe.py": 21}
 
 # Under pytest-xdist each worker gets its share of the cores for the runs it makes (in this process and the
 # processes it starts): two workers of two threads each on two cores made OpenMP's threads wait on each other.
