@@ -37,6 +37,10 @@ def apply_compile(layers: nn.ModuleList) -> None:
     (models/attention.py).
     """
     keep_attention_eager()
+    # No duck shapes: dynamo otherwise gives a row's length and a weight's dimension of the same size one symbol, and
+    # the first row as long as the hidden size (a tiny model's 128 tokens, Llama's 4096) pins every later row to
+    # that length: a recompile for each other one (seen: four compiles of one layer in four steps).
+    torch.fx.experimental._config.use_duck_shape = False
     for layer in layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
