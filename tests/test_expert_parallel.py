@@ -104,7 +104,7 @@ def test_a_layout_gives_one_process_numbers(tmp_path, checkpoints, reference, na
 
 def start(*args):
     return subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *COMMON, *map(str, args)], cwd=ROOT,
-                            env=command_env({"MOAI_FAULT_STEP_DELAY": "0.5"}), stdout=subprocess.PIPE,
+                            env=command_env({"MOAI_FAULT_STEP_DELAY": "0.3"}), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 

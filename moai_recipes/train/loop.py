@@ -112,7 +112,7 @@ def _losses(model: torch.nn.Module, batches: list[dict], *, plan: Plan, world: W
     if plan.pipeline_stages > 1:
         return run_pipeline(model, batches, plan=plan, pad_id=pad_id, scale=scale, routed=routed)
     total = torch.zeros((), device=world.device, dtype=torch.float64)
-    tensor = world.mesh["tensor"] if plan.tensor_parallel > 1 else None
+    tensor = world.dim("tensor") if plan.tensor_parallel > 1 else None
     for batch in batches:
         routing = None
         if routed is not None:
@@ -216,7 +216,7 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
     # Every tensor-parallel device holds the same loss; only a pipeline's last stage holds any.
     summed = _all_reduce([loss_sum.item(), *(routed.as_list() if routed else [])], world.device)
     total_loss = summed[0] / plan.tensor_parallel
-    stages = world.mesh["pipeline"].get_group() if plan.pipeline_stages > 1 else None
+    stages = world.dim("pipeline").get_group() if plan.pipeline_stages > 1 else None
     grad_norm = clip_gradients(state.model, settings.max_grad_norm, stages=stages)
     finite = math.isfinite(total_loss) and math.isfinite(grad_norm)  # the same verdict on every rank
     if finite:  # a NaN/inf step is never applied: the weights stay those of the last good step

@@ -59,17 +59,17 @@ def parallelize(model: nn.Module, plan: Plan, world: World, spec=None) -> nn.Mod
     if plan.compile:
         apply_compile(model.layers)
     if plan.expert_parallel > 1:  # before the tensor cut, which keeps split experts as they are
-        apply_expert_parallel(model, world.mesh["expert"])
+        apply_expert_parallel(model, world.dim("expert"))
     if plan.tensor_parallel > 1:
-        apply_tensor_parallel(model, world.mesh["tensor"])
+        apply_tensor_parallel(model, world.dim("tensor"))
     roots = [model]
     if plan.pipeline_stages > 1:
         model = pipeline_stages(model, plan, world, spec)
         roots = model.stages
     if plan.sharded:
-        experts = world.mesh["replica"] if plan.expert_parallel > 1 else None
+        experts = world.dim("replica") if plan.expert_parallel > 1 else None
         for root in roots:
-            shard_model(root, mesh=world.mesh["data"], param_dtype=getattr(torch, plan.param_dtype),
+            shard_model(root, mesh=world.dim("data"), param_dtype=getattr(torch, plan.param_dtype),
                         reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload,
                         experts_mesh=experts)
     materialize(model, device=world.device, cpu_offload=plan.cpu_offload)

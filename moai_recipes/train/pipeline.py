@@ -133,7 +133,7 @@ def pipeline_stages(decoder: nn.Module, plan: Plan, world: World, spec=None) -> 
     """This device's stages of `decoder` (built on meta), as the plan splits its layers (Plan.stage_layers). `spec`:
     the model's, whose sparse layers' routing the stages pass on (models/moe.py)."""
     split = plan.stage_ranges()
-    tensor = world.mesh["tensor"] if plan.tensor_parallel > 1 else None
+    tensor = world.dim("tensor") if plan.tensor_parallel > 1 else None
     stages = [Stage(decoder, split[s], first=s == 0, last=s == len(split) - 1, spec=spec, tensor=tensor)
               for s in _stage_ids(plan, world)]
     return PipelinedModel(decoder, stages, world=world, plan=plan)
@@ -158,7 +158,7 @@ def run_pipeline(model: PipelinedModel, batches: list[dict], *, plan: Plan, pad_
     moe = spec is not None
     aux_scale = routed.aux_scale if routed is not None else 0.0
     inputs = _stacked(batches, _count(plan, len(batches)), pad_id, routing=moe)
-    group = world.mesh["pipeline"].get_group()
+    group = world.dim("pipeline").get_group()
     count = plan.pipeline_stages * plan.stages_per_device
     stages = [PipelineStage(stage, s, count, world.device, group=group)
               for stage, s in zip(model.stages, model.stage_ids)]

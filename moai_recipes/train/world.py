@@ -30,6 +30,7 @@ class World:
     local_rank: int
     device: torch.device
     mesh: DeviceMesh
+    data_mesh: DeviceMesh  # replica x expert, flattened: the data-parallel devices (see DIMS)
     restarts: int = 0  # how many times a launcher has started this world again (after a dead worker, out of memory)
 
     @property
@@ -49,25 +50,30 @@ class World:
                  plan.tensor_parallel)
         if tuple(self.mesh.shape) == shape:
             return self
-        return replace(self, mesh=_mesh(self.device, shape))
+        mesh, data = _mesh(self.device, shape)
+        return replace(self, mesh=mesh, data_mesh=data)
+
+    def dim(self, name: str) -> DeviceMesh:
+        """One dimension of the mesh (DIMS, or `data`), as a 1-D mesh."""
+        return self.data_mesh if name == "data" else self.mesh[name]
 
     def size(self, dim: str) -> int:
-        return self.mesh[dim].size()
+        return self.dim(dim).size()
 
     def coordinate(self, dim: str) -> int:
         """This process's place along a dimension of the mesh."""
-        return self.mesh[dim].get_local_rank()
+        return self.dim(dim).get_local_rank()
 
     @property
     def data_rank(self) -> int:
         return self.coordinate("data")
 
 
-def _mesh(device: torch.device, shape: tuple[int, ...]) -> DeviceMesh:
-    """The device mesh of World.DIMS in `shape`, with `data` (replica x expert) flattened from it."""
+def _mesh(device: torch.device, shape: tuple[int, ...]) -> tuple[DeviceMesh, DeviceMesh]:
+    """The device mesh of World.DIMS in `shape`, and its `data` dimension (replica x expert) flattened from it (kept
+    as it is made: torch deprecates slicing a flattened dimension back out of the mesh)."""
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=World.DIMS)
-    mesh["replica", "expert"]._flatten("data")
-    return mesh
+    return mesh, mesh["replica", "expert"]._flatten("data")
 
 
 def free_port() -> int:
@@ -144,8 +150,8 @@ def join_world(flavor: Flavor, given: env.GivenWorld | None, *, restarts: int = 
                             world_size=given.world_size, timeout=timedelta(minutes=30),
                             device_id=device if device.type == "cuda" else None)
     try:
-        mesh = _mesh(device, (1, given.world_size, 1, 1))
+        mesh, data = _mesh(device, (1, given.world_size, 1, 1))
         yield World(rank=given.rank, world_size=given.world_size, local_rank=given.local_rank, device=device, mesh=mesh,
-                    restarts=restarts)
+                    data_mesh=data, restarts=restarts)
     finally:
         dist.destroy_process_group()
