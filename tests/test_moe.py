@@ -15,7 +15,6 @@ import json
 import pytest
 import torch
 import transformers
-from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from helpers import make_hf_checkpoint, metrics, run_recipe
 from moai_recipes.errors import UserError
@@ -100,6 +99,8 @@ def test_logits_and_losses_equal_transformers(checkpoint):
 
 def test_each_samples_balancing_loss_is_transformers_on_it_alone(checkpoint):
     """The balancing loss training adds is a sample's (so a step's is the same on any flavor and micro-batching)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func  # seconds to import
+
     model, spec = ours(checkpoint)
     hf = theirs(checkpoint)
     tokens, mask = padded_batch(seed=1)
