@@ -7,10 +7,14 @@ A training recipe goes through launch/entry.py (compose once, train here or star
 import importlib
 import sys
 
-from moai_recipes.launch.entry import TRAINING_RECIPES, main
+from moai_recipes.config.compose import load_config
 
 if __name__ == "__main__":
     recipe, args = sys.argv[1], sys.argv[2:]
+    if "-h" in args or "--help" in args:
+        load_config(recipe, args)  # prints the usage and exits before any recipe's imports (torch, torchtune: 5 s)
+    from moai_recipes.launch.entry import TRAINING_RECIPES, main
+
     if recipe in TRAINING_RECIPES:
         sys.exit(main(recipe, args))
     sys.exit(importlib.import_module(f"moai_recipes.recipes.{recipe}").main(args))
