@@ -13,7 +13,7 @@ from moai_recipes.planner.cpu_speed import speed_key
 from moai_recipes.planner.memory import predict_memory
 from moai_recipes.planner.search import choose_plan
 from moai_recipes.planner.timing import combine
-from tests.helpers import ROOT, setup
+from tests.helpers import ROOT, run_recipe, setup
 
 TRUE_SCALES = {"matmul": 1.6, "memory": 0.7, "dispatch": 1.3, "parameters": 2.0}
 TRUE_MEMORY = 1.12
@@ -90,8 +90,7 @@ def test_calibrate_recovers_the_machine_and_the_planner_uses_it(tmp_path, monkey
     assert "step time" in report and "calibrated" in report and "held out" in report
 
     out = tmp_path / "plan"
-    r = subprocess.run([sys.executable, "-m", "recipes.plan", "model=tiny", "flavor=cpu", f"output_dir={out}"],
-                       cwd=ROOT, env={**os.environ, "MOAI_HOME": str(home)}, capture_output=True, text=True, timeout=300)
+    r = run_recipe("model=tiny", "flavor=cpu", f"output_dir={out}", module="recipes.plan", env={"MOAI_HOME": str(home)})
     assert r.returncode == 0, r.stderr
     calibrated = json.loads((out / "plan.json").read_text())["chosen"]  # planned with the machine's scales
     assert calibrated["time"]["scales"]["matmul"] == fit["scales"]["matmul"]

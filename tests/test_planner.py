@@ -2,8 +2,6 @@
 small budget trains the same loss curve without running out of memory. Run: pytest tests/test_planner.py"""
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -13,7 +11,7 @@ from moai_recipes.models.lora import lora_options
 from moai_recipes.planner.activations import trace_layer
 from moai_recipes.planner.plan import Workload
 from moai_recipes.planner.search import GiB, choose_plan
-from tests.helpers import ROOT, metrics, peak_error, run_recipe, setup
+from tests.helpers import metrics, peak_error, run_recipe, setup
 
 
 def test_recompute_keeps_less_and_activations_grow_with_the_sequence():
@@ -217,8 +215,7 @@ def test_the_planner_splits_experts_where_that_is_faster_and_refuses_a_degree_th
 
 @pytest.mark.slow
 def test_the_dry_run_plans_70b_on_any_flavor_and_says_when_nothing_fits(tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "recipes.plan", *a], cwd=ROOT, capture_output=True,
-                                    text=True, timeout=300)
+    run = lambda *a: run_recipe(*a, module="recipes.plan")
     ok = run("flavor=48xlarge", "model=llama3_70b", "batch_size=512", "max_seq_len=4096", f"output_dir={tmp_path}")
     assert ok.returncode == 0, ok.stderr
     assert "The number of candidates is" in ok.stdout and "<- chosen" in ok.stdout and "384 device(s)" in ok.stdout
