@@ -42,16 +42,11 @@ def start(*args, stdout=subprocess.PIPE, env: dict | None = None):
 
 
 def workers_of(proc) -> list[psutil.Process]:
-    """The launcher's training processes: forked from the fork server it starts (launch/elastic.py), or its own
-    children started bare (MOAI_FORK_WORKERS=0, as on GPUs)."""
-    found = []
-    for child in psutil.Process(proc.pid).children():
-        command = " ".join(child.cmdline())
-        if "multiprocessing.forkserver" in command:
-            found += child.children()
-        elif "moai_recipes.launch.worker" in command:
-            found.append(child)
-    return found
+    """The launcher's training processes: forked from it (launch/elastic.py), or started bare (MOAI_FORK_WORKERS=0,
+    as on GPUs). Not its other children (multiprocessing's resource tracker)."""
+    launcher = psutil.Process(proc.pid)
+    return [child for child in launcher.children()
+            if child.cmdline() == launcher.cmdline() or "moai_recipes.launch.worker" in " ".join(child.cmdline())]
 
 
 def wait_for_step(out: Path, step: int, proc, timeout=300):
@@ -220,7 +215,7 @@ def test_a_worker_that_dies_while_exiting_a_finished_run_loses_nothing(tmp_path)
 def test_a_killed_launcher_takes_its_workers_down_with_a_checkpoint(tmp_path, reference, workers):
     """kill -9 of the launcher (no signal handler runs there): its workers must not train on unseen; they
     stop as if preempted, saving the step they reached, and the same command finishes the run exactly. Workers
-    forked from the launcher's fork server, and started bare as on GPUs (MOAI_FORK_WORKERS=0)."""
+    forked from the launcher, and started bare as on GPUs (MOAI_FORK_WORKERS=0)."""
     out = tmp_path / "run"
     with open(tmp_path / "log", "w") as log:  # a file, not a pipe: nobody reads it once the launcher is gone
         proc = start("flavor=cpu-2", f"output_dir={out}", stdout=log,

@@ -5,8 +5,8 @@ The user never types torchrun. Under torchrun or SLURM a recipe joins the world 
 (launch/entry.py).
 """
 
+import importlib
 import logging
-import multiprocessing
 import sys
 import uuid
 from pathlib import Path
@@ -36,7 +36,7 @@ def check_capacity(flavor: Flavor) -> None:
 
 
 def forks_workers(flavor: Flavor) -> bool:
-    """Whether the flavor's workers are forked from one process that imported the recipe (prepare_workers) rather
+    """Whether the flavor's workers are forked from the launcher, which imported the recipe (prepare_workers), rather
     than started bare, each importing it again: on the CPU. A GPU's processes start bare: torchao and torchtune ask
     the GPU its capability as they are imported, which sets CUDA up in the importing process, and CUDA cannot be
     used in a process forked from one that set it up. MOAI_FORK_WORKERS=0 starts a CPU flavor's bare too."""
@@ -44,23 +44,22 @@ def forks_workers(flavor: Flavor) -> bool:
 
 
 def prepare_workers(recipe: str) -> None:
-    """Start, in the background, the process the workers will be forked from (forks_workers): it imports the
-    training recipe `recipe` while this process goes on (composing, resolving the model's folder).
+    """Import the training recipe `recipe` here, in the launcher, before anything else runs (forks_workers): each
+    worker is then forked from this process with the training stack (torch, torchtune, torchao, the recipe) imported
+    once, rather than started bare to import it all again (cpu-4's 4 processes on 2 cores started in 7.0 s against
+    11.5 s).
 
-    Each worker is forked from that one process, which imported the training stack once (torch, torchtune,
-    torchao, the recipe: 3.2 s of imports a process), rather than started bare to import it all again: cpu-4's
-    4 processes on 2 cores start in 7.0 s against 11.5 s. A fork server started afresh, not this process, which
-    holds the rendezvous store's threads by then. It ends once this process and the workers have; the workers
-    stop when this process dies (train/world.stop_with_launcher)."""
-    from multiprocessing import forkserver
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload([f"moai_recipes.recipes.{recipe}"])
-    forkserver.ensure_running()
+    Forked from the launcher itself, not from a fork server of its own: a fork server is one more interpreter that
+    imports torch and the recipe again (4 s of CPU a run, 40% of what a short cpu-2 run spends). What the launcher
+    runs besides by the time it forks (the rendezvous store's server thread of the elastic agent) a forked worker
+    never touches: it joins the store as a client, and ends by os._exit, with no destructor run. The workers stop
+    when the launcher dies (train/world.stop_with_launcher)."""
+    importlib.import_module(f"moai_recipes.recipes.{recipe}")
 
 
 def start_workers(flavor: Flavor, job_file: Path, recipe: str) -> int:
     """Run the worker entry on `job_file` in the flavor's processes until they end; return the group's exit code
-    (errors.py). Forked (forks_workers): launch/worker.forked, from the server that imported `recipe` (the job's
+    (errors.py). Forked (forks_workers): launch/worker.forked, from this process, which imported `recipe` (the job's
     moai_recipes.recipes.<recipe>); else bare: python -m moai_recipes.launch.worker job_file."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -75,10 +74,10 @@ def start_workers(flavor: Flavor, job_file: Path, recipe: str) -> int:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=flavor.num_devices,
                           run_id=f"moai-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"is_host": True}, max_restarts=0,
-                          monitor_interval=0.1, start_method="forkserver")
+                          monitor_interval=0.1, start_method="fork")
     try:
         if forks_workers(flavor):
-            prepare_workers(recipe)  # started already, unless the caller did not
+            prepare_workers(recipe)  # imported already, unless the caller did not
             elastic_launch(config, entrypoint=worker.forked)(str(job_file))
         else:
             elastic_launch(config, entrypoint=sys.executable)("-u", "-m", "moai_recipes.launch.worker", str(job_file))

@@ -7,9 +7,9 @@ One way down. This process composes the config and resolves the flavor, once:
 - a flavor of one process, or a process torchrun or SLURM started: it trains here (worker.run);
 - a flavor of several processes on this machine: it pins what every process must share (the output folder, the
   model's folder), writes the job (worker.Job) to a file and starts the processes on launch/worker.py, which
-  read it. A worker that dies (killed, out of memory) does not end the job: the processes are started again,
-  up to `max_restarts` times, and resume from the last checkpoint. This process never imports a recipe (torch's
-  models, torchtune, the data libraries: seconds the workers would wait for).
+  read it: on the CPU forked from this process once it imported the recipe (launch/elastic.prepare_workers), on
+  GPUs started bare. A worker that dies (killed, out of memory) does not end the job: the processes are started
+  again, up to `max_restarts` times, and resume from the last checkpoint.
 """
 
 import gc
@@ -48,8 +48,6 @@ def main(recipe: str, argv: list[str] | None = None) -> int:
     check_world(flavor, given)
     job = Job(recipe=recipe, cfg=cfg, flavor=flavor, job_id=new_job_id())
     launching = given is None and flavor.num_devices > 1
-    if launching and forks_workers(flavor):
-        prepare_workers(recipe)
     # The run folder is this run's while it lives (torchrun's and SLURM's processes: rank 0 holds it for them).
     holding = holding_run_folder(cfg.output_dir, workers=launching) if given is None or given.rank == 0 else nullcontext()
     with holding, registered(flavor, job_id=job.job_id):  # `moai smi` lists the run until it ends
@@ -76,8 +74,11 @@ def launch(job: Job) -> int:
     check_output_dir(cfg, verify=False)  # refused early; the workers' rank 0 reads the checkpoint back
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
     cfg.model.checkpoint_dir = str(resolve_model_dir(**model_source(cfg)))
+    if forks_workers(flavor):
+        prepare_workers(job.recipe)  # after the checks above: a refused command does not wait for the imports
     # This process only waits now: what it holds (torch's modules) lives until it exits, when the last collection
-    # would walk it all for nothing (0.5 s after the workers end; train/process.py freezes the workers' too).
+    # would walk it all for nothing (0.5 s after the workers end; train/process.py freezes the workers' too), and
+    # a forked worker shares it untouched.
     gc.freeze()
     failures = starts = 0
     with tempfile.TemporaryDirectory(prefix="moai-job-") as folder:

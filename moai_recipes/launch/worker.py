@@ -1,7 +1,7 @@
 """A training process: join the world and call the recipe's `train(cfg, flavor, world)`.
 
-`forked(JOB_FILE)` is what the elastic launcher runs in each of a flavor's processes, forked from a server that
-imported the recipe once (launch/elastic.py); `python -m moai_recipes.launch.worker JOB_FILE` runs the same in a
+`forked(JOB_FILE)` is what the elastic launcher runs in each of a flavor's processes, forked from the launcher
+once it imported the recipe (launch/elastic.py); `python -m moai_recipes.launch.worker JOB_FILE` runs the same in a
 process of its own (a GPU flavor's workers). It reads the job the launcher wrote (the recipe, its resolved config,
 the flavor) and never composes the config again. A recipe that trains in the process that composed its config (one
 process, or one of torchrun's or SLURM's) calls `run` directly.
@@ -10,6 +10,7 @@ process, or one of torchrun's or SLURM's) calls `run` directly.
 import importlib
 import json
 import os
+import signal
 import sys
 import traceback
 from dataclasses import asdict, dataclass
@@ -91,6 +92,11 @@ def main(argv: list[str]) -> int:
 def forked(job_file: str) -> None:
     """The elastic launcher's entry in each process it forks (launch/elastic.py): `main`, its code the exit code.
     A crash prints its traceback here, as `python -m` would: the launcher's multiprocessing would only pass it up."""
+    # Forked from the launcher, this process has its signal handlers (the elastic agent's, which raise in whatever
+    # runs): those of a process of its own until training sets its own (train/loop.py).
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code = main([job_file])
     except Exception:

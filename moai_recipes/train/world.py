@@ -102,9 +102,7 @@ def stop_with_launcher(launcher_pid: int) -> None:
     put a second group in the same folder. SIGTERM is what a scheduler's preemption sends: the run
     saves a checkpoint at the next step boundary and stops (train/loop.py). Linux only.
 
-    The launcher is watched itself (a pidfd, waited on by a thread that sleeps until it ends), not as this
-    process's parent: workers are forked from the fork server it starts (launch/elastic.py), which lives on
-    while any of them does."""
+    The launcher is watched itself, by a pidfd that a thread waits on, sleeping until it ends."""
     if not sys.platform.startswith("linux"):
         return
     try:
