@@ -51,12 +51,19 @@ def use_document_attention(model: nn.Module) -> None:
 
 def _attention(q, k, v, *, mask, dropout_p: float, is_causal: bool, torchtune_call):
     """q, k, v: [batch, heads, tokens, head_dim] (k and v already expanded to q's heads by torchtune)."""
+    if hasattr(mask, "attend"):  # a share of a row cut over context devices (train/context_parallel.ContextShare)
+        return mask.attend(q, k, v, dropout_p)
     if not isinstance(mask, Documents):
         return torchtune_call(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    return attend_documents(q, k, v, mask, dropout_p)
+
+
+def attend_documents(q, k, v, documents: Documents, dropout_p: float):
+    """Attention of a packed row [1, heads, tokens, head_dim], each of its documents to itself, causally."""
     varlen = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0
     if torch.compiler.is_compiling():  # left out of compiled layers (plan.compile), see keep_attention_eager
-        return _EAGER["varlen" if varlen else "per_document"](q, k, v, mask, dropout_p)
-    return (_varlen if varlen else _per_document)(q, k, v, mask, dropout_p)
+        return _EAGER["varlen" if varlen else "per_document"](q, k, v, documents, dropout_p)
+    return (_varlen if varlen else _per_document)(q, k, v, documents, dropout_p)
 
 
 # The CPU's flash attention sets up its blocks per call, and in bf16 far more than in fp32: below a few hundred

@@ -105,12 +105,47 @@ def why_not_expert(spec: ModelSpec, degree: int, data: int, tensor: int = 1) -> 
     return None
 
 
-def layouts(work, flavor, forced: dict) -> list[dict]:
+CONTEXT_WAYS = ("ulysses", "gather")
+
+
+def why_not_context(spec: ModelSpec, degree: int, tensor: int = 1, way: str = "ulysses", *, stages: int = 1,
+                    qlora: bool = False) -> str | None:
+    """Why `degree` context devices cannot split this model's rows `way` beside `tensor` and `stages` (None: they
+    can)."""
+    if degree == 1:
+        return None
+    if way not in CONTEXT_WAYS:
+        return f"plan.context_parallel_way={way} is not a way; valid: {', '.join(CONTEXT_WAYS)}"
+    if spec.is_moe:
+        return "a Mixture-of-Experts model's routing is not split over context devices yet"
+    if stages > 1:
+        return "pipeline stages are not combined with context parallelism yet"
+    if qlora:
+        return "QLoRA's NF4 weights are not combined with context parallelism yet"
+    heads = spec.num_heads // tensor
+    if way == "ulysses" and heads % degree:
+        return (f"ulysses gives each context device H / {degree} of the {heads} query heads "
+                f"{'a tensor-parallel device holds' if tensor > 1 else 'of a layer'}, which do not divide; "
+                "plan.context_parallel_way=gather takes any head count")
+    return None
+
+
+def _context_options(spec: ModelSpec, data: int, tensor: int, *, stages: int = 1, qlora: bool = False,
+                    degree: int | None = None, way: str | None = None) -> list[tuple[int, str]]:
+    """(degree, way) of context parallelism over `data` devices left by the tensor and pipeline cuts: `degree` and
+    `way` where given (forced), else every degree above 1 that divides them, each way that can split the model."""
+    degrees = [degree] if degree else [c for c in range(2, data + 1) if data % c == 0]
+    return [(c, w) for c in degrees if data % c == 0 for w in ([way] if way else CONTEXT_WAYS)
+            if not why_not_context(spec, c, tensor, w, stages=stages, qlora=qlora)]
+
+
+def layouts(work, flavor, forced: dict, *, context: bool = False) -> list[dict]:
     """Every way to spread `work`'s model over `flavor`'s devices that the forced plan fields allow: tensor degrees
     that divide its heads (inside a node: tensor parallelism all-gathers twice a layer), pipeline stages that
     divide its layers, the data-parallel copies left over, and of those the expert degrees that divide a
     Mixture-of-Experts model's experts. A forced degree that cannot cut the model, or that does not divide the
-    devices, is a UserError naming why."""
+    devices, is a UserError naming why. Context parallelism (a row's tokens over several devices) where forced, or
+    with `context` (search.choose_plan asks when nothing fits without it)."""
     spec, n = work.spec, flavor.num_devices
     node = n if flavor.device.kind == "cpu" else flavor.device.per_node  # the CPU's processes share one machine
     qlora = work.lora is not None and work.lora.quantize_base
@@ -120,35 +155,62 @@ def layouts(work, flavor, forced: dict) -> list[dict]:
     if qlora and (e_forced or 1) > 1:
         raise UserError(f"plan.expert_parallel={e_forced}: QLoRA's NF4 weights are sharded by FSDP2 only; drop "
                         "plan.expert_parallel, or train LoRA (lora.quantize_base=false)")
+    c_forced, w_forced = forced.get("context_parallel"), forced.get("context_parallel_way")
+    if w_forced and c_forced in (None, 1):
+        raise UserError(f"plan.context_parallel_way={w_forced} needs plan.context_parallel of 2 or more")
+    if c_forced is not None and (c_forced < 1 or n % c_forced):
+        raise UserError(f"plan.context_parallel={c_forced} must divide the flavor's {n} devices")
+    if c_forced and c_forced > 1:
+        why = why_not_context(spec, c_forced, t_forced or 1, w_forced or "ulysses", stages=p_forced or 1,
+                              qlora=qlora)
+        if why and not (w_forced is None and not why_not_context(spec, c_forced, t_forced or 1, "gather",
+                                                                  stages=p_forced or 1, qlora=qlora)):
+            raise UserError(f"plan.context_parallel={c_forced} cannot split this model's rows: {why}")
     tensors = [t_forced] if t_forced else [t for t in tensor_degrees(spec, min(n, node)) if n % t == 0]
     out = []
     for t in tensors:
         for p in ([p_forced] if p_forced else range(1, n // t + 1)):
             if (n // t) % p or (qlora and (t > 1 or p > 1)):
                 continue
-            data = n // (t * p)
-            experts = [e_forced] if e_forced else expert_degrees(spec, data, t)
-            if qlora:  # NF4 weights are sharded by FSDP2 only
-                experts = [e for e in experts if e == 1]
-            if e_forced and why_not_expert(spec, e_forced, data, t):
-                continue
-            if p == 1:
-                if not s_forced:
-                    out += [dict(tensor_parallel=t, pipeline_stages=1, pipeline_schedule="none", stage_layers=(),
-                                 expert_parallel=e) for e in experts]
-                continue
-            for schedule in ([s_forced] if s_forced else SCHEDULES):
-                if why_not_pipeline(spec, p, schedule):
-                    continue
-                out += [dict(tensor_parallel=t, pipeline_stages=p, pipeline_schedule=schedule,
-                             stage_layers=split_layers(spec, p * stages_per_device(schedule)), expert_parallel=e)
-                        for e in experts]
+            if c_forced and c_forced > 1:
+                contexts = _context_options(spec, n // (t * p), t, stages=p, qlora=qlora, degree=c_forced, way=w_forced)
+            else:
+                contexts = [(1, "none")] + (_context_options(spec, n // (t * p), t, stages=p, qlora=qlora)
+                                            if context and c_forced is None else [])
+            for c, way in contexts:
+                out += _expert_layouts(spec, n, t, p, c, way, e_forced, s_forced, qlora)
     if e_forced and not out:
-        t, data = t_forced or 1, n // ((t_forced or 1) * (p_forced or 1))
+        t, data = t_forced or 1, n // ((t_forced or 1) * (p_forced or 1) * (c_forced or 1))
         why = why_not_expert(spec, e_forced, data, t) or f"no layout of {n} devices leaves {e_forced} to split them"
         raise UserError(f"plan.expert_parallel={e_forced} cannot split this model's experts: {why}"
                         + (f". Degrees that can: {', '.join(map(str, expert_degrees(spec, data, t)))}" if spec.is_moe
                            else ""))
+    return out
+
+
+def _expert_layouts(spec: ModelSpec, n: int, t: int, p: int, c: int, way: str, e_forced: int | None,
+                    s_forced: str | None, qlora: bool) -> list[dict]:
+    """The layouts of `t` tensor, `p` pipeline and `c` context devices: each expert degree and pipeline schedule."""
+    out = []
+    data = n // (t * p * c)
+    experts = [e_forced] if e_forced else expert_degrees(spec, data, t)
+    if qlora:  # NF4 weights are sharded by FSDP2 only
+        experts = [e for e in experts if e == 1]
+    if e_forced and why_not_expert(spec, e_forced, data, t):
+        return out
+    context = dict(context_parallel=c, context_parallel_way=way)
+    if p == 1:
+        if not s_forced:
+            out += [dict(tensor_parallel=t, pipeline_stages=1, pipeline_schedule="none", stage_layers=(),
+                         expert_parallel=e, **context) for e in experts]
+        return out
+    for schedule in ([s_forced] if s_forced else SCHEDULES):
+        if why_not_pipeline(spec, p, schedule):
+            continue
+        out += [dict(tensor_parallel=t, pipeline_stages=p, pipeline_schedule=schedule,
+                     stage_layers=split_layers(spec, p * stages_per_device(schedule)), expert_parallel=e,
+                     **context)
+                for e in experts]
     return out
 
 

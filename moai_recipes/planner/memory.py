@@ -181,14 +181,20 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     # Packed rows attend document by document except in a GPU's varlen kernel (models/attention.py).
     per_document = plan.packing and not (device_kind == "gpu" and plan.param_dtype == "bfloat16")
     act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, per_document=per_document)
-    retained = micro_batch_size * L * act.retained * share.in_flight / T
-    layer_backward = (micro_batch_size * act.transient + act.grads_at_peak) / T + reduce_copy
+    # Context parallelism: a device holds 1 / C of each row's tokens, and their activations (ulysses: the whole row
+    # of 1 / C of the heads inside attention, as many values). Gathering instead, a layer's attention holds the
+    # whole row's keys and values, expanded to the query heads (torchtune expands them before attention).
+    C = plan.context_parallel
+    gathered_kv = (2 * micro_batch_size * seq_len * spec.num_heads * spec.head_dim * c / T
+                   if plan.context_parallel_way == "gather" else 0)
+    retained = micro_batch_size * L * act.retained * share.in_flight / T / C
+    layer_backward = (micro_batch_size * act.transient / C + act.grads_at_peak) / T + gathered_kv + reduce_copy
     earlier_grads = sharded_grads if plan.accumulation_steps > 1 else 0
     # The final norm, the output projection and the loss as traced: the logits in the compute dtype and in
     # fp32, the log-softmax and the gradients over them (about 12 bytes per token and vocabulary entry),
     # or one chunk's worth of them with the chunked loss.
     logits = trace_head(spec, micro_batch_size=micro_batch_size, seq_len=seq_len, chunked=plan.chunked_loss,
-                        dtype=dtype, lora=lora).peak / T if share.head else 0
+                        dtype=dtype, lora=lora).peak / T / C if share.head else 0
     # The last layer stays gathered from its forward (parallel.shard_model); in the backward each layer
     # is gathered with the next one (prefetch), but the first has no next.
     phases = {
@@ -198,7 +204,8 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
                                     activations=retained + layer_backward, logits=0),
         "first layer backward": dict(gathered=root_gathered + layers_gathered(1) + output_grad,
                                      grads=max(earlier_grads, later_grads),
-                                     activations=micro_batch_size * act.retained / T + layer_backward, logits=0),
+                                     activations=micro_batch_size * act.retained / T / C + layer_backward,
+                                     logits=0),
         "optimizer step": dict(gathered=0, grads=sharded_grads, logits=0,
                                activations=0 if cpu_offload else trainable * OPTIMIZER_TEMPORARY[device_kind] / n),
         # A replica sums its gradients over the processes through one flat copy of them (train/parallel.py).

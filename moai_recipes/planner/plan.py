@@ -93,6 +93,12 @@ class Plan:
     # every sparse layer's experts; tokens reach them by all-to-all: train/expert_parallel.py). It divides the
     # experts and data_parallel.
     expert_parallel: int = 1
+    # A packed row's tokens split over this many devices (train/context_parallel.py), attention computed over the
+    # whole row by `context_parallel_way`: ulysses (heads exchanged by all-to-all) or gather (keys and values
+    # all-gathered). The context devices share their samples, so they are not data-parallel copies; FSDP2 shards
+    # over data x context devices.
+    context_parallel: int = 1
+    context_parallel_way: str = "none"  # none | ulysses | gather
     # A row's tokens are padded up to one of this many sizes per doubling (0: not at all; Plan.padded_row). The CPU's
     # bf16 matmuls (oneDNN) JIT their kernels for each row count they have not seen, and keep them: without it a
     # step of new documents is a new row count (planner/search.ROW_SIZES_PER_DOUBLING).
@@ -103,11 +109,14 @@ class Plan:
         assert (self.pipeline_stages > 1) == (self.pipeline_schedule != "none"), self
         assert len(self.stage_layers) == (self.pipeline_stages * self.stages_per_device if self.pipeline_stages > 1 else 0)
         assert self.data_parallel % self.expert_parallel == 0 and not (self.expert_parallel > 1 and self.replicate), self
+        assert self.num_devices % (self.tensor_parallel * self.pipeline_stages * self.context_parallel) == 0, self
+        assert (self.context_parallel > 1) == (self.context_parallel_way != "none"), self
+        assert self.context_parallel == 1 or (self.packing and not self.replicate), self
 
     @property
     def data_parallel(self) -> int:
-        """How many copies of the model (each over tensor x pipeline devices) split the global batch."""
-        return self.num_devices // (self.tensor_parallel * self.pipeline_stages)
+        """How many copies of the model (each over tensor x pipeline x context devices) split the global batch."""
+        return self.num_devices // (self.tensor_parallel * self.pipeline_stages * self.context_parallel)
 
     @property
     def stages_per_device(self) -> int:
@@ -144,8 +153,11 @@ class Plan:
     def padded_row(self, tokens: int) -> int:
         """A row of `tokens` padded: to a multiple of the tensor-parallel degree (sequence parallelism cuts a row
         into equal shares) and, with row_sizes = k, of 2^p / k for a row of 2^p to 2^(p+1) tokens (at most 1/k more
-        tokens). Never less for more tokens, so row_length bounds every row."""
+        tokens). Never less for more tokens, so row_length bounds every row. Context parallelism cuts a row into
+        2 x context_parallel equal chunks, and each device's share again into tensor_parallel ones."""
         step = self.tensor_parallel
+        if self.context_parallel > 1:
+            step = math.lcm(2 * self.context_parallel, self.context_parallel * self.tensor_parallel)
         if self.row_sizes and tokens > 1:
             step = math.lcm(step, max(1, (1 << (tokens.bit_length() - 1)) // self.row_sizes))
         return -(-tokens // step) * step
@@ -162,7 +174,8 @@ class Plan:
         # (a layer or two in the compute dtype at a time), or casts_copies, the whole model's copies held through
         # the step (no reshard: faster, the memory of the whole model in the compute dtype).
         one_copy_cast = lower and (self.cut or self.reshard_after_forward)
-        return not self.replicate and (self.data_parallel > 1 or self.cpu_offload or one_copy_cast)
+        return not self.replicate and (self.data_parallel * self.context_parallel > 1 or self.cpu_offload
+                                       or one_copy_cast)
 
     @property
     def cut(self) -> bool:
@@ -178,7 +191,7 @@ class Plan:
     @property
     def shards(self) -> int:
         """How many pieces FSDP2 cuts a device's parameters, gradients and optimizer state into (1: none)."""
-        return self.data_parallel if self.sharded else 1
+        return self.data_parallel * self.context_parallel if self.sharded else 1
 
     def rank_share(self, indices: list[int], lengths: list[int], rank: int) -> list[int]:
         """Data rank `rank`'s share of a step's global batch (dataset indices, with their lengths), in the global
@@ -229,7 +242,8 @@ class Plan:
         stages = f"num_stages {self.pipeline_stages}" + (f" ({self.pipeline_schedule})" if self.pipeline_stages > 1 else "")
         tensor = f"TP {self.tensor_parallel}" if self.tensor_parallel > 1 else "No TP"
         experts = f", EP {self.expert_parallel}" if self.expert_parallel > 1 else ""
-        return f"{stages}, {tensor}, DP {self.data_parallel}{experts}"
+        context = f", CP {self.context_parallel} ({self.context_parallel_way})" if self.context_parallel > 1 else ""
+        return f"{stages}, {tensor}, DP {self.data_parallel}{experts}{context}"
 
     def _distribution(self) -> str:
         if self.replicate:

@@ -88,7 +88,8 @@ class PlanChoice:
 def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: Workload, compute: str) -> list[dict]:
     """The plans of one layout (layouts.layouts): micro-batches, packing, recomputation, and how the data-parallel
     copies hold the model."""
-    data = flavor.num_devices // (layout["tensor_parallel"] * layout["pipeline_stages"])
+    context = layout["context_parallel"] > 1
+    data = flavor.num_devices // (layout["tensor_parallel"] * layout["pipeline_stages"] * layout["context_parallel"])
     cut = layout["tensor_parallel"] > 1 or layout["pipeline_stages"] > 1
     sizes = sorted({min(2**k, per_device) for k in range(0, per_device.bit_length() + 1)} | {per_device})
     recomputes = [r.value for r in Recompute]
@@ -96,14 +97,16 @@ def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: 
     # below its master dtype: resharded, FSDP2 casts it layer by layer; not, the whole model's bf16 copies are held
     # through the step (Plan.sharded, train/mixed_precision.py): faster, and more memory.
     cast = compute != "float32" and not cut
-    reshards = [True, False] if data > 1 or cast else [forced.get("reshard_after_forward", True)]
+    reshards = [True, False] if data > 1 or context or cast else [forced.get("reshard_after_forward", True)]
     # A cut model is FSDP2-sharded over its copies, held on the devices, its loss whole per stage (the vocabulary
     # is cut by tensor parallelism already): replicas, offloading and the chunked loss are for uncut models.
     # Split experts are FSDP2-sharded over what is left of the data-parallel devices, held on them.
     experts = layout["expert_parallel"] > 1
-    offloads = [False, True] if flavor.device.kind == "gpu" and not cut and not experts else [False]
+    offloads = [False, True] if flavor.device.kind == "gpu" and not cut and not experts and not context else [False]
     # Replicas are plain modules: several processes computing in their fp32 master dtype (FSDP2 casts to bf16).
-    replicas = [False, True] if data > 1 and compute == "float32" and not cut and not experts else [False]
+    # Context devices compute parts of the same samples' gradients: FSDP2 over data x context sums them.
+    replicas = [False, True] if data > 1 and compute == "float32" and not cut and not experts and not context \
+        else [False]
     chunks = [False] if cut else [False, True]
     # Compiling is predicted to gain nothing on the CPU in fp32 (timing.COMPILED), so it is offered there only when
     # forced (in bf16 it gains, and a run long enough to win back the compile time is compiled); never with NF4 base
@@ -111,10 +114,12 @@ def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: 
     # DTensor layers and pipeline stages are untested here).
     qlora = work.lora is not None and work.lora.quantize_base
     gains = flavor.device.kind == "gpu" or compute == "bfloat16" or forced.get("compile")
-    compiles = [False, True] if not qlora and not cut and gains else [False]
+    compiles = [False, True] if not qlora and not cut and not context and gains else [False]
+    # A row is cut over context devices as documents laid end to end: packed rows only.
+    packings = (True,) if context else (False, True)
     opts = [dict(micro_batch_size=m, packing=p, recompute=r, replicate=d, reshard_after_forward=s, cpu_offload=o,
                  chunked_loss=c, compile=k, **layout)
-            for m in sizes for p in (False, True) for r in recomputes for d in replicas
+            for m in sizes for p in packings for r in recomputes for d in replicas
             for s in (reshards[:1] if d else reshards)  # nothing is resharded in a replica
             for o in ([False] if d else offloads) for c in chunks for k in compiles]
     # A pipeline of P devices runs at least P micro-batches (1F1B's schedules: at once, padded with empty ones).
@@ -172,6 +177,11 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
     forced = {k: v for k, v in dict(forced or {}).items() if v is not None}
     candidates, budget = _candidates(work, flavor, forced)
     fitting = [c for c in candidates if c.fits]
+    if not fitting and "context_parallel" not in forced:
+        # Rows too long for a device: split their tokens over several (context parallelism), where the model allows.
+        more, _ = _candidates(work, flavor, forced, context=True)
+        candidates += [c for c in more if c.plan.context_parallel > 1]
+        fitting = [c for c in candidates if c.fits]
     if not fitting:
         what = ("with " + ", ".join(f"plan.{k}={v}" for k, v in forced.items())) if forced else "with any plan"
         on_devices = [c for c in candidates if c.memory.total <= budget]
@@ -192,7 +202,8 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
                       device=flavor.device.name, reference=work.reference)
 
 
-def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool = False) -> tuple[list[Candidate], int]:
+def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool = False,
+                context: bool = False) -> tuple[list[Candidate], int]:
     """Every plan the forced fields allow, with its predictions; a UserError if they allow none. `until_fit`: stop
     at the first that fits (whether any fits is all the caller asks)."""
     n = flavor.num_devices
@@ -202,8 +213,8 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
     host_budget = int(flavor.host_memory_gb * GiB * (1 - SAFETY_MARGIN))
     # Each layout's copies of the model split the global batch: its options, with the sequences a copy gets.
     options, fewest = [], None
-    for layout in layouts(work, flavor, forced):
-        copies = n // (layout["tensor_parallel"] * layout["pipeline_stages"])
+    for layout in layouts(work, flavor, forced, context=context):
+        copies = n // (layout["tensor_parallel"] * layout["pipeline_stages"] * layout["context_parallel"])
         per_device = Plan.device_share(work.batch_size, copies)
         fewest = copies if fewest is None else min(fewest, copies)
         if forced.get("micro_batch_size", 0) <= per_device:

@@ -85,7 +85,7 @@ NF4_VALUE_S = {"cpu": 5e-9, "gpu": 2e-11}
 # The parts of a step the model adds up, each in seconds under the constants above. A machine's calibration
 # (planner/calibration.py, `moai calibrate`) scales each by what its own runs measured.
 TERMS = ("matmul", "memory", "dispatch", "parameters", "dequantize", "collectives", "transfer", "offload", "tensor",
-         "pipeline", "experts")
+         "pipeline", "experts", "context")
 # Tensor parallelism's collectives sit on the compute's path (a layer waits for its input's all-gather): never
 # hidden. Per collective a fixed cost beside its bytes: on a GPU a launch and NCCL's latency inside a node, on the
 # CPU gloo's round trip and DTensor's dispatch (estimates; bench/layouts.py measures them).
@@ -111,6 +111,11 @@ ALLTOALL_S = {"gpu": 40e-6, "cpu": 1.0e-3}
 # loaded of many experts within 1.5-2x the mean (each step's `expert_load` metric says it for a run), and a device
 # holding E / ep of them averages that out; 1.0 for ep = 1, where every device computes its own tokens' experts.
 EXPERT_DEVICE_IMBALANCE = 1.25
+# Context parallelism (train/context_parallel.py), per layer and micro-batch: ulysses exchanges q, k, v and the
+# output by all-to-all in the forward and their gradients in the backward (full recomputation: the forward's once
+# more); gather all-gathers the keys and values in the forward and reduce-scatters their gradients in the backward.
+# Each a fixed cost beside its bytes, as expert parallelism's all-to-alls; on the compute's path, never hidden.
+CONTEXT_EXCHANGES = {"ulysses": {"forward": 4, "backward": 4}, "gather": {"forward": 1, "backward": 1}}
 
 
 @dataclass(frozen=True)
@@ -147,9 +152,9 @@ def combine(terms: dict, kind: str, scales: dict | None = None, maximum=max) -> 
     comm = t["collectives"] + t["transfer"]
     overlap = OVERLAP[kind]
     exposed = maximum(comm - overlap * compute, comm * (1 - overlap))
-    # Tensor-parallel collectives, the pipeline's bubble and sends, the experts' all-to-alls wait on the compute's
-    # path: all exposed.
-    blocking = t["tensor"] + t["pipeline"] + t["experts"]
+    # Tensor-parallel collectives, the pipeline's bubble and sends, the experts' and the context's exchanges wait on
+    # the compute's path: all exposed.
+    blocking = t["tensor"] + t["pipeline"] + t["experts"] + t["context"]
     return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": exposed, "offload_s": t["offload"],
             "blocking_s": blocking, "total_s": compute + exposed + t["offload"] + blocking}
 
@@ -197,6 +202,8 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     share = max(device_shares(plan, spec), key=lambda s: s.layers * layer_cost + s.head * head_cost)
     L, T, has_head = share.layers, plan.tensor_parallel, share.head
     tokens, micro, per_micro_samples = step_shape(plan, work)
+    C = plan.context_parallel  # each of a row's context devices computes 1 / C of its tokens, attention included
+    tokens /= C
     compute_dtype = plan.param_dtype
     dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
     # Traced per sequence of seq_len tokens: scaled by the tokens the step computes (a short sample's attention
@@ -256,8 +263,9 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     dtensors = plan.sharded or T > 1
     terms["parameters"] = (sizes.trainable_tensors * L / spec.num_layers
                            * (PARAM_S[kind] + (DTENSOR_PARAM_S[kind] if dtensors else 0)))
-    # FSDP2's copies of the model span data x tensor devices: inside a node while they fit one.
-    D = plan.data_parallel
+    # FSDP2's copies of the model span data x context x tensor devices: inside a node while they fit one. It shards
+    # over the data x context ones.
+    D = plan.data_parallel * C
     link = device.intra_node_gbps if D * T <= device.per_node or kind == "cpu" else device.inter_node_gbps
     if plan.replicate:  # one all-reduce of the fp32 gradients a step (ring: twice the data over the link)
         terms["transfer"] = 2 * trainable * 4 * (n - 1) / n / (link * 1e9)
@@ -298,6 +306,13 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
         rows = mb_bytes / T * spec.experts_per_token * imbalance
         terms["experts"] = micro * L * sparse * (count * ALLTOALL_S[kind]
                                                 + (count - 1) * rows * (ep - 1) / ep / (link_a2a * 1e9))
+    if C > 1:  # each exchange moves (C - 1) / C of the local tokens' q (or k and v: expanded to the query heads)
+        link_cp = device.intra_node_gbps if C * T <= device.per_node or kind == "cpu" else device.inter_node_gbps
+        exchanges = CONTEXT_EXCHANGES[plan.context_parallel_way]
+        count = exchanges["forward"] * (2 if plan.recompute == "full" else 1) + exchanges["backward"]
+        qkv = tokens / micro * spec.num_heads * spec.head_dim * DTYPE_BYTES[compute_dtype] / T
+        moved = qkv * (2 * (C - 1) if plan.context_parallel_way == "gather" else (C - 1) / C)
+        terms["context"] = micro * L * count * (ALLTOALL_S[kind] + moved / (link_cp * 1e9))
     if plan.pipeline_stages > 1:
         P, v = plan.pipeline_stages, plan.stages_per_device
         # Each of the device's stages receives a micro-batch's hidden states (its share of them under sequence

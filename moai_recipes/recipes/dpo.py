@@ -50,10 +50,12 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     inputs = read_inputs(cfg, flavor, restarting=world.restarts > 0)
     lora = inputs.lora if cfg.method == "lora" else None
 
-    # 2. The plan: a pair's two sequences run together, in one piece per rank (no pipeline or tensor cut yet).
+    # 2. The plan: a pair's two sequences run together, in one piece per rank (no pipeline, tensor or context cut
+    #    yet).
     #    Packed (a micro-batch's sequences end to end in one row, each attending to itself) where that is faster.
     #    The reference is part of the plan: a copy (memory; a forward each step) or a first pass (time before step 1).
-    forced = {**forced_plan(cfg.plan, inputs.out_of_memory_hint), "pipeline_stages": 1, "tensor_parallel": 1}
+    forced = {**forced_plan(cfg.plan, inputs.out_of_memory_hint), "pipeline_stages": 1, "tensor_parallel": 1,
+              "context_parallel": 1}
     choice, reference = decided_by_main(world, lambda: choose_reference(
         inputs.workload, flavor, forced=forced, modes=_reference_modes(cfg, loss)))
     work = replace(inputs.workload, reference=reference)

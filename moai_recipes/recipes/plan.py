@@ -37,14 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     experts = f" ({_size(active)} active a token)" if active < n else ""
     print(f"{cfg.method} fine-tuning of {_size(n)} parameters{experts}, global batch {cfg.batch_size} x "
           f"{cfg.max_seq_len} tokens")
-    print(f"{'PP':>3} {'schedule':>16} {'TP':>3} {'DP':>4} {'EP':>3} {'mbs':>4} {'accum':>5} {'packed':>6} "
+    print(f"{'PP':>3} {'schedule':>16} {'TP':>3} {'DP':>4} {'EP':>3} {'CP':>3} {'mbs':>4} {'accum':>5} {'packed':>6} "
           f"{'recompute':>9} {'replica':>7} {'reshard':>7} {'offload':>7} "
           f"{'chunked':>7} {'compile':>7} {'peak GiB':>9} {'s/step':>9} {'MFU':>5}  fits")
     for c in sorted(choice.candidates, key=lambda c: (not c.fits, c.time.total_s)):
         p = c.plan
         mark = " <- chosen" if c is choice.chosen else ""
         print(f"{p.pipeline_stages:>3} {p.pipeline_schedule:>16} {p.tensor_parallel:>3} {p.data_parallel:>4} "
-              f"{p.expert_parallel:>3} {p.micro_batch_size:>4} {p.accumulation_steps:>5} {str(p.packing):>6} "
+              f"{p.expert_parallel:>3} {_context(p):>3} {p.micro_batch_size:>4} {p.accumulation_steps:>5} {str(p.packing):>6} "
               f"{p.recompute:>9} "
               f"{str(p.replicate):>7} {str(p.reshard_after_forward):>7} {str(p.cpu_offload):>7} {str(p.chunked_loss):>7} "
               f"{str(p.compile):>7} {c.memory.total / GiB:>9.2f} {c.time.total_s:>9.3g} {100 * c.mfu:>4.0f}%  "
@@ -58,9 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _context(plan) -> str:
+    """The context-parallel degree and the first letter of its way (2u: ulysses over 2 devices, 2g: gather)."""
+    return f"{plan.context_parallel}{plan.context_parallel_way[0]}" if plan.context_parallel > 1 else "1"
+
+
 def _size(count: int) -> str:
     return f"{count / 1e9:.3g}B" if count >= 1e9 else f"{count / 1e6:.3g}M"
 
 
 if __name__ == "__main__":
     sys.exit(main())
+

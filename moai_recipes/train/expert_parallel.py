@@ -26,24 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from moai_recipes.models.moe import MoE, combine, moe_modules, sort_by_expert
-
-
-class _AllToAll(torch.autograd.Function):
-    """dist.all_to_all_single with autograd: rows `send` [n, d] split by `sent` go out, rows split by `received`
-    come in; the backward sends the gradients back the way they came."""
-
-    @staticmethod
-    def forward(ctx, x, sent: list[int], received: list[int], group):
-        ctx.sent, ctx.received, ctx.group = sent, received, group
-        out = x.new_empty((sum(received), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), received, sent, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        back = grad.new_empty((sum(ctx.sent), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.received, group=ctx.group)
-        return back, None, None, None
+from moai_recipes.train.collectives import AllToAll
 
 
 class ExpertDispatch:
@@ -63,13 +46,13 @@ class ExpertDispatch:
         incoming = incoming.view(degree, local)  # [source, local expert]
         sent = counts.view(degree, local).sum(1).tolist()
         received = incoming.sum(1).tolist()
-        rows = _AllToAll.apply(x[order // top_k], sent, received, self.group)
+        rows = AllToAll.apply(x[order // top_k], sent, received, self.group)
         # Received rows come source by source, each source's by expert: regroup them expert by expert (stable, so
         # an expert's rows stay in source order), run the experts, and put the outputs back in arrival order.
         expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(degree), incoming.flatten())
         by_expert = torch.argsort(expert_of, stable=True)
         out = _unsorted(moe.experts(rows[by_expert], incoming.sum(0)), by_expert)
-        back = _AllToAll.apply(out, received, sent, self.group)
+        back = AllToAll.apply(out, received, sent, self.group)
         return combine(x, back, order, weights, top_k)
 
 

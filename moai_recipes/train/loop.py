@@ -37,6 +37,7 @@ from moai_recipes.train.out_of_memory import (
     injected_fault,
     is_out_of_memory,
 )
+from moai_recipes.train.context_parallel import share_batch
 from moai_recipes.train.parallel import all_reduce_gradients
 from moai_recipes.train.pipeline import run_pipeline
 from moai_recipes.train.tensor_parallel import parallel_loss, sequence_share, summed_over
@@ -113,7 +114,10 @@ def _losses(model: torch.nn.Module, batches: list[dict], *, plan: Plan, world: W
         return run_pipeline(model, batches, plan=plan, pad_id=pad_id, scale=scale, routed=routed)
     total = torch.zeros((), device=world.device, dtype=torch.float64)
     tensor = world.dim("tensor") if plan.tensor_parallel > 1 else None
+    context = world.dim("context") if plan.context_parallel > 1 else None
     for batch in batches:
+        if context is not None:  # this device's share of the row's tokens (train/context_parallel.py)
+            batch = share_batch(batch, context, plan.context_parallel_way)
         routing = None
         if routed is not None:
             samples = batch["samples"] if tensor is None else sequence_share(batch["samples"], tensor)
@@ -155,7 +159,7 @@ def evaluate(model: torch.nn.Module, dataset, *, plan: Plan, world: World, batch
             loss_sum += _losses(model, batches, plan=plan, world=world, pad_id=pad_id, scale=None).item()
             targets += sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     model.train()
-    copies = plan.tensor_parallel * plan.pipeline_stages  # as in train_step
+    copies = plan.tensor_parallel * plan.pipeline_stages * plan.context_parallel  # as in train_step
     total, total_targets = _all_reduce([loss_sum / plan.tensor_parallel, targets / copies], world.device)
     return {"eval_loss": total / max(total_targets, 1), "eval_time_s": time.perf_counter() - start}
 
@@ -180,14 +184,14 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
     samples = [s for micro in micro_batches if micro for s in micro]
     local_targets = sum(sum(1 for t in s["labels"] if t != IGNORE_INDEX) for s in samples)
     local_tokens = sum(len(s["tokens"]) for s in samples)
-    # Summed over every process, then over one copy of each data rank's share: its tensor and pipeline devices
-    # all counted the same samples.
-    copies = plan.tensor_parallel * plan.pipeline_stages
+    # Summed over every process, then over one copy of each data rank's share: its tensor, pipeline and context
+    # devices all counted the same samples.
+    copies = plan.tensor_parallel * plan.pipeline_stages * plan.context_parallel
     global_targets, global_tokens, global_samples = (
         v / copies for v in _all_reduce([local_targets, local_tokens, len(samples)], world.device))
-    # FSDP averages gradients over the data ranks: scaling by their number makes that a sum over the global batch.
-    # Replicas (and one process) sum them (all_reduce_gradients).
-    scale = (plan.data_parallel if plan.sharded else 1) / max(global_targets, 1)
+    # FSDP averages gradients over the data x context devices it shards over: scaling by their number makes that a
+    # sum over the global batch's tokens. Replicas (and one process) sum them (all_reduce_gradients).
+    scale = plan.shards / max(global_targets, 1)
     # A Mixture-of-Experts model adds its load-balancing loss, a mean over the global batch's samples.
     spec = settings.spec
     routed = None
@@ -251,10 +255,12 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     meter, step_times, nonfinite = PeakMemory(world.device, compiled=runner.plan.compile,
                                               pipelined=runner.plan.pipeline_stages > 1,
                                               wanted=settings.measure_memory), [], 0
-    if inputs.eval_tasks is not None and (runner.plan.pipeline_stages > 1 or runner.plan.tensor_parallel > 1):
+    if inputs.eval_tasks is not None and (runner.plan.pipeline_stages > 1 or runner.plan.tensor_parallel > 1
+                                          or runner.plan.context_parallel > 1):
         raise UserError(f"eval_tasks run on data-parallel plans only, and this run's plan has "
-                        f"{runner.plan.pipeline_stages} pipeline stage(s) and tensor parallelism "
-                        f"{runner.plan.tensor_parallel}; drop eval_tasks here and run recipes.eval on the model the "
+                        f"{runner.plan.pipeline_stages} pipeline stage(s), tensor parallelism "
+                        f"{runner.plan.tensor_parallel} and context parallelism {runner.plan.context_parallel}; "
+                        f"drop eval_tasks here and run recipes.eval on the model the "
                         "run writes (model.checkpoint_dir=OUTPUT_DIR/model tasks=[...])")
     profiler = StepProfiler(settings.profile_steps, inputs.out, rank=world.rank, device=world.device)
     state.model.train()

@@ -51,7 +51,7 @@ def parallelize(model: nn.Module, plan: Plan, world: World, spec=None) -> nn.Mod
     dimension (plan.expert_parallel), then the tensor-parallel cut of its heads and MLP (plan.tensor_parallel),
     this device's pipeline stages (plan.pipeline_stages: the model returned holds
     only those; `spec`, the model's, tells them a Mixture-of-Experts model's routing to pass on), FSDP2 on each layer
-    and each stage's root (where Plan.sharded), then memory on the world's
+    and each stage's root over the data x context devices (where Plan.sharded), then memory on the world's
     device (the CPU for what FSDP offloads) and the RoPE buffers. The weights come next
     (models.hf_format.load_weights). A LoRA model's base is frozen before: FSDP2 keeps requires_grad per
     parameter. `world` must be laid out for the plan (World.laid_out)."""
@@ -69,7 +69,7 @@ def parallelize(model: nn.Module, plan: Plan, world: World, spec=None) -> nn.Mod
     if plan.sharded:
         experts = world.dim("replica") if plan.expert_parallel > 1 else None
         for root in roots:
-            shard_model(root, mesh=world.dim("data"), param_dtype=getattr(torch, plan.param_dtype),
+            shard_model(root, mesh=world.dim("shard"), param_dtype=getattr(torch, plan.param_dtype),
                         reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload,
                         experts_mesh=experts)
     materialize(model, device=world.device, cpu_offload=plan.cpu_offload)

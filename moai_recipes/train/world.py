@@ -31,6 +31,7 @@ class World:
     device: torch.device
     mesh: DeviceMesh
     data_mesh: DeviceMesh  # replica x expert, flattened: the data-parallel devices (see DIMS)
+    shard_mesh: DeviceMesh  # replica x expert x context, flattened: what FSDP2 shards the model over
     restarts: int = 0  # how many times a launcher has started this world again (after a dead worker, out of memory)
 
     @property
@@ -38,24 +39,28 @@ class World:
         return self.rank == 0
 
     # The mesh's dimensions, outermost first: pipeline stages span nodes, tensor cuts stay inside one (the
-    # devices of consecutive ranks share a node's fast links). Data parallelism is `replica` x `expert`: both
-    # split the global batch (their flattening is the `data` dimension, over which FSDP2 shards the model), and a
-    # Mixture-of-Experts model's experts are split over `expert` (train/expert_parallel.py), sharded by FSDP2 over
-    # `replica`.
-    DIMS = ("pipeline", "replica", "expert", "tensor")
+    # devices of consecutive ranks share a node's fast links), and context devices sit next to them (they exchange
+    # every layer's attention inputs). Data parallelism is `replica` x `expert`: both split the global batch (their
+    # flattening is the `data` dimension), and a Mixture-of-Experts model's experts are split over `expert`
+    # (train/expert_parallel.py), sharded by FSDP2 over `replica`. `context` devices share their samples' rows
+    # (train/context_parallel.py): FSDP2 shards the model over data x context (`shard`).
+    DIMS = ("pipeline", "replica", "expert", "context", "tensor")
 
     def laid_out(self, plan) -> "World":
-        """This world with the plan's mesh: pipeline x replica x expert x tensor devices (planner.plan.Plan)."""
+        """This world with the plan's mesh: pipeline x replica x expert x context x tensor devices
+        (planner.plan.Plan)."""
         shape = (plan.pipeline_stages, plan.data_parallel // plan.expert_parallel, plan.expert_parallel,
-                 plan.tensor_parallel)
+                 plan.context_parallel, plan.tensor_parallel)
         if tuple(self.mesh.shape) == shape:
             return self
-        mesh, data = _mesh(self.device, shape)
-        return replace(self, mesh=mesh, data_mesh=data)
+        mesh, data, shard = _mesh(self.device, shape)
+        return replace(self, mesh=mesh, data_mesh=data, shard_mesh=shard)
 
     def dim(self, name: str) -> DeviceMesh:
-        """One dimension of the mesh (DIMS, or `data`), as a 1-D mesh."""
-        return self.data_mesh if name == "data" else self.mesh[name]
+        """One dimension of the mesh (DIMS, `data` or `shard`), as a 1-D mesh."""
+        if name in ("data", "shard"):
+            return self.data_mesh if name == "data" else self.shard_mesh
+        return self.mesh[name]
 
     def size(self, dim: str) -> int:
         return self.dim(dim).size()
@@ -69,11 +74,14 @@ class World:
         return self.coordinate("data")
 
 
-def _mesh(device: torch.device, shape: tuple[int, ...]) -> tuple[DeviceMesh, DeviceMesh]:
-    """The device mesh of World.DIMS in `shape`, and its `data` dimension (replica x expert) flattened from it (kept
-    as it is made: torch deprecates slicing a flattened dimension back out of the mesh)."""
+def _mesh(device: torch.device, shape: tuple[int, ...]) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
+    """The device mesh of World.DIMS in `shape`, its `data` dimension (replica x expert) and its `shard` dimension
+    (data x context) flattened from it (kept as they are made: torch deprecates slicing a flattened dimension back
+    out of the mesh)."""
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=World.DIMS)
-    return mesh, mesh["replica", "expert"]._flatten("data")
+    data = mesh["replica", "expert"]._flatten("data")
+    shard = mesh["replica", "expert", "context"]._flatten("shard") if shape[3] > 1 else data
+    return mesh, data, shard
 
 
 def free_port() -> int:
@@ -148,8 +156,8 @@ def join_world(flavor: Flavor, given: env.GivenWorld | None, *, restarts: int = 
                             world_size=given.world_size, timeout=timedelta(minutes=30),
                             device_id=device if device.type == "cuda" else None)
     try:
-        mesh, data = _mesh(device, (1, given.world_size, 1, 1))
+        mesh, data, shard = _mesh(device, (1, given.world_size, 1, 1, 1))
         yield World(rank=given.rank, world_size=given.world_size, local_rank=given.local_rank, device=device, mesh=mesh,
-                    data_mesh=data, restarts=restarts)
+                    data_mesh=data, shard_mesh=shard, restarts=restarts)
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,122 @@
+"""Context parallelism: each packed row's tokens split over the mesh's `context` devices, so that a sample too long
+for one device is trained on several.
+
+The row (train/micro_batches.model_inputs: documents laid end to end, their labels shifted already, so a cut
+between two devices needs nothing from the other side) is padded to a multiple of 2C tokens and cut into 2C equal
+chunks; device c keeps chunks c and 2C-1-c (head and tail), so that every device's queries see as many earlier
+keys under the causal mask: their attention's work is even. Every layer but attention is a function of its own
+token, so it runs on the device's share as it would on the whole row; RoPE takes each token's place in its own
+document (Documents.positions), cut the same way. Attention is computed one of two ways (plan.context_parallel_way):
+
+- ulysses (DeepSpeed-Ulysses): an all-to-all gives each device the whole row for H/C of the heads; it attends as one
+  process would (models/attention.py, document by document), and a second all-to-all sends every device its own
+  tokens' outputs of every head back. C must divide the heads (a device's, under tensor parallelism); the keys and
+  values arrive expanded to the query heads (torchtune expands them before the attention call), so grouped-query
+  models need no rule of their own. Communication: four row-sized exchanges per layer, forward.
+- gather: every device all-gathers the keys and values of the whole row and its own queries attend to them under
+  the documents' causal mask; the gather's backward sums the keys' and values' gradients back to the devices that
+  own them (a reduce-scatter). Any head count; the whole row's keys and values are held during attention.
+
+The loss of a device is the sum over its own tokens (models/loss.py), and the step divides by the global batch's
+target tokens (train/loop.py): the same loss as one process. FSDP2 shards the model over data x context devices
+(World.dim("shard")): each context device's gradients are partial sums of the same samples', and FSDP's mean over
+the shard devices times their number is their sum.
+
+Test: `python -m pytest tests/test_context_parallel.py -q`.
+"""
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from moai_recipes.models.attention import Documents, attend_documents
+from moai_recipes.train.collectives import AllGather, AllToAll
+
+WAYS = ("ulysses", "gather")
+
+
+def share_indices(tokens: int, size: int, rank: int) -> torch.Tensor:
+    """The places in a row of `tokens` (a multiple of 2 x size) that context device `rank` of `size` holds: chunks
+    rank and 2 x size - 1 - rank of 2 x size."""
+    chunk = tokens // (2 * size)
+    head, tail = rank * chunk, (2 * size - 1 - rank) * chunk
+    return torch.cat([torch.arange(head, head + chunk), torch.arange(tail, tail + chunk)])
+
+
+def whole_row(parts: torch.Tensor, dim: int) -> torch.Tensor:
+    """The row put back together from every context device's share, stacked on dim 0 in rank order (`dim`: the token
+    dimension of a share, counted without the stacking one)."""
+    size = parts.shape[0]
+    halves = [p.chunk(2, dim=dim) for p in parts.unbind(0)]
+    return torch.cat([halves[c][0] for c in range(size)] + [halves[c][1] for c in reversed(range(size))], dim=dim)
+
+
+@dataclass(frozen=True)
+class ContextShare:
+    """This device's share of a packed row, as attention gets it in place of the row's Documents (torchtune's `mask`
+    argument): it computes attention over the whole row with the other context devices (`attend`)."""
+
+    documents: Documents  # the whole row's
+    mesh: DeviceMesh  # the context dimension, 1-D
+    way: str
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.get_local_rank()
+
+    @cached_property
+    def indices(self) -> torch.Tensor:
+        return share_indices(self.documents.offsets[-1], self.size, self.rank)
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """[1, share]: RoPE's position of each of this device's tokens (its place in its own document)."""
+        return self.documents.positions(device)[:, self.indices.to(device)]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        """q, k, v [1, heads, share, head_dim] of this device's tokens: their attention over the whole row."""
+        return (_ulysses if self.way == "ulysses" else _gathered)(q, k, v, self, dropout_p)
+
+
+def share_batch(batch: dict, mesh: DeviceMesh, way: str) -> dict:
+    """A packed micro-batch (model_inputs) cut to this context device's share: its tokens and labels, and the row's
+    documents as a ContextShare."""
+    share = ContextShare(documents=batch["documents"], mesh=mesh, way=way)
+    picked = {k: batch[k][:, share.indices] for k in ("tokens", "labels", "samples")}
+    return {**batch, **picked, "documents": share}
+
+
+def _ulysses(q, k, v, share: ContextShare, dropout_p: float) -> torch.Tensor:
+    size, group = share.size, share.mesh.get_group()
+    _, heads, tokens, dim = q.shape
+    ones = [1] * size
+
+    def whole_row_some_heads(x):  # [1, heads, share, d] -> [1, heads / size, row, d]
+        got = AllToAll.apply(x[0].reshape(size, heads // size, tokens, dim), ones, ones, group)
+        return whole_row(got, dim=1).unsqueeze(0)
+
+    out = attend_documents(*map(whole_row_some_heads, (q, k, v)), share.documents, dropout_p)
+    # Back: each device's tokens of this device's heads, to that device; heads come back in rank order.
+    mine = torch.stack([out[0][:, share_indices(out.shape[2], size, c).to(out.device)] for c in range(size)])
+    back = AllToAll.apply(mine, ones, ones, group)  # [size (head groups), heads / size, share, d]
+    return back.reshape(1, heads, tokens, dim)
+
+
+def _gathered(q, k, v, share: ContextShare, dropout_p: float) -> torch.Tensor:
+    kv = AllGather.apply(torch.stack([k[0], v[0]]), share.mesh.get_group())  # [size, 2, heads, share, d]
+    keys, values = whole_row(kv, dim=2).unbind(0)
+    docs = share.documents
+    document = torch.repeat_interleave(torch.arange(len(docs.lengths), device=q.device),
+                                       torch.tensor(docs.lengths, device=q.device))
+    mine = share.indices.to(q.device)
+    # A query attends to the keys of its own document up to its own place in the row.
+    row = torch.arange(docs.offsets[-1], device=q.device)
+    allowed = (document[mine, None] == document[None, :]) & (row[None, :] <= mine[:, None])
+    return F.scaled_dot_product_attention(q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=allowed,
+                                          dropout_p=dropout_p)
