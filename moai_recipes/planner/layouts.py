@@ -139,13 +139,13 @@ def _context_options(spec: ModelSpec, data: int, tensor: int, *, stages: int = 1
             if not why_not_context(spec, c, tensor, w, stages=stages, qlora=qlora)]
 
 
-def layouts(work, flavor, forced: dict, *, context: bool = False) -> list[dict]:
+def layouts(work, flavor, forced: dict) -> list[dict]:
     """Every way to spread `work`'s model over `flavor`'s devices that the forced plan fields allow: tensor degrees
     that divide its heads (inside a node: tensor parallelism all-gathers twice a layer), pipeline stages that
     divide its layers, the data-parallel copies left over, and of those the expert degrees that divide a
     Mixture-of-Experts model's experts. A forced degree that cannot cut the model, or that does not divide the
-    devices, is a UserError naming why. Context parallelism (a row's tokens over several devices) where forced, or
-    with `context` (search.choose_plan asks when nothing fits without it)."""
+    devices, is a UserError naming why. Of the data-parallel devices left, context degrees that split a packed
+    row's tokens (each way the model allows)."""
     spec, n = work.spec, flavor.num_devices
     node = n if flavor.device.kind == "cpu" else flavor.device.per_node  # the CPU's processes share one machine
     qlora = work.lora is not None and work.lora.quantize_base
@@ -176,7 +176,7 @@ def layouts(work, flavor, forced: dict, *, context: bool = False) -> list[dict]:
                 contexts = _context_options(spec, n // (t * p), t, stages=p, qlora=qlora, degree=c_forced, way=w_forced)
             else:
                 contexts = [(1, "none")] + (_context_options(spec, n // (t * p), t, stages=p, qlora=qlora)
-                                            if context and c_forced is None else [])
+                                            if c_forced is None else [])
             for c, way in contexts:
                 out += _expert_layouts(spec, n, t, p, c, way, e_forced, s_forced, qlora)
     if e_forced and not out:

@@ -177,11 +177,6 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
     forced = {k: v for k, v in dict(forced or {}).items() if v is not None}
     candidates, budget = _candidates(work, flavor, forced)
     fitting = [c for c in candidates if c.fits]
-    if not fitting and "context_parallel" not in forced:
-        # Rows too long for a device: split their tokens over several (context parallelism), where the model allows.
-        more, _ = _candidates(work, flavor, forced, context=True)
-        candidates += [c for c in more if c.plan.context_parallel > 1]
-        fitting = [c for c in candidates if c.fits]
     if not fitting:
         what = ("with " + ", ".join(f"plan.{k}={v}" for k, v in forced.items())) if forced else "with any plan"
         on_devices = [c for c in candidates if c.memory.total <= budget]
@@ -202,8 +197,7 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
                       device=flavor.device.name, reference=work.reference)
 
 
-def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool = False,
-                context: bool = False) -> tuple[list[Candidate], int]:
+def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool = False) -> tuple[list[Candidate], int]:
     """Every plan the forced fields allow, with its predictions; a UserError if they allow none. `until_fit`: stop
     at the first that fits (whether any fits is all the caller asks)."""
     n = flavor.num_devices
@@ -213,7 +207,7 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
     host_budget = int(flavor.host_memory_gb * GiB * (1 - SAFETY_MARGIN))
     # Each layout's copies of the model split the global batch: its options, with the sequences a copy gets.
     options, fewest = [], None
-    for layout in layouts(work, flavor, forced, context=context):
+    for layout in layouts(work, flavor, forced):
         copies = n // (layout["tensor_parallel"] * layout["pipeline_stages"] * layout["context_parallel"])
         per_device = Plan.device_share(work.batch_size, copies)
         fewest = copies if fewest is None else min(fewest, copies)
