@@ -230,15 +230,19 @@ def plan_of(out: Path) -> dict:
     return json.loads((out / "plan.json").read_text())["chosen"]
 
 
-# Force FSDP2's shards over every process: the planner may also cut the model (tensor, pipeline) where it prices
-# that faster, and a test of FSDP2 must run FSDP2.
-FSDP = ("plan.replicate=false", "plan.tensor_parallel=1", "plan.pipeline_stages=1")
+# Force FSDP2's shards over every process: the planner may also cut the model (tensor, pipeline) or its rows
+# (context) where it prices that faster, and a test of FSDP2 must run FSDP2.
+FSDP = ("plan.replicate=false", "plan.tensor_parallel=1", "plan.pipeline_stages=1", "plan.context_parallel=1")
 
 
 def layout(out: Path) -> str:
     """How a run spread its model, from its plan.json: 'sharded' (FSDP2), 'replicated', 'single' (one process), or
-    its mesh ('pipeline 2 (1f1b) x data 1 x tensor 2') where it cut the model."""
+    its mesh ('pipeline 2 (1f1b) x data 1 x tensor 2', 'data 1 x context 2 (ulysses)') where it cut the model or its
+    rows."""
     plan = plan_of(out)
+    if plan["context_parallel"] > 1:
+        return f"data {plan['data_parallel']} x context {plan['context_parallel']} ({plan['context_parallel_way']})" \
+            + (f" x tensor {plan['tensor_parallel']}" if plan["tensor_parallel"] > 1 else "")
     if plan["tensor_parallel"] > 1 or plan["pipeline_stages"] > 1:
         return (f"pipeline {plan['pipeline_stages']}" + (f" ({plan['pipeline_schedule']})" if plan["pipeline_stages"] > 1
                                                          else "")
