@@ -31,7 +31,7 @@ LONGEST_FIRST = {"test_checkpoints.py": 250, "test_compile.py": 125, "test_full_
                  "test_smollm2.py": 85, "test_layouts.py": 80, "test_cli.py": 70, "test_expert_parallel.py": 55,
                  "test_eval.py": 60, "test_install.py": 55, "test_lora_finetune.py": 55, "test_planner.py": 44,
                  "test_dpo.py": 41, "test_out_of_memory.py": 31, "test_config.py": 30, "test_readme.py": 28,
-                 "test_hf_datasets.py": 24, "test_moe.py": 21}
+                 "test_hf_datasets.py": 24, "test_moe.py": 21, "test_context_parallel.py": 55}
 
 # Under pytest-xdist each worker gets its share of the cores for the runs it makes (in this process and the
 # processes it starts): two workers of two threads each on two cores made OpenMP's threads wait on each other.
