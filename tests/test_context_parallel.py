@@ -11,8 +11,9 @@ test checks it ran that one. The planner's side: what it refuses, and what it ch
 Run: pytest tests/test_context_parallel.py (about two minutes)
 """
 
-import pytest
+import json
 
+import pytest
 import torch
 
 from moai_recipes.errors import UserError
@@ -141,3 +142,18 @@ def test_the_planner_splits_a_row_no_device_holds_and_leaves_short_rows_whole():
     with pytest.raises(UserError, match="nothing fits"):
         choose_plan(*_planned("llama3_8b", 262144, *h100), forced=dict(context_parallel=1))
     assert choose_plan(*_planned("llama3_8b", 8192, *h100, batch_size=64)).chosen.plan.context_parallel == 1
+
+
+def test_longest_finds_the_longest_samples_a_flavor_trains(tmp_path):
+    """recipes.plan longest=true: the longest samples that fit (a multiple of 1,024 tokens: 1,024 more do not) and
+    the plan that trains them, here split over the flavor's four devices."""
+    small = ("flavor=cpu-4", "flavor.device_memory_gb=0.05")
+    r = run_recipe("model=tiny", *small, "batch_size=4", "longest=true", f"output_dir={tmp_path}", module="recipes.plan")
+    assert r.returncode == 0, r.stdout + r.stderr
+    found = json.loads((tmp_path / "plan.json").read_text())
+    tokens, chosen = found["longest_tokens"], found["chosen"]
+    assert f"{tokens:,} tokens" in r.stdout and tokens % 1024 == 0 and chosen["max_seq_len"] == tokens
+    assert chosen["context_parallel"] > 1 and chosen["fits"], chosen
+    work, flavor = _planned("tiny", tokens + 1024, *small, batch_size=4)
+    with pytest.raises(UserError, match="nothing fits"):
+        choose_plan(work, flavor)

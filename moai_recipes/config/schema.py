@@ -273,6 +273,8 @@ class LoraRecipeConfig(RecipeConfig):
 @dataclass
 class PlanRecipeConfig(LoraRecipeConfig):
     method: Method = setting(Method.full, "what recipes.plan plans: full | lora (lora.quantize_base=true: QLoRA)")
+    longest: bool = setting(False, "print the longest samples (every one of the global batch that long) a plan of "
+                                   "the flavor trains, and that plan, instead of planning max_seq_len")
 
 
 @dataclass

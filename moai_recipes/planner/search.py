@@ -197,6 +197,35 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
                       device=flavor.device.name, reference=work.reference)
 
 
+LONGEST_LIMIT = 1 << 22  # 4M tokens: past any model's context; the search stops there
+
+
+def longest_row(work: Workload, flavor: Flavor, forced=None) -> tuple[int, PlanChoice] | None:
+    """The longest samples (a multiple of 1,024 tokens, every sample of `work`'s global batch that long) a plan of
+    `flavor` trains, and that plan; None when not even 1,024 tokens fit. Doubling, then halving the interval: a
+    longer row never needs less memory, so what fits is a prefix of the lengths."""
+    def plan(tokens: int) -> PlanChoice | None:
+        try:
+            return choose_plan(replace(work, seq_len=tokens, lengths=None), flavor, forced=forced)
+        except UserError:
+            return None
+
+    best, tokens = None, 1024
+    while tokens <= LONGEST_LIMIT and (choice := plan(tokens)) is not None:
+        best, tokens = (tokens, choice), tokens * 2
+    if best is None:
+        return None
+    low, high = best[0], tokens  # low fits, high does not (or is past the limit)
+    while high - low > 1024 and high <= LONGEST_LIMIT:
+        middle = (low + high) // 2 // 1024 * 1024
+        choice = plan(middle)
+        if choice is None:
+            high = middle
+        else:
+            low, best = middle, (middle, choice)
+    return best
+
+
 def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool = False) -> tuple[list[Candidate], int]:
     """Every plan the forced fields allow, with its predictions; a UserError if they allow none. `until_fit`: stop
     at the first that fits (whether any fits is all the caller asks)."""

@@ -6,7 +6,8 @@
 Builds nothing real: the architecture comes from the model config (or model.checkpoint_dir's
 config.json), activations are traced on fake tensors. Prints the candidates and the choice, MoAI
 style; `output_dir=DIR` also writes DIR/plan.json. When nothing fits: exit code 2, naming the
-smallest flavor or the settings that would.
+smallest flavor or the settings that would. `longest=true` prints instead the longest samples the flavor trains
+(every sample of the global batch that long) and the plan that does it.
 """
 
 import sys
@@ -14,10 +15,10 @@ import time
 from pathlib import Path
 
 from moai_recipes.config.compose import load_config
-from moai_recipes.errors import exit_on_user_error
+from moai_recipes.errors import UserError, exit_on_user_error
 from moai_recipes.files import write_json
 from moai_recipes.flavors import resolve_flavor
-from moai_recipes.planner.search import GiB, choose_plan
+from moai_recipes.planner.search import GiB, choose_plan, longest_row
 from moai_recipes.inputs import read_inputs
 
 
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     # Hub is planned from its config's architecture.
     inputs = read_inputs(cfg, flavor, dry=True, output=False)
     start = time.perf_counter()
+    if cfg.longest:
+        return _print_longest(inputs, flavor, cfg, start)
     choice = choose_plan(inputs.workload, flavor, forced=cfg.plan)
     print(f"Flavor {flavor.describe()}")
     print("\n".join(inputs.describe(cfg)))
@@ -55,6 +58,27 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.output_dir != "-":
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         write_json(Path(cfg.output_dir) / "plan.json", choice.as_dict())
+    return 0
+
+
+def _print_longest(inputs, flavor, cfg, start: float) -> int:
+    """longest=true: the longest samples a plan of the flavor trains (search.longest_row), and the plan."""
+    print(f"Flavor {flavor.describe()}")
+    print("\n".join(inputs.describe(cfg)))
+    found = longest_row(inputs.workload, flavor, forced=cfg.plan)
+    what = f"{cfg.method} fine-tuning, global batch {cfg.batch_size}"
+    if found is None:
+        raise UserError(f"not even 1,024-token samples fit {flavor.name} ({what}); a larger flavor, a smaller batch or "
+                        "LoRA would")
+    tokens, choice = found
+    chosen = choice.chosen
+    print(f"Longest samples {flavor.name} trains ({what}): {tokens:,} tokens, predicted {chosen.time.total_s:,.3g} "
+          f"s/step, peak {chosen.memory.total / GiB:.1f} GiB per device, MFU {100 * chosen.mfu:.0f}%")
+    print(f"Configuration for parallelism is selected: {chosen.plan.describe()}")
+    print(f"Searched in {time.perf_counter() - start:.2f} s")
+    if cfg.output_dir != "-":
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        write_json(Path(cfg.output_dir) / "plan.json", {**choice.as_dict(), "longest_tokens": tokens})
     return 0
 
 
