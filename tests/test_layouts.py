@@ -162,7 +162,7 @@ def test_the_planner_cuts_a_70b_model_where_that_is_faster():
     _, spec, flavor = setup("model=llama3_70b", "flavor=48xlarge")
     work = Workload(spec=spec, batch_size=512, seq_len=4096)
     chosen = choose_plan(work, flavor).chosen
-    alone = choose_plan(work, flavor, forced={"tensor_parallel": 1, "pipeline_stages": 1}).chosen
+    alone = choose_plan(work, flavor, forced={"tensor_parallel": 1, "pipeline_stages": 1, "context_parallel": 1}).chosen
     assert 1 < chosen.plan.tensor_parallel <= flavor.device.per_node
     assert chosen.time.total_s < 0.8 * alone.time.total_s
     assert "TP 8" in chosen.plan.describe() and "num_stages" in chosen.plan.describe()

@@ -192,11 +192,22 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
                         f"per device (budget {budget / GiB:.3g} GiB = {flavor.device_memory_gb:.4g} GiB less "
                         f"{SAFETY_MARGIN:.0%}). {_what_would_fit(work, flavor, forced)}")
     # The fastest run: compiling pays once for faster steps, so it is chosen only where the run is long enough.
-    chosen = min(fitting, key=lambda c: (round(c.time.run_s(work.steps), 6), c.memory.total))
+    fastest = lambda plans: min(plans, key=lambda c: (round(c.time.run_s(work.steps), 6), c.memory.total))  # noqa: E731
+    chosen = fastest(fitting)
+    whole = [c for c in fitting if c.plan.context_parallel == 1]
+    if chosen.plan.context_parallel > 1 and whole and "context_parallel" not in forced:
+        # Splitting rows is chosen over keeping them whole only where it is clearly faster: its exchanges are
+        # estimates, not yet measured on GPUs (a few percent can come from dividing a batch more evenly).
+        kept = fastest(whole)
+        if chosen.time.run_s(work.steps) > (1 - CONTEXT_MARGIN) * kept.time.run_s(work.steps):
+            chosen = kept
     return PlanChoice(flavor=flavor.name, chosen=chosen, candidates=candidates, budget_bytes=budget, steps=work.steps,
                       device=flavor.device.name, reference=work.reference)
 
 
+# How much faster a plan that splits rows over context devices must be predicted than the fastest that keeps them
+# whole, to be chosen over it (choose_plan).
+CONTEXT_MARGIN = 0.05
 LONGEST_LIMIT = 1 << 22  # 4M tokens: past any model's context; the search stops there
 
 
