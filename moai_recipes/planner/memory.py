@@ -185,7 +185,10 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     # of 1 / C of the heads inside attention, as many values). Gathering instead, a layer's attention holds the
     # whole row's keys and values, expanded to the query heads (torchtune expands them before attention).
     C = plan.context_parallel
-    gathered_kv = (2 * micro_batch_size * seq_len * spec.num_heads * spec.head_dim * c / T
+    # Gathering, a layer's attention also holds its mask of documents and places over the local queries and every
+    # key, as SDPA takes it: a boolean and the float it becomes (5 bytes a pair).
+    row = micro_batch_size * seq_len
+    gathered_kv = (2 * row * spec.num_heads * spec.head_dim * c / T + row / C * row * 5
                    if plan.context_parallel_way == "gather" else 0)
     retained = micro_batch_size * L * act.retained * share.in_flight / T / C
     layer_backward = (micro_batch_size * act.transient / C + act.grads_at_peak) / T + gathered_kv + reduce_copy
