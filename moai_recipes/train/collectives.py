@@ -33,7 +33,7 @@ class AllGather(torch.autograd.Function):
         ctx.group = group
         size = dist.get_world_size(group)
         out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # gloo takes the parts concatenated on dim 0
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        dist.all_gather_single(out, x.contiguous(), group=group)
         return out.view(size, *x.shape)
 
     @staticmethod
@@ -43,5 +43,5 @@ class AllGather(torch.autograd.Function):
             dist.all_reduce(summed, group=ctx.group)
             return summed[dist.get_rank(ctx.group)].clone(), None
         mine = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(mine, grad.reshape(-1, *grad.shape[2:]).contiguous(), group=ctx.group)
+        dist.reduce_scatter_single(mine, grad.reshape(-1, *grad.shape[2:]).contiguous(), group=ctx.group)
         return mine, None
