@@ -206,8 +206,7 @@ class PlanConfig:
                                                    "layer's experts between them, tokens sent to their experts by "
                                                    "all-to-all (null: the planner decides)")
     context_parallel: Optional[int] = setting(None, "devices that split each packed row's tokens between them, for "
-                                                    "samples too long for one device (null: the planner decides; it "
-                                                    "splits rows when nothing fits otherwise)")
+                                                    "samples too long for one device (null: the planner decides)")
     context_parallel_way: Optional[str] = setting(None, "ulysses | gather: attention over a split row by an "
                                                         "all-to-all of its heads, or by all-gathering its keys and "
                                                         "values (null: the planner decides)")

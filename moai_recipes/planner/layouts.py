@@ -160,12 +160,11 @@ def layouts(work, flavor, forced: dict) -> list[dict]:
         raise UserError(f"plan.context_parallel_way={w_forced} needs plan.context_parallel of 2 or more")
     if c_forced is not None and (c_forced < 1 or n % c_forced):
         raise UserError(f"plan.context_parallel={c_forced} must divide the flavor's {n} devices")
-    if c_forced and c_forced > 1:
-        why = why_not_context(spec, c_forced, t_forced or 1, w_forced or "ulysses", stages=p_forced or 1,
-                              qlora=qlora)
-        if why and not (w_forced is None and not why_not_context(spec, c_forced, t_forced or 1, "gather",
-                                                                  stages=p_forced or 1, qlora=qlora)):
-            raise UserError(f"plan.context_parallel={c_forced} cannot split this model's rows: {why}")
+    if c_forced and c_forced > 1:  # refused when no way (the forced one, else either) can split the rows
+        whys = [why_not_context(spec, c_forced, t_forced or 1, way, stages=p_forced or 1, qlora=qlora)
+                for way in ([w_forced] if w_forced else CONTEXT_WAYS)]
+        if all(whys):
+            raise UserError(f"plan.context_parallel={c_forced} cannot split this model's rows: {whys[0]}")
     tensors = [t_forced] if t_forced else [t for t in tensor_degrees(spec, min(n, node)) if n % t == 0]
     out = []
     for t in tensors:

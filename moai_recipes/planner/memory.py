@@ -183,10 +183,10 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, per_document=per_document)
     # Context parallelism: a device holds 1 / C of each row's tokens, and their activations (ulysses: the whole row
     # of 1 / C of the heads inside attention, as many values). Gathering instead, a layer's attention holds the
-    # whole row's keys and values, expanded to the query heads (torchtune expands them before attention).
+    # whole row's keys and values, expanded to the query heads (torchtune expands them before attention), and the
+    # mask of the local queries against every key as SDPA takes it: a boolean and the float it becomes (5 bytes a
+    # pair).
     C = plan.context_parallel
-    # Gathering, a layer's attention also holds its mask of documents and places over the local queries and every
-    # key, as SDPA takes it: a boolean and the float it becomes (5 bytes a pair).
     row = micro_batch_size * seq_len
     gathered_kv = (2 * row * spec.num_heads * spec.head_dim * c / T + row / C * row * 5
                    if plan.context_parallel_way == "gather" else 0)

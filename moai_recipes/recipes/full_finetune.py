@@ -43,7 +43,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     choice = decided_by_main(world, lambda: choose_plan(inputs.workload, flavor,
                                                         forced=forced_plan(cfg.plan, inputs.out_of_memory_hint)))
     plan = choice.chosen.plan
-    world = world.laid_out(plan)  # the mesh the plan asks for: pipeline x (replica x expert) x tensor
+    world = world.laid_out(plan)  # the mesh the plan asks for (World.DIMS)
     say(f"Flavor {flavor.describe()}; {world.world_size} process(es), backend {flavor.backend}")
     say("\n".join(inputs.describe(cfg)))
     say("\n".join(choice.report()))

@@ -25,7 +25,7 @@ the shard devices times their number is their sum.
 Test: `python -m pytest tests/test_context_parallel.py -q`.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -62,6 +62,9 @@ class ContextShare:
     documents: Documents  # the whole row's
     mesh: DeviceMesh  # the context dimension, 1-D
     way: str
+    # What every layer's attention of this micro-batch uses alike, made by the first: the places of each device's
+    # tokens, on the compute device, and (gather) the mask of this device's queries against the row's keys.
+    _made: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -74,6 +77,24 @@ class ContextShare:
     @cached_property
     def indices(self) -> torch.Tensor:
         return share_indices(self.documents.offsets[-1], self.size, self.rank)
+
+    def shares(self, device: torch.device) -> list[torch.Tensor]:
+        """Every context device's places in the row, in rank order, on `device`."""
+        if "shares" not in self._made:
+            row = self.documents.offsets[-1]
+            self._made["shares"] = [share_indices(row, self.size, c).to(device) for c in range(self.size)]
+        return self._made["shares"]
+
+    def mask(self, device: torch.device) -> torch.Tensor:
+        """[share, row]: which keys each of this device's queries attends to, those of its own document up to its
+        own place in the row."""
+        if "mask" not in self._made:
+            docs = self.documents
+            document = torch.repeat_interleave(torch.arange(len(docs.lengths), device=device),
+                                               torch.tensor(docs.lengths, device=device))
+            mine, row = self.shares(device)[self.rank], torch.arange(docs.offsets[-1], device=device)
+            self._made["mask"] = (document[mine, None] == document[None, :]) & (row[None, :] <= mine[:, None])
+        return self._made["mask"]
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """[1, share]: RoPE's position of each of this device's tokens (its place in its own document)."""
@@ -103,7 +124,7 @@ def _ulysses(q, k, v, share: ContextShare, dropout_p: float) -> torch.Tensor:
 
     out = attend_documents(*map(whole_row_some_heads, (q, k, v)), share.documents, dropout_p)
     # Back: each device's tokens of this device's heads, to that device; heads come back in rank order.
-    mine = torch.stack([out[0][:, share_indices(out.shape[2], size, c).to(out.device)] for c in range(size)])
+    mine = torch.stack([out[0][:, places] for places in share.shares(out.device)])
     back = AllToAll.apply(mine, ones, ones, group)  # [size (head groups), heads / size, share, d]
     return back.reshape(1, heads, tokens, dim)
 
@@ -111,12 +132,5 @@ def _ulysses(q, k, v, share: ContextShare, dropout_p: float) -> torch.Tensor:
 def _gathered(q, k, v, share: ContextShare, dropout_p: float) -> torch.Tensor:
     kv = AllGather.apply(torch.stack([k[0], v[0]]), share.mesh.get_group())  # [size, 2, heads, share, d]
     keys, values = whole_row(kv, dim=2).unbind(0)
-    docs = share.documents
-    document = torch.repeat_interleave(torch.arange(len(docs.lengths), device=q.device),
-                                       torch.tensor(docs.lengths, device=q.device))
-    mine = share.indices.to(q.device)
-    # A query attends to the keys of its own document up to its own place in the row.
-    row = torch.arange(docs.offsets[-1], device=q.device)
-    allowed = (document[mine, None] == document[None, :]) & (row[None, :] <= mine[:, None])
-    return F.scaled_dot_product_attention(q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=allowed,
+    return F.scaled_dot_product_attention(q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=share.mask(q.device),
                                           dropout_p=dropout_p)
