@@ -5,7 +5,7 @@
 # (installs llama-cpp-python first, which builds llama.cpp from source: about 5 minutes once).
 # make demo-dpo: preference tuning (DPO with LoRA) of the same model on pirate-voiced pairs (about two minutes).
 # make test: install with the test extras (about 7 minutes once, llama.cpp's build most of it), then run the test
-# suite (479 passed and 3 skipped in 9:48 on two cores, a fresh clone; about 17 minutes for the whole command).
+# suite (479 passed and 3 skipped in 9:48 to 10:11 over three fresh clones on two cores; about 17 minutes in all).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -65,7 +65,7 @@ demo-tiny: $(BASE)
 # Two pytest workers, one per core, each taking whole test modules (a module's shared runs stay in one process), the
 # longest handed out first (--no-loadscope-reorder: tests/conftest.py orders them) and each worker's runs on its
 # share of the cores (tests/conftest.py sets OMP_NUM_THREADS). Measured on a fresh clone of this 2-core machine
-# (empty pip, model and inductor caches; 2026-11-26): 9:48 for 479 passed and 3 skipped, the machine 97% busy;
+# (empty pip, model and inductor caches; 2026-11-26): 9:48 to 10:11 for 479 passed and 3 skipped, 97% busy;
 # 13:50 before (both workers' OpenMP threads on both cores, the memory tracer 12x a step, long modules last, a
 # fork server importing torch and the recipe again beside each launcher of several processes).
 test: $(TESTS)
