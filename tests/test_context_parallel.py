@@ -20,7 +20,7 @@ from moai_recipes.errors import UserError
 from moai_recipes.planner.plan import Workload
 from moai_recipes.planner.search import choose_plan
 from moai_recipes.train.context_parallel import share_indices, whole_row
-from tests.helpers import layout, make_hf_checkpoint, metrics, run_recipe, setup
+from tests.helpers import layout, make_hf_checkpoint, metrics, plan_of, run_recipe, setup
 
 STEPS = 4
 COMMON = ["dataset=text", "max_seq_len=128", "batch_size=8", f"max_steps={STEPS}", "optimizer.lr=2e-3",
@@ -38,7 +38,11 @@ RESUMED = "resume=step 2 of the first run"  # replaced by that run's checkpoint 
 MESHES = {  # the mesh's plan.json name (tests.helpers.layout) -> (method, flavor, forced plan); run in this order
     "data 1 x context 2 (ulysses)": ("full", "cpu-2", [*context(2, "ulysses"), "plan.tensor_parallel=1",
                                                        "checkpoint_every=2"]),
-    "data 2 x context 2 (ulysses)": ("lora", "cpu-4", [*context(2, "ulysses"), "plan.tensor_parallel=1"]),
+    # With each layer's MLP in tiles and its saved input offloaded (on the CPU a copy: the same code as a GPU's
+    # minus its streams).
+    "data 2 x context 2 (ulysses)": ("lora", "cpu-4", [*context(2, "ulysses"), "plan.tensor_parallel=1",
+                                                       "plan.recompute=full", "plan.tiled_mlp=true",
+                                                       "plan.offload_activations=true"]),
     "data 1 x context 2 (gather) x tensor 2": ("full", "cpu-4", [*context(2, "gather"), "plan.tensor_parallel=2"]),
     # Resumed from the first run's step 2 checkpoint: its steps 3 and 4 on another degree (context 4), the other way.
     "data 1 x context 4 (gather)": ("full", "cpu-4", [*context(4, "gather"), "plan.tensor_parallel=1", RESUMED]),
@@ -81,6 +85,9 @@ def test_every_split_of_the_rows_gives_one_process_losses_and_gradient_norms(mes
     method, _, forced = MESHES[mesh]
     out = meshes[mesh]
     assert layout(out) == mesh
+    ran = plan_of(out)
+    for name, value in (a.removeprefix("plan.").split("=") for a in forced if a.startswith("plan.")):
+        assert str(ran[name] if name != "tiled_mlp" else ran[name] > 1).lower() == value, (name, ran[name])
     expected, got = one_process[method], metrics(out)
     if RESUMED in forced:
         expected = expected[2:]
@@ -103,6 +110,85 @@ def test_the_rows_are_cut_into_head_and_tail_chunks_that_add_up_to_the_row():
         tokens = torch.arange(row) * 10
         parts = torch.stack([tokens[s] for s in shares])
         assert torch.equal(whole_row(parts, dim=0), tokens)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_a_tiled_mlp_and_offloaded_activations_compute_what_the_whole_layer_computes(checkpoint, method):
+    """Each on its own and together, under full recomputation: the loss and every gradient of the plain model (up to
+    the order of the tiles' weight-gradient sums), and every layer's input went through the offload."""
+    from moai_recipes.models.activation_offload import ActivationOffload
+    from moai_recipes.models.build import build_model, init_buffers
+    from moai_recipes.models.hf_format import HFFolder, load_weights
+    from moai_recipes.models.lora import freeze_base, init_adapters, lora_options
+    from moai_recipes.models.recompute import apply_recompute
+    from moai_recipes.models.tiled_mlp import apply_tiled_mlp
+
+    hf = HFFolder.open(checkpoint)
+    settings = {"attn_modules": ["q_proj", "v_proj"], "apply_to_mlp": True, "apply_to_output": False, "rank": 4,
+                "alpha": 8.0, "dropout": 0.0, "quantize_base": False}
+    lora = lora_options(settings, spec=hf.spec) if method == "lora" else None
+    tokens = torch.randint(0, hf.spec.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
+
+    def run(tiles: int, offload: ActivationOffload | None):
+        with torch.device("meta"):
+            model = build_model(hf.spec, max_seq_len=128, lora=lora.builder_kwargs() if lora else None)
+        model.to_empty(device="cpu")
+        init_buffers(model, device="cpu")
+        load_weights(model, hf, allow_missing=(".lora_a.", ".lora_b.") if lora else ())
+        if lora:
+            freeze_base(model)
+            init_adapters(model, seed=0)
+            for name, p in model.named_parameters():
+                if ".lora_b." in name:
+                    p.data.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+        apply_tiled_mlp(model.layers, tiles)
+        apply_recompute(model.layers, "full" if tiles or offload else "none", offload)
+        loss = model(tokens).float().square().mean()
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, plain_grads = run(0, None)
+    for tiles, offload in ((7, None), (0, ActivationOffload()), (3, ActivationOffload())):
+        loss, grads = run(tiles, offload)
+        assert abs(loss.item() - plain.item()) <= 1e-7 * abs(plain.item()), (tiles, offload)
+        assert grads.keys() == plain_grads.keys()
+        for name, g in grads.items():
+            torch.testing.assert_close(g, plain_grads[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        if offload:  # the input of each of the 3 layers, [4, 128, 64] in fp32
+            assert offload.offloaded_bytes == 3 * 4 * 128 * 64 * 4 and not offload._waiting
+
+
+def test_tiles_and_offloading_are_refused_where_they_cannot_work_and_chosen_only_where_they_are_needed():
+    tiny, flavor = _planned("tiny", 256, "flavor=4xlarge")
+    cases = [
+        (dict(tiled_mlp=True, recompute="selective"), "under full recomputation"),
+        (dict(offload_activations=True, recompute="none"), "under full recomputation"),
+        (dict(tiled_mlp=True, tensor_parallel=2), "tensor parallelism cuts the MLP"),
+        (dict(offload_activations=True, compile=True), "is not compiled"),
+    ]
+    for forced, words in cases:
+        with pytest.raises(UserError, match=words):
+            choose_plan(tiny, flavor, forced=forced)
+    with pytest.raises(UserError, match="routes its tokens together"):
+        choose_plan(*_planned("qwen3_30b_a3b", 4096, "flavor=4xlarge", batch_size=64), forced=dict(tiled_mlp=True))
+    # On the CPU the host is the device: offloading is never chosen there (only run where forced), nor tiles where
+    # the whole MLP fits.
+    cpu = choose_plan(*_planned("tiny", 256, "flavor=cpu-2"))
+    assert not any(c.plan.offload_activations for c in cpu.candidates) and not cpu.chosen.plan.tiled_mlp
+    forced = choose_plan(*_planned("tiny", 256, "flavor=cpu-2"), forced=dict(offload_activations=True, tiled_mlp=True))
+    assert forced.chosen.plan.offload_activations and forced.chosen.plan.tiled_mlp >= 8
+    assert forced.chosen.plan.recompute == "full" and forced.chosen.memory.total == pytest.approx(
+        choose_plan(*_planned("tiny", 256, "flavor=cpu-2"), forced=dict(
+            recompute="full", tiled_mlp=True, micro_batch_size=forced.chosen.plan.micro_batch_size,
+            packing=forced.chosen.plan.packing)).chosen.memory.total, rel=0.01)
+    # A GPU node: 70B at 64K tokens fits only with its activations on the host, which the node's memory counts.
+    work, h100 = _planned("llama3_70b", 65536, "flavor=small", "flavor.device=h100", "flavor.memory_gb=640")
+    chosen = choose_plan(work, h100).chosen
+    assert chosen.plan.offload_activations and chosen.host.activations > 0
+    assert chosen.host.activations == pytest.approx(80 * 65536 * 8192 * 2 / chosen.plan.tensor_parallel
+                                                     / chosen.plan.context_parallel, rel=0.01)
+    with pytest.raises(UserError, match="nothing fits"):
+        choose_plan(work, h100, forced=dict(offload_activations=False))
 
 
 def _planned(model: str, seq_len: int, *flavor, batch_size: int = 8):
@@ -132,13 +218,19 @@ def test_a_degree_or_way_that_cannot_split_the_rows_is_refused_naming_why():
 
 
 def test_the_planner_splits_a_row_no_device_holds_and_leaves_short_rows_whole():
-    """Llama-3-8B on one 8 x H100 node: 8 x 256K-token rows fit only split over context devices; 8K rows are not
-    split (the data-parallel devices take whole samples, with no exchange per layer)."""
+    """Llama-3-8B on one 8 x H100 node: 8 x 256K-token rows fit only cut (over context or tensor devices) or with their
+    activations offloaded; 8 x 1M-token rows only split over context devices; 8K rows are not split (the
+    data-parallel devices take whole samples, with no exchange per layer)."""
     h100 = ("flavor=small", "flavor.device=h100", "flavor.memory_gb=640")
     long = choose_plan(*_planned("llama3_8b", 262144, *h100)).chosen.plan
-    assert long.context_parallel > 1 and long.packing
+    assert long.context_parallel > 1 or long.tensor_parallel > 1 or long.offload_activations, long
     with pytest.raises(UserError, match="nothing fits"):
-        choose_plan(*_planned("llama3_8b", 262144, *h100), forced=dict(context_parallel=1))
+        choose_plan(*_planned("llama3_8b", 262144, *h100),
+                    forced=dict(context_parallel=1, tensor_parallel=1, offload_activations=False))
+    longer = choose_plan(*_planned("llama3_8b", 1 << 20, *h100)).chosen.plan
+    assert longer.context_parallel > 1 and longer.packing
+    with pytest.raises(UserError, match="nothing fits"):
+        choose_plan(*_planned("llama3_8b", 1 << 20, *h100), forced=dict(context_parallel=1))
     assert choose_plan(*_planned("llama3_8b", 8192, *h100, batch_size=64)).chosen.plan.context_parallel == 1
 
 
@@ -146,7 +238,7 @@ def test_longest_finds_the_longest_samples_a_flavor_trains(tmp_path):
     """recipes.plan longest=true: the longest samples that fit (a multiple of 1,024 tokens: 1,024 more do not) and
     the plan that trains them, here split over the flavor's four devices."""
     small = ("flavor=cpu-4", "flavor.device_memory_gb=0.02")
-    forced = {"recompute": "full", "tensor_parallel": 1}  # fewer candidates to price at each length tried
+    forced = {"recompute": "full", "tensor_parallel": 1, "packing": True}  # fewer candidates to price at each length
     r = run_recipe("model=tiny", *small, "batch_size=4", "longest=true", *(f"plan.{k}={v}" for k, v in forced.items()),
                    f"output_dir={tmp_path}", module="recipes.plan")
     assert r.returncode == 0, r.stdout + r.stderr

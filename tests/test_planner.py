@@ -25,9 +25,10 @@ def test_recompute_keeps_less_and_activations_grow_with_the_sequence():
     assert longer == pytest.approx(2 * kept["none"], rel=0.01)  # SDPA keeps O(seq), not O(seq^2)
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_the_traced_layer_keeps_what_a_real_layer_keeps(recompute):
-    """The fake-tensor trace against a real layer, run forward and backward under PyTorch's MemTracker."""
+@pytest.mark.parametrize("recompute,tiles", [("none", 0), ("selective", 0), ("full", 0), ("full", 8)])
+def test_the_traced_layer_keeps_what_a_real_layer_keeps(recompute, tiles):
+    """The fake-tensor trace against a real layer, run forward and backward under PyTorch's MemTracker (its MLP
+    whole, or in tiles)."""
     import dataclasses
 
     import torch
@@ -35,14 +36,16 @@ def test_the_traced_layer_keeps_what_a_real_layer_keeps(recompute):
 
     from moai_recipes.models.build import build_model, init_buffers
     from moai_recipes.models.recompute import apply_recompute
+    from moai_recipes.models.tiled_mlp import apply_tiled_mlp
 
     _, spec, _ = setup("model=qwen2_5_0_5b")
     spec = dataclasses.replace(spec, num_layers=1, embed_dim=256, num_heads=4, num_kv_heads=2, head_dim=64,
                                intermediate_dim=704, vocab_size=512)
     seq = 256
-    traced = trace_layer(spec, seq_len=seq, recompute=recompute, dtype=torch.float32)
+    traced = trace_layer(spec, seq_len=seq, recompute=recompute, dtype=torch.float32, tiles=tiles)
     model = build_model(spec, max_seq_len=seq)
     init_buffers(model, device="cpu")
+    apply_tiled_mlp(model.layers, tiles)
     apply_recompute(model.layers, recompute)
     layer, x = model.layers[0], torch.randn(1, seq, spec.embed_dim, requires_grad=True)
     grad_out = torch.randn_like(x)
@@ -57,6 +60,8 @@ def test_the_traced_layer_keeps_what_a_real_layer_keeps(recompute):
     assert after_forward - before == traced.retained
     real_backward = total("peak") - after_forward
     assert real_backward == pytest.approx(traced.transient + traced.grads_at_peak, rel=0.05)
+    if tiles:  # what tiling is for: the MLP's intermediate a tile at a time
+        assert traced.transient < 0.9 * trace_layer(spec, seq_len=seq, recompute=recompute, dtype=torch.float32).transient
 
 
 def test_every_chosen_plan_fits_and_is_the_fastest_that_does():

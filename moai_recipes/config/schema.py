@@ -210,6 +210,11 @@ class PlanConfig:
     context_parallel_way: Optional[str] = setting(None, "ulysses | gather: attention over a split row by an "
                                                         "all-to-all of its heads, or by all-gathering its keys and "
                                                         "values (null: the planner decides)")
+    offload_activations: Optional[bool] = setting(None, "under full recomputation, each layer's saved input in host "
+                                                        "memory from its forward to its backward, copied on a side "
+                                                        "stream (null: the planner decides)")
+    tiled_mlp: Optional[bool] = setting(None, "each MLP computed over tiles of the sequence, its intermediate never "
+                                              "whole, at the cost of its forward once more (null: the planner decides)")
 
 
 @dataclass

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import (
 )
 
 from moai_recipes.config.schema import Recompute
+from moai_recipes.models.activation_offload import ActivationOffload
 
 # Selective recompute keeps what is expensive to redo (matmuls, attention) and recomputes the
 # cheap, memory-hungry pointwise ops (norms, SiLU, residual adds) in the backward pass.
@@ -34,8 +35,9 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_recompute(layers: nn.ModuleList, policy: str) -> None:
-    """Recompute each layer's activations in the backward pass (`full` or `selective`).
+def apply_recompute(layers: nn.ModuleList, policy: str, offload: ActivationOffload | None = None) -> None:
+    """Recompute each layer's activations in the backward pass (`full` or `selective`); with `offload`, what a
+    fully recomputed layer keeps (its input) lives in host memory between its forward and its backward.
 
     Only the layer's `forward` is checkpointed, not the module call: FSDP2's hooks (all-gather,
     reshard, input casts) then stay outside the recomputed region, as with torchtitan's
@@ -50,11 +52,19 @@ def apply_recompute(layers: nn.ModuleList, policy: str) -> None:
     # with its own default.
     options = (dict(context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
                if policy == Recompute.selective else {})
+    if offload is not None and policy != Recompute.full:
+        raise ValueError("activations are offloaded under full recomputation only")
     for layer in layers:
-        layer.forward = _checkpointed(layer.forward, options)
+        layer.forward = _checkpointed(layer.forward, options, offload)
 
 
-def _checkpointed(forward, options: dict):
+def _checkpointed(forward, options: dict, offload: ActivationOffload | None):
     def recomputed_forward(*args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
-    return recomputed_forward
+
+    def offloaded_forward(*args, **kwargs):
+        # Around the checkpoint, not inside it: the checkpoint saves the layer's inputs through these hooks, and
+        # what the layer computes inside it through its own.
+        with offload.hooks():
+            return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
+    return recomputed_forward if offload is None else offloaded_forward

@@ -130,6 +130,15 @@ def why_not_context(spec: ModelSpec, degree: int, tensor: int = 1, way: str = "u
     return None
 
 
+def why_not_tiled_mlp(spec: ModelSpec, tensor: int = 1) -> str | None:
+    """Why this model's MLP cannot be computed in tiles beside `tensor` devices (None: it can)."""
+    if spec.is_moe:
+        return "a Mixture-of-Experts layer routes its tokens together (its balancing loss counts them whole)"
+    if tensor > 1:
+        return "tensor parallelism cuts the MLP's intermediate already (each device holds 1 / T of it)"
+    return None
+
+
 def _context_options(spec: ModelSpec, data: int, tensor: int, *, stages: int = 1, qlora: bool = False,
                     degree: int | None = None, way: str | None = None) -> list[tuple[int, str]]:
     """(degree, way) of context parallelism over `data` devices left by the tensor and pipeline cuts: `degree` and

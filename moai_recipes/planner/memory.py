@@ -180,7 +180,8 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
     # Packed rows attend document by document except in a GPU's varlen kernel (models/attention.py).
     per_document = plan.packing and not (device_kind == "gpu" and plan.param_dtype == "bfloat16")
-    act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, per_document=per_document)
+    act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, per_document=per_document,
+                      tiles=plan.tiled_mlp)
     # Context parallelism: a device holds 1 / C of each row's tokens, and their activations (ulysses: the whole row
     # of 1 / C of the heads inside attention, as many values). Gathering instead, a layer's attention holds the
     # whole row's keys and values, expanded to the query heads (torchtune expands them before attention), and the
@@ -191,6 +192,8 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     gathered_kv = (2 * row * spec.num_heads * spec.head_dim * c / T + row / C * row * 5
                    if plan.context_parallel_way == "gather" else 0)
     retained = micro_batch_size * L * act.retained * share.in_flight / T / C
+    if plan.offload_activations:  # on the device: the layer whose input is on its way out, or back in (prefetched)
+        retained = micro_batch_size * min(2, L * share.in_flight) * act.retained / T / C
     layer_backward = (micro_batch_size * act.transient / C + act.grads_at_peak) / T + gathered_kv + reduce_copy
     earlier_grads = sharded_grads if plan.accumulation_steps > 1 else 0
     # The final norm, the output projection and the loss as traced: the logits in the compute dtype and in
@@ -246,10 +249,11 @@ class HostMemory:
     offloaded: int  # per process: parameters, gradients and optimizer state under CPU offload
     loading: int  # per process: the largest whole weight, read in fp32 while loading and exporting
     export_file: int  # on the writing rank's node: one input file held whole while the model is written
+    activations: int = 0  # per process: the layer inputs plan.offload_activations keeps on the host
 
     @property
     def total(self) -> int:
-        return self.processes * (self.runtime + self.offloaded + self.loading) + self.export_file
+        return self.processes * (self.runtime + self.offloaded + self.loading + self.activations) + self.export_file
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "total": self.total}
@@ -270,4 +274,17 @@ def predict_host_memory(plan: Plan, work: Workload, processes_per_node: int) -> 
                   spec.num_heads * spec.head_dim * spec.embed_dim,
                   spec.num_experts * spec.expert_dim * spec.embed_dim) * 4
     return HostMemory(processes=processes_per_node, runtime=HOST_PROCESS_BYTES, offloaded=int(offloaded),
-                      loading=largest, export_file=EXPORT_FILE_BYTES)
+                      loading=largest, export_file=EXPORT_FILE_BYTES, activations=int(offloaded_activations(plan, work)))
+
+
+def offloaded_activations(plan: Plan, work: Workload) -> float:
+    """Host bytes per process of the layer inputs plan.offload_activations keeps there: every layer's of every
+    micro-batch in flight on the busiest pipeline device (models/activation_offload.py)."""
+    if not plan.offload_activations:
+        return 0.0
+    dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
+    per_document = plan.packing and not (plan.param_dtype == "bfloat16")  # as the GPU's varlen kernel keeps them
+    act = trace_layer(work.spec, seq_len=work.seq_len, recompute=plan.recompute, dtype=dtype, lora=work.lora_key,
+                      per_document=per_document, tiles=plan.tiled_mlp)
+    held = max(s.layers * s.in_flight for s in device_shares(plan, work.spec))
+    return plan.micro_batch_size * held * act.retained / plan.tensor_parallel / plan.context_parallel

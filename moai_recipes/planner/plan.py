@@ -99,6 +99,11 @@ class Plan:
     # over data x context devices.
     context_parallel: int = 1
     context_parallel_way: str = "none"  # none | ulysses | gather
+    # Under full recomputation, each layer's saved input in host memory from its forward to its backward
+    # (models/activation_offload.py), and each dense MLP computed in this many tiles of a row's tokens (0: whole;
+    # models/tiled_mlp.py): for rows whose activations, or whose MLP's intermediate, a device cannot hold.
+    offload_activations: bool = False
+    tiled_mlp: int = 0
     # A row's tokens are padded up to one of this many sizes per doubling (0: not at all; Plan.padded_row). The CPU's
     # bf16 matmuls (oneDNN) JIT their kernels for each row count they have not seen, and keep them: without it a
     # step of new documents is a new row count (planner/search.ROW_SIZES_PER_DOUBLING).
@@ -112,6 +117,8 @@ class Plan:
         assert self.num_devices % (self.tensor_parallel * self.pipeline_stages * self.context_parallel) == 0, self
         assert (self.context_parallel > 1) == (self.context_parallel_way != "none"), self
         assert self.context_parallel == 1 or (self.packing and not self.replicate), self
+        assert not self.offload_activations or self.recompute == "full", self
+        assert self.tiled_mlp == 0 or (self.tiled_mlp > 1 and self.tensor_parallel == 1), self
 
     @property
     def data_parallel(self) -> int:
@@ -234,7 +241,9 @@ class Plan:
         return (f"batch {self.batch_size} over {self.num_devices} device(s): {self.layout()}, batch_per_device "
                 f"{self.batch_per_device}, {split}, recomputation {self.recompute}, {self._distribution()}, cpu_offload "
                 f"{str(self.cpu_offload).lower()}, chunked loss {str(self.chunked_loss).lower()}, {self.param_dtype} "
-                f"compute, {self.master_dtype} master weights, {'compiled' if self.compile else 'eager'} layers")
+                f"compute, {self.master_dtype} master weights, {'compiled' if self.compile else 'eager'} layers"
+                + (", activations offloaded to the host" if self.offload_activations else "")
+                + (f", MLP in {self.tiled_mlp} tiles" if self.tiled_mlp else ""))
 
     def layout(self) -> str:
         """The reference's words for the mesh: `num_stages : 2 (1f1b), TP 2, DP 4` (and `EP 2` where the experts are

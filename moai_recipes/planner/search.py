@@ -10,12 +10,15 @@ from moai_recipes.errors import UserError
 from moai_recipes.flavors import Flavor
 from moai_recipes.planner import calibration
 from moai_recipes.planner.memory import (
+    DTYPE_BYTES,
     HostMemory,
     MemoryBreakdown,
     predict_host_memory,
     predict_memory,
 )
-from moai_recipes.planner.layouts import layouts
+from moai_recipes.models.tiled_mlp import mlp_tiles
+from moai_recipes.planner.activations import FEWEST_TILES
+from moai_recipes.planner.layouts import layouts, why_not_tiled_mlp
 from moai_recipes.planner.plan import Plan, Workload
 from moai_recipes.planner.flops import ModelFlops
 from moai_recipes.planner.timing import TimeEstimate, device_speed, predict_time
@@ -117,15 +120,33 @@ def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: 
     compiles = [False, True] if not qlora and not cut and not context and gains else [False]
     # A row is cut over context devices as documents laid end to end: packed rows only.
     packings = (True,) if context else (False, True)
+    # Under full recomputation, for rows too long for the rest: the layers' inputs on the host (a GPU's: on the CPU
+    # the host is the device, so only where forced) and the MLP in tiles (a dense, uncut one: layouts.why_not_tiled_mlp).
+    activation_offloads = [False, True] if flavor.device.kind == "gpu" or forced.get("offload_activations") else [False]
+    tileable = not why_not_tiled_mlp(work.spec, layout["tensor_parallel"])
     opts = [dict(micro_batch_size=m, packing=p, recompute=r, replicate=d, reshard_after_forward=s, cpu_offload=o,
-                 chunked_loss=c, compile=k, **layout)
+                 chunked_loss=c, compile=k, offload_activations=a, tiled_mlp=t, **layout)
             for m in sizes for p in packings for r in recomputes for d in replicas
             for s in (reshards[:1] if d else reshards)  # nothing is resharded in a replica
-            for o in ([False] if d else offloads) for c in chunks for k in compiles]
+            for o in ([False] if d else offloads) for c in chunks for k in compiles
+            for a in (activation_offloads if r == "full" and not k else [False])
+            for t in ([0, _tiles(layout, m, p, work)] if r == "full" and tileable and not k else [0])]
     # A pipeline of P devices runs at least P micro-batches (1F1B's schedules: at once, padded with empty ones).
     stages = layout["pipeline_stages"]
-    return [o for o in opts if all(forced.get(k) is None or o[k] == forced[k] for k in o if k != "stage_layers")
+    return [o for o in opts if all(forced.get(k) is None or _as_forced(k, o[k]) == forced[k] for k in o
+                                   if k != "stage_layers")
             and not _runs_eager(o, flavor) and (stages == 1 or math.ceil(per_device / o["micro_batch_size"]) >= stages)]
+
+
+def _as_forced(field: str, value):
+    """A plan field's value as plan.* forces it: plan.tiled_mlp=true is a count of tiles the planner sets."""
+    return bool(value) if field == "tiled_mlp" else value
+
+
+def _tiles(layout: dict, micro_batch_size: int, packing: bool, work: Workload) -> int:
+    """The tiles of a tiled MLP: its device's share of a row, in tiles of about the hidden size (models/tiled_mlp.py)."""
+    row = micro_batch_size * work.seq_len if packing else work.seq_len
+    return mlp_tiles(row // layout["context_parallel"], work.spec.embed_dim, fewest=FEWEST_TILES)
 
 
 def _runs_eager(option: dict, flavor: Flavor) -> bool:
@@ -147,6 +168,16 @@ def _impossible(forced: dict, flavor: Flavor, work: Workload) -> str:
     if forced.get("compile") and work.lora is not None and work.lora.quantize_base:
         return ("plan.compile=true: QLoRA's NF4 base weights cannot be compiled; drop plan.compile or train LoRA "
                 "(lora.quantize_base=false)")
+    for name in ("offload_activations", "tiled_mlp"):
+        if forced.get(name) and forced.get("recompute", "full") != "full":
+            return (f"plan.{name}=true works under full recomputation (what a layer keeps is its input alone), and "
+                    f"plan.recompute={forced['recompute']}: force plan.recompute=full or drop one of them")
+        if forced.get(name) and forced.get("compile"):
+            return f"plan.{name}=true is not compiled (plan.compile=true): drop one of them"
+    if forced.get("tiled_mlp"):
+        why = why_not_tiled_mlp(work.spec, forced.get("tensor_parallel") or 1)
+        if why:
+            return f"plan.tiled_mlp=true cannot tile this model's MLP: {why}; drop plan.tiled_mlp"
     if forced.get("cpu_offload"):
         return (f"plan.cpu_offload=true: {flavor.name} has no device memory to offload from (it runs on the CPU); "
                 "drop plan.cpu_offload or pick a GPU flavor")
@@ -215,11 +246,13 @@ def longest_row(work: Workload, flavor: Flavor, forced=None) -> tuple[int, PlanC
     """The longest samples (a multiple of 1,024 tokens, every sample of `work`'s global batch that long) a plan of
     `flavor` trains, and that plan; None when not even 1,024 tokens fit. Doubling, then halving the interval: a
     longer row never needs less memory, so what fits is a prefix of the lengths."""
+    forced = {k: v for k, v in dict(forced or {}).items() if v is not None}
+
     def plan(tokens: int) -> PlanChoice | None:
-        try:
-            return choose_plan(replace(work, seq_len=tokens, lengths=None), flavor, forced=forced)
-        except UserError:
+        at = replace(work, seq_len=tokens, lengths=None)
+        if not _fits(at, flavor, forced):  # not choose_plan's refusal: its hints price other methods
             return None
+        return choose_plan(at, flavor, forced=forced)
 
     best, tokens = None, 1024
     while tokens <= LONGEST_LIMIT and (choice := plan(tokens)) is not None:
@@ -265,7 +298,10 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
     lengths = work.lengths or (work.seq_len,)
     tokens, pairs = (work.batch_size / len(lengths) * sum(f(k) for k in lengths)
                      for f in (lambda k: k, lambda k: k * (k + 1) // 2))  # a mean step's
+    whole_mlp = {}  # each option's twin with its MLP whole, already priced (it comes first)
     for o, per_device in options:
+        if o["tiled_mlp"] and not _tiling_can_help(whole_mlp.get(_twin(o)), forced, budget, work):
+            continue
         plan = Plan(batch_size=work.batch_size, num_devices=n, max_seq_len=work.seq_len,
                     accumulation_steps=math.ceil(per_device / o["micro_batch_size"]),
                     param_dtype=compute, master_dtype="float32", attention_length=work.spec.attention_length,
@@ -277,9 +313,34 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
         mfu, _ = flops.of_totals(tokens, pairs, recompute=plan.recompute).utilisation(
             time.total_s, peak, n)
         candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=fits, host=host, mfu=mfu))
+        if not o["tiled_mlp"]:
+            whole_mlp[_twin(o)] = candidates[-1]
         if until_fit and fits:
             break
     return candidates, budget
+
+
+def _twin(option: dict) -> tuple:
+    return tuple((k, v) for k, v in option.items() if k != "tiled_mlp")
+
+
+# What a tiled MLP saves at most, in tensors of a device's row tokens x the intermediate size: SwiGLU's backward
+# holds three (traced: 3.2 at SmolLM2-135M's widths, 3.8 at Llama-3-8B's, 16K tokens).
+TILED_SAVES_AT_MOST = 5
+
+
+def _tiling_can_help(whole: Candidate | None, forced: dict, budget: int, work: Workload) -> bool:
+    """Whether a tiled MLP's plan is worth pricing (its layer traces take a second a row length): only where its
+    twin with the MLP whole does not fit (tiling is slower: the MLP's forward once more) and would with the most
+    tiling can save; always where forced."""
+    if forced.get("tiled_mlp") or whole is None:
+        return True
+    if whole.fits:
+        return False
+    plan = whole.plan
+    tokens = plan.micro_batch_size * plan.max_seq_len / plan.context_parallel
+    saved = TILED_SAVES_AT_MOST * tokens * work.spec.intermediate_dim * DTYPE_BYTES[plan.param_dtype]
+    return whole.memory.total - saved * 1.2 <= budget
 
 
 def _host_parts(c: Candidate) -> str:
@@ -287,6 +348,8 @@ def _host_parts(c: Candidate) -> str:
     parts = [f"{h.processes} process(es) x ({h.runtime / GiB:.0f} GiB runtime"]
     if h.offloaded:
         parts.append(f" + {h.offloaded / GiB:,.0f} GiB offloaded weights, gradients and AdamW state")
+    if h.activations:
+        parts.append(f" + {h.activations / GiB:,.0f} GiB offloaded activations")
     parts.append(f" + {h.loading / GiB:.1f} GiB for the largest weight) + {h.export_file / GiB:.1f} GiB for one file "
                  "of the export")
     return "".join(parts)

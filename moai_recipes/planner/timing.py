@@ -85,7 +85,7 @@ NF4_VALUE_S = {"cpu": 5e-9, "gpu": 2e-11}
 # The parts of a step the model adds up, each in seconds under the constants above. A machine's calibration
 # (planner/calibration.py, `moai calibrate`) scales each by what its own runs measured.
 TERMS = ("matmul", "memory", "dispatch", "parameters", "dequantize", "collectives", "transfer", "offload", "tensor",
-         "pipeline", "experts", "context")
+         "pipeline", "experts", "context", "activations")
 # Tensor parallelism's collectives sit on the compute's path (a layer waits for its input's all-gather): never
 # hidden. Per collective a fixed cost beside its bytes: on a GPU a launch and NCCL's latency inside a node, on the
 # CPU gloo's round trip and DTensor's dispatch (estimates; bench/layouts.py measures them).
@@ -156,8 +156,10 @@ def combine(terms: dict, kind: str, scales: dict | None = None, maximum=max) -> 
     # Tensor-parallel collectives, the pipeline's bubble and sends, the experts' and the context's exchanges wait on
     # the compute's path: all exposed.
     blocking = t["tensor"] + t["pipeline"] + t["experts"] + t["context"]
-    return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": exposed, "offload_s": t["offload"],
-            "blocking_s": blocking, "total_s": compute + exposed + t["offload"] + blocking}
+    # Offloaded activations travel on their own stream while the layers compute: what takes longer than the compute.
+    offload = t["offload"] + maximum(t["activations"] - compute, 0 * compute)
+    return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": exposed, "offload_s": offload,
+            "blocking_s": blocking, "total_s": compute + exposed + offload + blocking}
 
 
 def device_speed(device: Device, *, compute_dtype: str, num_devices: int) -> tuple[float, float]:
@@ -209,7 +211,7 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
     # Traced per sequence of seq_len tokens: scaled by the tokens the step computes (a short sample's attention
     # is counted as its share of a long one's, a small overestimate that packed and padded plans share).
-    layer = trace_layer(spec, seq_len=seq_len, recompute=plan.recompute, dtype=dtype, lora=lora)
+    layer = trace_layer(spec, seq_len=seq_len, recompute=plan.recompute, dtype=dtype, lora=lora, tiles=plan.tiled_mlp)
     head = trace_head(spec, micro_batch_size=plan.micro_batch_size, seq_len=seq_len, chunked=plan.chunked_loss,
                       dtype=dtype, lora=lora)
     sequences, heads = tokens / seq_len, tokens / plan.token_budget
@@ -329,6 +331,14 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
         # The bubble: the device idles (P - 1) / v micro-batches' time as the pipeline fills and drains.
         busy = terms["matmul"] + terms["memory"] + terms["dispatch"] + terms["tensor"]
         terms["pipeline"] += busy * (P - 1) / (v * micro)
+    if plan.offload_activations:
+        # Each layer's input out to the host in the forward and back in the backward: over PCIe, hidden behind the
+        # compute (combine); on the CPU, where the host is the device, a copy in memory.
+        kept = sequences * L * layer.retained / T
+        if kind == "gpu":
+            terms["activations"] = 2 * kept / (PCIE_GBPS * 1e9)
+        else:
+            terms["memory"] += 2 * kept / memory_speed
     if plan.cpu_offload:
         moved = micro * sizes.total / n * DTYPE_BYTES[compute_dtype] * 2 + sizes.trainable * 4 / n
         terms["offload"] = moved / (PCIE_GBPS * 1e9) + sizes.trainable * 16 / n / 20e9  # host-side AdamW

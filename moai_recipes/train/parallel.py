@@ -20,7 +20,9 @@ from moai_recipes.train.world import World
 from moai_recipes.models.attention import keep_attention_eager
 from moai_recipes.models.build import init_buffers, is_nf4
 from moai_recipes.models.moe import MoE
+from moai_recipes.models.activation_offload import ActivationOffload
 from moai_recipes.models.recompute import apply_recompute
+from moai_recipes.models.tiled_mlp import apply_tiled_mlp
 from moai_recipes.planner.plan import Plan
 from moai_recipes.train.expert_parallel import apply_expert_parallel
 from moai_recipes.train.pipeline import pipeline_stages
@@ -47,7 +49,8 @@ def apply_compile(layers: nn.ModuleList) -> None:
 
 def parallelize(model: nn.Module, plan: Plan, world: World, spec=None) -> nn.Module:
     """Recompute, compile, cut, shard and give memory to a model built on the meta device, as `plan` says: each
-    layer's recomputation first, its compilation (plan.compile), a sparse layer's experts split over the expert
+    layer's MLP tiled (plan.tiled_mlp) and its recomputation first (its saved input offloaded to the host:
+    plan.offload_activations), its compilation (plan.compile), a sparse layer's experts split over the expert
     dimension (plan.expert_parallel), then the tensor-parallel cut of its heads and MLP (plan.tensor_parallel),
     this device's pipeline stages (plan.pipeline_stages: the model returned holds
     only those; `spec`, the model's, tells them a Mixture-of-Experts model's routing to pass on), FSDP2 on each layer
@@ -55,7 +58,8 @@ def parallelize(model: nn.Module, plan: Plan, world: World, spec=None) -> nn.Mod
     device (the CPU for what FSDP offloads) and the RoPE buffers. The weights come next
     (models.hf_format.load_weights). A LoRA model's base is frozen before: FSDP2 keeps requires_grad per
     parameter. `world` must be laid out for the plan (World.laid_out)."""
-    apply_recompute(model.layers, plan.recompute)
+    apply_tiled_mlp(model.layers, plan.tiled_mlp)
+    apply_recompute(model.layers, plan.recompute, ActivationOffload() if plan.offload_activations else None)
     if plan.compile:
         apply_compile(model.layers)
     if plan.expert_parallel > 1:  # before the tensor cut, which keeps split experts as they are
