@@ -191,20 +191,24 @@ def load_tasks(names: list[str], *, tasks_dir: str | None, key: str = "tasks"):
     own = TaskManager(include_path=folder, include_defaults=False) if folder else None
     # lm-eval's 15k built-in task files take 4 s to index: only when a name is not one of the user's own.
     manager = own if own and all(n in own.all_tasks for n in names) else TaskManager(include_path=folder)
+    # Every name that cannot be evaluated, in one message: a user fixing a list fixes it once.
+    problems = []
     for name in names:
         if name not in manager.all_tasks and not Path(name).is_file():
             where = f" or in {key}_dir={tasks_dir}" if tasks_dir else f" (your own: {key}_dir=FOLDER of task YAMLs)"
-            raise UserError(f"{key}: {name!r} is not an lm-eval task, group or tag{where}; `lm-eval ls tasks` lists "
-                            "them")
+            problems.append(f"{name!r} is not an lm-eval task, group or tag{where}; `lm-eval ls tasks` lists them")
+            continue
         try:
             manager.load([name])
         except OSError as e:  # datasets' ConnectionError: neither in the local cache nor reachable
             source = (getattr(manager.task_index.get(name), "cfg", None) or {}).get("dataset_path", "its dataset")
-            raise UserError(
-                f"{key}: {name!r} needs its data ({source}), which is not in the local datasets cache and could not "
+            problems.append(
+                f"{name!r} needs its data ({source}), which is not in the local datasets cache and could not "
                 f"be downloaded ({str(e).splitlines()[0]}). On a machine with network: python -c \"import datasets; "
                 f"datasets.load_dataset('{source}')\" (with the task's subset name if it has one), then copy "
-                "~/.cache/huggingface here (or set HF_DATASETS_CACHE to it)") from None
+                "~/.cache/huggingface here (or set HF_DATASETS_CACHE to it)")
+    if problems:
+        raise UserError(f"{key}: " + f"\n{key}: ".join(problems))
     return manager
 
 
