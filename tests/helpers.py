@@ -361,11 +361,11 @@ class SmallDisk:
             pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip()}); these tests need root")
 
     def fill(self):
-        with open(self.ballast, "wb") as f:
+        # Unbuffered: nothing is left for the close to flush onto the full disk (a buffered close raised ENOSPC).
+        with open(self.ballast, "wb", buffering=0) as f:
             try:
                 while True:
                     f.write(b"\0" * 2**16)
-                    f.flush()
             except OSError:
                 pass
 

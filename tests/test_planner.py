@@ -8,7 +8,7 @@ import pytest
 
 from moai_recipes.errors import UserError
 from moai_recipes.models.lora import lora_options
-from moai_recipes.planner.activations import trace_layer
+from moai_recipes.planner.activations import RowForm, trace_layer
 from moai_recipes.planner.plan import Workload
 from moai_recipes.planner.search import GiB, choose_plan
 from tests.helpers import metrics, peak_error, run_recipe, setup
@@ -42,7 +42,7 @@ def test_the_traced_layer_keeps_what_a_real_layer_keeps(recompute, tiles):
     spec = dataclasses.replace(spec, num_layers=1, embed_dim=256, num_heads=4, num_kv_heads=2, head_dim=64,
                                intermediate_dim=704, vocab_size=512)
     seq = 256
-    traced = trace_layer(spec, seq_len=seq, recompute=recompute, dtype=torch.float32, tiles=tiles)
+    traced = trace_layer(spec, seq_len=seq, recompute=recompute, dtype=torch.float32, form=RowForm(tiles=tiles))
     model = build_model(spec, max_seq_len=seq)
     init_buffers(model, device="cpu")
     apply_tiled_mlp(model.layers, tiles)

@@ -76,29 +76,35 @@ _CACHE: dict[str, object] = {}
 FEWEST_TILES = 8
 
 
+@dataclass(frozen=True)
+class RowForm:
+    """How a row runs through a layer beside its length. `per_document`: the row is packed documents whose attention
+    runs one document at a time (the CPU's packed rows, models/attention.py), traced on two: each document's
+    attention output is kept, and so is the row they are concatenated into. `tiles`: the MLP computed in that many
+    tiles of the sequence (models/tiled_mlp.py; a run's row cut into as many tiles holds its share of the bytes)."""
+
+    per_document: bool = False
+    tiles: int = 0
+
+
 def trace_layer(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
-                lora: tuple | None = None, per_document: bool = False, tiles: int = 0) -> LayerTrace:
-    """Bytes and FLOPs per sequence of `seq_len` tokens for one layer under `recompute`, in `dtype`.
-    `per_document`: the row is packed documents whose attention runs one document at a time (the CPU's packed
-    rows, models/attention.py), traced on two: each document's attention output is kept, and so is the row
-    they are concatenated into. `tiles`: its MLP computed in that many tiles of the sequence (models/tiled_mlp.py;
-    a run's row cut into as many tiles has tiles of its share of these bytes)."""
+                lora: tuple | None = None, form: RowForm = RowForm()) -> LayerTrace:
+    """Bytes and FLOPs per sequence of `seq_len` tokens for one layer under `recompute`, in `dtype`, its row in
+    `form`."""
     def traced(k: int) -> LayerTrace:
-        key = ((spec, seq_len, recompute, dtype, lora) + (("per_document",) if per_document else ())
+        key = ((spec, seq_len, recompute, dtype, lora) + (("per_document",) if form.per_document else ())
                + ((("tiles", k),) if k else ()))
         return _cached(LayerTrace, key, lambda: _trace(spec, seq_len=seq_len, recompute=recompute, dtype=dtype,
-                                                       lora=lora, per_document=per_document, tiles=k))
+                                                       lora=lora, form=replace(form, tiles=k)))
 
-    if tiles <= FEWEST_TILES:
-        return traced(tiles)
+    if form.tiles <= FEWEST_TILES:
+        return traced(form.tiles)
     # A long row's hundreds of tiles are not traced each (every micro-batch of a longest-row search has its own
     # count): more tiles than FEWEST_TILES hold no more than that many (attention's share of the peak has taken
     # over there: traced flat to within 1% at 16K to 64K tokens of Llama-3-8B and SmolLM2-135M), and each tile
     # adds its operators (a tile's MLP is a dozen of them), not its traffic (the same tokens).
     whole, tiled = traced(0), traced(FEWEST_TILES)
-    return replace(tiled, ops=tiled.ops + (tiles - FEWEST_TILES) * max(0, tiled.ops - whole.ops) // FEWEST_TILES)
-
-
+    return replace(tiled, ops=tiled.ops + (form.tiles - FEWEST_TILES) * max(0, tiled.ops - whole.ops) // FEWEST_TILES)
 
 
 # Rows longer than this are extrapolated by trace_head rather than traced whole (8K: Llama 3's rows are traced).
@@ -296,13 +302,13 @@ def _on_fake_storage(module, *, dtype: torch.dtype) -> None:
 
 
 def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None,
-           per_document: bool = False, tiles: int = 0) -> LayerTrace:
+           form: RowForm) -> LayerTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from moai_recipes.models.attention import Documents, use_document_attention
 
-    layer = _meta_model(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, tiles=tiles).layers[0]
-    docs = Documents((seq_len // 2, seq_len - seq_len // 2)) if per_document and seq_len > 1 else None
+    layer = _meta_model(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, tiles=form.tiles).layers[0]
+    docs = Documents((seq_len // 2, seq_len - seq_len // 2)) if form.per_document and seq_len > 1 else None
     if docs:
         use_document_attention(layer)
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():

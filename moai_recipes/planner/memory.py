@@ -11,7 +11,7 @@ import torch
 
 from moai_recipes.models.build import nf4_weights
 from moai_recipes.models.spec import ModelSpec
-from moai_recipes.planner.activations import trace_head, trace_layer
+from moai_recipes.planner.activations import RowForm, trace_head, trace_layer
 from moai_recipes.planner.layouts import DeviceShare, device_shares
 from moai_recipes.planner.plan import Plan, Workload
 
@@ -180,8 +180,8 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
     # Packed rows attend document by document except in a GPU's varlen kernel (models/attention.py).
     per_document = plan.packing and not (device_kind == "gpu" and plan.param_dtype == "bfloat16")
-    act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, per_document=per_document,
-                      tiles=plan.tiled_mlp)
+    act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora,
+                      form=RowForm(per_document=per_document, tiles=plan.tiled_mlp))
     # Context parallelism: a device holds 1 / C of each row's tokens, and their activations (ulysses: the whole row
     # of 1 / C of the heads inside attention, as many values). Gathering instead, a layer's attention holds the
     # whole row's keys and values, expanded to the query heads (torchtune expands them before attention), and the
@@ -283,8 +283,8 @@ def offloaded_activations(plan: Plan, work: Workload) -> float:
     if not plan.offload_activations:
         return 0.0
     dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
-    per_document = plan.packing and not (plan.param_dtype == "bfloat16")  # as the GPU's varlen kernel keeps them
+    # Full recomputation keeps the layer's input alone, however its attention runs.
     act = trace_layer(work.spec, seq_len=work.seq_len, recompute=plan.recompute, dtype=dtype, lora=work.lora_key,
-                      per_document=per_document, tiles=plan.tiled_mlp)
+                      form=RowForm(tiles=plan.tiled_mlp))
     held = max(s.layers * s.in_flight for s in device_shares(plan, work.spec))
     return plan.micro_batch_size * held * act.retained / plan.tensor_parallel / plan.context_parallel

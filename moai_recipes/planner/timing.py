@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moai_recipes.flavors import Device
-from moai_recipes.planner.activations import trace_head, trace_layer
+from moai_recipes.planner.activations import RowForm, trace_head, trace_layer
 from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
 from moai_recipes.planner.layouts import device_shares, stage_costs
 from moai_recipes.planner.memory import DTYPE_BYTES
@@ -211,7 +211,8 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
     # Traced per sequence of seq_len tokens: scaled by the tokens the step computes (a short sample's attention
     # is counted as its share of a long one's, a small overestimate that packed and padded plans share).
-    layer = trace_layer(spec, seq_len=seq_len, recompute=plan.recompute, dtype=dtype, lora=lora, tiles=plan.tiled_mlp)
+    layer = trace_layer(spec, seq_len=seq_len, recompute=plan.recompute, dtype=dtype, lora=lora,
+                        form=RowForm(tiles=plan.tiled_mlp))
     head = trace_head(spec, micro_batch_size=plan.micro_batch_size, seq_len=seq_len, chunked=plan.chunked_loss,
                       dtype=dtype, lora=lora)
     sequences, heads = tokens / seq_len, tokens / plan.token_budget
