@@ -191,6 +191,35 @@ def test_tiles_and_offloading_are_refused_where_they_cannot_work_and_chosen_only
         choose_plan(work, h100, forced=dict(offload_activations=False))
 
 
+def test_the_gather_ways_blocks_of_queries_attend_as_each_document_does_alone(monkeypatch):
+    """Blocks of 16 queries (not GATHER_BLOCK's 1,024, which the runs above never fill), within and across
+    documents, against keys from their document's start: the outputs and gradients of per-document causal
+    attention. A one-process gloo group: the gather of one is the row itself."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import moai_recipes.train.context_parallel as context_parallel
+    from moai_recipes.models.attention import Documents, attend_documents
+
+    monkeypatch.setattr(context_parallel, "GATHER_BLOCK", 16)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        share = context_parallel.ContextShare(documents=Documents((40, 7, 50, 3)), mesh=init_device_mesh("cpu", (1,)),
+                                              way="gather")
+        g = torch.Generator().manual_seed(0)
+        inputs = [torch.randn(1, 4, 100, 8, generator=g, requires_grad=True) for _ in range(3)]
+        twins = [x.detach().clone().requires_grad_() for x in inputs]
+        blocked, whole = share.attend(*inputs, 0.0), attend_documents(*twins, share.documents, 0.0)
+        torch.testing.assert_close(blocked, whole)
+        grad = torch.randn(blocked.shape, generator=g)
+        blocked.backward(grad)
+        whole.backward(grad)
+        for a, b in zip(inputs, twins):
+            torch.testing.assert_close(a.grad, b.grad)
+    finally:
+        dist.destroy_process_group()
+
+
 def _planned(model: str, seq_len: int, *flavor, batch_size: int = 8):
     """(the workload, the flavor) the planner gets for `model` on `flavor` (overrides)."""
     _, spec, resolved = setup(f"model={model}", *flavor)

@@ -66,6 +66,11 @@ def attend_documents(q, k, v, documents: Documents, dropout_p: float):
     return (_varlen if varlen else _per_document)(q, k, v, documents, dropout_p)
 
 
+# Queries per block of context parallelism's gather way (train/context_parallel._gathered): a block's mask against
+# the row's keys is what it holds (and the planner prices) at a time.
+GATHER_BLOCK = 1024
+
+
 # The CPU's flash attention sets up its blocks per call, and in bf16 far more than in fp32: below a few hundred
 # tokens a document's attention is faster in fp32, the casts included (SDPA forward and backward, 9 heads x 64,
 # 2 threads: 32 tokens 0.37 ms in bf16, 0.17 ms cast to fp32; 128: 1.74 / 1.15 ms; 512: 12.2 / 15.6 ms). A row

@@ -116,7 +116,7 @@ EXPERT_DEVICE_IMBALANCE = 1.25
 # more); gather all-gathers the keys and values in the forward and reduce-scatters their gradients in the backward.
 # Each a fixed cost beside its bytes, as expert parallelism's all-to-alls; on the compute's path, never hidden.
 CONTEXT_EXCHANGES = {"ulysses": {"forward": 4, "backward": 4}, "gather": {"forward": 1, "backward": 1}}
-GATHERED_ATTENTION = 1.5  # the masked rectangle's cost over causal attention (predict_time; measured 1.55)
+GATHERED_ATTENTION = 1.5  # the blocked, masked attention's cost over causal attention (predict_time)
 
 
 @dataclass(frozen=True)
@@ -220,11 +220,9 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     attention_flops = sequences * L * layer.attention_flops / T
     flops = (sequences * L * layer.flops + has_head * heads * head.flops) / T - attention_flops
     if plan.context_parallel_way == "gather":
-        # The local queries against every key of the row under a mask: the whole rectangle of the row's documents
-        # (token_budget / seq_len of them at most), without the causal kernel's skipping of the upper triangle.
-        # Measured: 1.55x the causal attention (SmolLM2-135M LoRA, one 10,240-token document over cpu-2, full
-        # recomputation: 207 s a step; predicted 147 s before this term, 202 s with it).
-        attention_flops *= GATHERED_ATTENTION * plan.token_budget / seq_len
+        # Each block of local queries against the keys from its document's start to its last query, under a mask,
+        # once more in the backward (the block's checkpoint): more than causal attention's kernel (GATHERED_ATTENTION).
+        attention_flops *= GATHERED_ATTENTION
     traffic = (sequences * L * layer.traffic * fused_traffic + has_head * heads * head.traffic) / T
     peak, bandwidth = device_speed(device, compute_dtype=compute_dtype, num_devices=n)
     # The CPU's flash attention computes in fp32 whatever its inputs (bf16 gains it nothing); a GPU's in the dtype.

@@ -31,8 +31,9 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
 
-from moai_recipes.models.attention import Documents, attend_documents
+from moai_recipes.models.attention import GATHER_BLOCK, Documents, attend_documents
 from moai_recipes.train.collectives import AllGather, AllToAll
 
 WAYS = ("ulysses", "gather")
@@ -63,7 +64,7 @@ class ContextShare:
     mesh: DeviceMesh  # the context dimension, 1-D
     way: str
     # What every layer's attention of this micro-batch uses alike, made by the first: the places of each device's
-    # tokens, on the compute device, and (gather) the mask of this device's queries against the row's keys.
+    # tokens, on the compute device, and (gather) the document of each place.
     _made: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -85,16 +86,15 @@ class ContextShare:
             self._made["shares"] = [share_indices(row, self.size, c).to(device) for c in range(self.size)]
         return self._made["shares"]
 
-    def mask(self, device: torch.device) -> torch.Tensor:
-        """[share, row]: which keys each of this device's queries attends to, those of its own document up to its
-        own place in the row."""
-        if "mask" not in self._made:
+    def documents_at(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """([row] the document of each place of the row, [documents] the place each document starts at)."""
+        if "documents" not in self._made:
             docs = self.documents
-            document = torch.repeat_interleave(torch.arange(len(docs.lengths), device=device),
-                                               torch.tensor(docs.lengths, device=device))
-            mine, row = self.shares(device)[self.rank], torch.arange(docs.offsets[-1], device=device)
-            self._made["mask"] = (document[mine, None] == document[None, :]) & (row[None, :] <= mine[:, None])
-        return self._made["mask"]
+            self._made["documents"] = (
+                torch.repeat_interleave(torch.arange(len(docs.lengths), device=device),
+                                        torch.tensor(docs.lengths, device=device)),
+                torch.tensor(docs.offsets[:-1], device=device))
+        return self._made["documents"]
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """[1, share]: RoPE's position of each of this device's tokens (its place in its own document)."""
@@ -130,7 +130,31 @@ def _ulysses(q, k, v, share: ContextShare, dropout_p: float) -> torch.Tensor:
 
 
 def _gathered(q, k, v, share: ContextShare, dropout_p: float) -> torch.Tensor:
+    """This device's queries against the whole row's keys and values, in blocks of GATHER_BLOCK queries: each block
+    against the keys from its first query's document start to its last query, under the mask of their documents and
+    places, made inside the block's own checkpoint. A mask of every local query against every key (5 bytes a pair as
+    SDPA takes it) grew with the square of the row and capped the rows this way splits; a block's is at most
+    GATHER_BLOCK x the row, one at a time, made again for its backward."""
     kv = AllGather.apply(torch.stack([k[0], v[0]]), share.mesh.get_group())  # [size, 2, heads, share, d]
-    keys, values = whole_row(kv, dim=2).unbind(0)
-    return F.scaled_dot_product_attention(q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=share.mask(q.device),
-                                          dropout_p=dropout_p)
+    keys, values = (x.unsqueeze(0) for x in whole_row(kv, dim=2).unbind(0))
+    document, starts = share.documents_at(q.device)
+    mine = share.shares(q.device)[share.rank]  # ascending: the head chunk, then the tail chunk
+    half = q.shape[2] // 2
+    out = []
+    for first in range(0, q.shape[2], GATHER_BLOCK):
+        for a, b in ((first, min(first + GATHER_BLOCK, half)), (half + first, min(half + first + GATHER_BLOCK, 2 * half))):
+            if a >= b:
+                continue
+            places = mine[a:b]
+            lo, hi = int(starts[document[places[0]]]), int(places[-1]) + 1
+            out.append((a, checkpoint(_block, q[:, :, a:b], keys[:, :, lo:hi], values[:, :, lo:hi], places, document,
+                                      lo, dropout_p, use_reentrant=False)))
+    return torch.cat([o for _, o in sorted(out, key=lambda x: x[0])], dim=2)
+
+
+def _block(q, k, v, places: torch.Tensor, document: torch.Tensor, first: int, dropout_p: float) -> torch.Tensor:
+    """Queries at `places` of the row against keys and values from place `first` on: each attends to the keys of its
+    own document up to its own place."""
+    keys_at = torch.arange(first, first + k.shape[2], device=q.device)
+    mask = (document[places, None] == document[None, keys_at]) & (keys_at[None, :] <= places[:, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
