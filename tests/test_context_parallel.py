@@ -181,14 +181,15 @@ def test_tiles_and_offloading_are_refused_where_they_cannot_work_and_chosen_only
         choose_plan(*_planned("tiny", 256, "flavor=cpu-2"), forced=dict(
             recompute="full", tiled_mlp=True, micro_batch_size=forced.chosen.plan.micro_batch_size,
             packing=forced.chosen.plan.packing)).chosen.memory.total, rel=0.01)
-    # A GPU node: 70B at 64K tokens fits only with its activations on the host, which the node's memory counts.
+    # A GPU node: 70B at 64K tokens fits, its samples whole, only with its activations on the host, which the node's
+    # memory counts.
     work, h100 = _planned("llama3_70b", 65536, "flavor=small", "flavor.device=h100", "flavor.memory_gb=640")
     chosen = choose_plan(work, h100).chosen
     assert chosen.plan.offload_activations and chosen.host.activations > 0
     assert chosen.host.activations == pytest.approx(80 * 65536 * 8192 * 2 / chosen.plan.tensor_parallel
                                                      / chosen.plan.context_parallel, rel=0.01)
     with pytest.raises(UserError, match="nothing fits"):
-        choose_plan(work, h100, forced=dict(offload_activations=False))
+        choose_plan(work, h100, forced=dict(offload_activations=False, context_parallel=1))
 
 
 def test_the_gather_ways_blocks_of_queries_attend_as_each_document_does_alone(monkeypatch):

@@ -103,9 +103,10 @@ def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: 
     reshards = [True, False] if data > 1 or context or cast else [forced.get("reshard_after_forward", True)]
     # A cut model is FSDP2-sharded over its copies, held on the devices, its loss whole per stage (the vocabulary
     # is cut by tensor parallelism already): replicas, offloading and the chunked loss are for uncut models.
-    # Split experts are FSDP2-sharded over what is left of the data-parallel devices, held on them.
+    # Split experts are FSDP2-sharded over what is left of the data-parallel devices, held on them. Context devices
+    # shard like data-parallel ones (FSDP2 over data x context): their shards can live on the host as well.
     experts = layout["expert_parallel"] > 1
-    offloads = [False, True] if flavor.device.kind == "gpu" and not cut and not experts and not context else [False]
+    offloads = [False, True] if flavor.device.kind == "gpu" and not cut and not experts else [False]
     # Replicas are plain modules: several processes computing in their fp32 master dtype (FSDP2 casts to bf16).
     # Context devices compute parts of the same samples' gradients: FSDP2 over data x context sums them.
     replicas = [False, True] if data > 1 and compute == "float32" and not cut and not experts and not context \
