@@ -5,7 +5,8 @@
 # (installs llama-cpp-python first, which builds llama.cpp from source: about 5 minutes once).
 # make demo-dpo: preference tuning (DPO with LoRA) of the same model on pirate-voiced pairs (about two minutes).
 # make test: install with the test extras (about 7 minutes once, llama.cpp's build most of it), then run the test
-# suite (479 passed and 3 skipped in 9:48 to 10:11 over three fresh clones on two cores; about 17 minutes in all).
+# suite (484 passed and 3 skipped in 12:10 on a fresh clone of a slower day's two cores; 9:48 to 10:11 for 479 on a
+# faster one; about 17 to 19 minutes in all).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -65,7 +66,9 @@ demo-tiny: $(BASE)
 # Two pytest workers, one per core, each taking whole test modules (a module's shared runs stay in one process), the
 # longest handed out first (--no-loadscope-reorder: tests/conftest.py orders them) and each worker's runs on its
 # share of the cores (tests/conftest.py sets OMP_NUM_THREADS). Measured on a fresh clone of this 2-core machine
-# (empty pip, model and inductor caches; 2026-11-26): 9:48 to 10:11 for 479 passed and 3 skipped, 97% busy;
+# (empty pip, model and inductor caches; 2026-11-26): 9:48 to 10:11 for 479 passed and 3 skipped, 97% busy; later
+# that day, with long rows' tests added, 12:10 for 484 passed and 3 skipped on a machine whose fp32 matmul measured
+# 225-262 GFLOP/s against the 322 recorded earlier (tests/test_layouts.py alone: 122 s at both commits);
 # 13:50 before (both workers' OpenMP threads on both cores, the memory tracer 12x a step, long modules last, a
 # fork server importing torch and the recipe again beside each launcher of several processes).
 test: $(TESTS)
