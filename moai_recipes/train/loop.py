@@ -38,6 +38,7 @@ from moai_recipes.train.out_of_memory import (
     is_out_of_memory,
 )
 from moai_recipes.train.context_parallel import share_batch
+from moai_recipes.train.heap import freed_memory_returned
 from moai_recipes.train.parallel import all_reduce_gradients
 from moai_recipes.train.pipeline import run_pipeline
 from moai_recipes.train.tensor_parallel import parallel_loss, sequence_share, summed_over
@@ -264,7 +265,9 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                         "run writes (model.checkpoint_dir=OUTPUT_DIR/model tasks=[...])")
     profiler = StepProfiler(settings.profile_steps, inputs.out, rank=world.rank, device=world.device)
     state.model.train()
-    with _StopRequest() as stop, address_space_limit(settings.fault_memory_headroom) as limit_memory:
+    # Split rows on the CPU: glibc's freed pages returned as the layers go (train/heap.py).
+    trimmed = freed_memory_returned(world.device.type == "cpu" and runner.plan.context_parallel > 1)
+    with _StopRequest() as stop, address_space_limit(settings.fault_memory_headroom) as limit_memory, trimmed:
         for step in range(first, inputs.total_steps):
             done = step + 1
             if settings.fault_step_delay:  # tests that signal a run mid-way, whatever the machine's speed
