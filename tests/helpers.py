@@ -374,3 +374,27 @@ class SmallDisk:
 
     def close(self):
         subprocess.run(["umount", "-l", str(self.path)], check=False)
+
+
+def model_of(folder, lora=None):
+    """Our model of a checkpoint folder; with `lora` (LoraOptions) its adapters initialised, B drawn at random (so
+    that they change the model)."""
+    from moai_recipes.models.build import build_model, init_buffers
+    from moai_recipes.models.hf_format import HFFolder, load_weights
+    from moai_recipes.models.lora import freeze_base, init_adapters
+
+    hf = HFFolder.open(folder)
+    with torch.device("meta"):
+        model = build_model(hf.spec, max_seq_len=128, lora=lora.builder_kwargs() if lora else None)
+    model.to_empty(device="cpu")
+    init_buffers(model, device="cpu")
+    load_weights(model, hf, allow_missing=(".lora_a.", ".lora_b.") if lora else ())
+    if lora:
+        freeze_base(model)
+        init_adapters(model, seed=0)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_b." in name:
+                    p.normal_(0, 0.2)
+    return model, hf.spec

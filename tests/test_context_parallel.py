@@ -20,7 +20,7 @@ from moai_recipes.errors import UserError
 from moai_recipes.planner.plan import Workload
 from moai_recipes.planner.search import choose_plan
 from moai_recipes.train.context_parallel import share_indices, whole_row
-from tests.helpers import layout, make_hf_checkpoint, metrics, plan_of, run_recipe, setup
+from tests.helpers import layout, make_hf_checkpoint, metrics, model_of, plan_of, run_recipe, setup
 
 STEPS = 4
 COMMON = ["dataset=text", "max_seq_len=128", "batch_size=8", f"max_steps={STEPS}", "optimizer.lr=2e-3",
@@ -117,9 +117,8 @@ def test_a_tiled_mlp_and_offloaded_activations_compute_what_the_whole_layer_comp
     """Each on its own and together, under full recomputation: the loss and every gradient of the plain model (up to
     the order of the tiles' weight-gradient sums), and every layer's input went through the offload."""
     from moai_recipes.models.activation_offload import ActivationOffload
-    from moai_recipes.models.build import build_model, init_buffers
-    from moai_recipes.models.hf_format import HFFolder, load_weights
-    from moai_recipes.models.lora import freeze_base, init_adapters, lora_options
+    from moai_recipes.models.hf_format import HFFolder
+    from moai_recipes.models.lora import lora_options
     from moai_recipes.models.recompute import apply_recompute
     from moai_recipes.models.tiled_mlp import apply_tiled_mlp
 
@@ -130,17 +129,7 @@ def test_a_tiled_mlp_and_offloaded_activations_compute_what_the_whole_layer_comp
     tokens = torch.randint(0, hf.spec.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
 
     def run(tiles: int, offload: ActivationOffload | None):
-        with torch.device("meta"):
-            model = build_model(hf.spec, max_seq_len=128, lora=lora.builder_kwargs() if lora else None)
-        model.to_empty(device="cpu")
-        init_buffers(model, device="cpu")
-        load_weights(model, hf, allow_missing=(".lora_a.", ".lora_b.") if lora else ())
-        if lora:
-            freeze_base(model)
-            init_adapters(model, seed=0)
-            for name, p in model.named_parameters():
-                if ".lora_b." in name:
-                    p.data.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+        model, _ = model_of(checkpoint, lora)
         apply_tiled_mlp(model.layers, tiles)
         apply_recompute(model.layers, "full" if tiles or offload else "none", offload)
         loss = model(tokens).float().square().mean()

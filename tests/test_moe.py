@@ -16,11 +16,11 @@ import pytest
 import torch
 import transformers
 
-from helpers import make_hf_checkpoint, metrics, run_recipe
+from helpers import make_hf_checkpoint, metrics, model_of, run_recipe
 from moai_recipes.errors import UserError
-from moai_recipes.models.build import build_model, init_buffers
-from moai_recipes.models.hf_format import HFFolder, load_weights, save_weights
-from moai_recipes.models.lora import freeze_base, gather_adapters, init_adapters, lora_options, merge_into, save_adapter
+from moai_recipes.models.build import build_model
+from moai_recipes.models.hf_format import HFFolder, save_weights
+from moai_recipes.models.lora import gather_adapters, lora_options, merge_into, save_adapter
 from moai_recipes.models.loss import IGNORE_INDEX, token_loss_sum
 from moai_recipes.models.moe import GroupedExperts, MoE, Routing, is_nf4, local_experts, routing_recorded
 from moai_recipes.models.peft_adapter import PeftAdapter, merge_adapter
@@ -32,26 +32,6 @@ FAMILIES = {"qwen3_moe": dict(num_layers=3), "mixtral": dict(num_layers=2)}
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     return make_hf_checkpoint(tmp_path_factory.mktemp(request.param) / "hf", request.param, **FAMILIES[request.param])
-
-
-def ours(folder, lora=None):
-    """Our model of a checkpoint folder; with `lora` (LoraOptions) its adapters initialised, B drawn at random (so
-    that they change the model)."""
-    hf = HFFolder.open(folder)
-    with torch.device("meta"):
-        model = build_model(hf.spec, max_seq_len=128, lora=lora.builder_kwargs() if lora else None)
-    model.to_empty(device="cpu")
-    init_buffers(model, device="cpu")
-    load_weights(model, hf, allow_missing=(".lora_a.", ".lora_b.") if lora else ())
-    if lora:
-        freeze_base(model)
-        init_adapters(model, seed=0)
-        torch.manual_seed(1)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if ".lora_b." in name:
-                    p.normal_(0, 0.2)
-    return model, hf.spec
 
 
 def expert_lora(spec, **kw):
@@ -74,7 +54,7 @@ def padded_batch(seed=0):
 
 
 def test_logits_and_losses_equal_transformers(checkpoint):
-    model, spec = ours(checkpoint)
+    model, spec = model_of(checkpoint)
     hf = theirs(checkpoint)
     tokens, mask = padded_batch()
     labels = tokens.masked_fill(mask == 0, IGNORE_INDEX)
@@ -101,7 +81,7 @@ def test_each_samples_balancing_loss_is_transformers_on_it_alone(checkpoint):
     """The balancing loss training adds is a sample's (so a step's is the same on any flavor and micro-batching)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func  # seconds to import
 
-    model, spec = ours(checkpoint)
+    model, spec = model_of(checkpoint)
     hf = theirs(checkpoint)
     tokens, mask = padded_batch(seed=1)
     samples = torch.where(mask == 1, torch.arange(3)[:, None], -1)
@@ -128,7 +108,7 @@ def _forward_backward(model, spec, tokens):
 @pytest.mark.parametrize("adapters", [False, True])
 def test_grouped_experts_equal_the_per_expert_loop_bit_for_bit(checkpoint, monkeypatch, adapters):
     spec = spec_from_hf_config(json.loads((checkpoint / "config.json").read_text()))
-    model, spec = ours(checkpoint, expert_lora(spec) if adapters else None)
+    model, spec = model_of(checkpoint, expert_lora(spec) if adapters else None)
     tokens, _ = padded_batch(seed=2)
     grouped = _forward_backward(model, spec, tokens)
     monkeypatch.setattr(GroupedExperts, "implementation", "loop")
@@ -182,7 +162,7 @@ def test_transformers_checkpoint_round_trips_byte_for_byte(tmp_path, family, kwa
     assert len(list(src.glob("*.safetensors"))) > 2  # sharded, with an index
     names = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
     assert any(".experts.7." in n for n in names)  # per-expert tensors, as every Hub checkpoint holds them
-    model, _ = ours(src)
+    model, _ = model_of(src)
     save_weights(model, HFFolder.open(src), tmp_path / "out", rank=0)
     for path in sorted(src.iterdir()):
         assert (tmp_path / "out" / path.name).read_bytes() == path.read_bytes(), path.name
@@ -201,8 +181,8 @@ def test_transformers_reads_the_model_a_run_writes(tmp_path, checkpoint):
         assert row["aux_loss"] > 0 and row["expert_load"] >= 1
         assert {f"expert_load/layer_{i}" for i in spec.moe_layers} <= row.keys()
         assert row["expert_load"] == max(row[f"expert_load/layer_{i}"] for i in spec.moe_layers)
-    model, _ = ours(out / "model")
-    before, _ = ours(checkpoint)
+    model, _ = model_of(out / "model")
+    before, _ = model_of(checkpoint)
     assert not torch.equal(model.layers[0].mlp.experts.w2, before.layers[0].mlp.experts.w2)  # trained
     tokens, _ = padded_batch(seed=3)
     with torch.no_grad():
@@ -217,7 +197,7 @@ def test_expert_adapters_load_in_peft_with_our_logits_and_merge_into_the_base(tm
 
     spec = spec_from_hf_config(json.loads((checkpoint / "config.json").read_text()))
     opts = expert_lora(spec)
-    model, _ = ours(checkpoint, opts)
+    model, _ = model_of(checkpoint, opts)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all(".lora_" in n for n in trained)
     assert {f"layers.{i}.mlp.experts.lora_{k}.{w}" for i in spec.moe_layers for k in "ab" for w in ("w1", "w2", "w3")} \
@@ -232,7 +212,7 @@ def test_expert_adapters_load_in_peft_with_our_logits_and_merge_into_the_base(tm
         peft_merged = lora.merge_and_unload()(tokens).logits
     save_weights(model, HFFolder.open(checkpoint), tmp_path / "merged", rank=0,
                  transform=merge_into(adapters, opts.scale))
-    merged, base = ours(tmp_path / "merged")[0], ours(checkpoint)[0]
+    merged, base = model_of(tmp_path / "merged")[0], model_of(checkpoint)[0]
     a, b = adapters["layers.0.mlp.experts.lora_a.w1"], adapters["layers.0.mlp.experts.lora_b.w1"]
     assert torch.allclose(merged.layers[0].mlp.experts.w1, base.layers[0].mlp.experts.w1 + opts.scale * (b @ a),
                           atol=1e-6)
