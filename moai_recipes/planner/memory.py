@@ -149,7 +149,9 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     nf4 = sizes.nf4_per_layer * L
     master = (held - nf4) * 4 + nf4 * NF4_BYTES
     trainable = held if full else sizes.trainable * L / spec.num_layers / T
-    params = 0 if cpu_offload else master / n
+    # And RoPE's cos and sin tables (one for all layers, fp32 buffers, whole on every device, on it even under CPU
+    # offload): a position per token of the longest row.
+    params = (0 if cpu_offload else master / n) + 2 * plan.row_length * spec.head_dim * 4
     if work.reference == "copy" and full:  # recipes.dpo's frozen reference: a second copy, sharded alike
         params += (held - nf4) * c + nf4 * NF4_BYTES if plan.casts_copies else master / n  # or cast once for good
     sharded_grads = 0 if cpu_offload else trainable * 4 / n

@@ -44,6 +44,7 @@ class Accuracy:
     memory: MemoryBreakdown  # the planner's, default constants, at the measured step's micro-batches
     compiled_graphs: int | None = None  # graphs torch.compile captured in this process (plan.compile); None: eager
     not_measured: str | None = None  # why measured_peak_bytes is None
+    peak_step: int = TRACKED_STEPS  # the measured step: the TRACKED_STEPS-th this process ran, or its last
 
     @property
     def peak_error(self) -> float | None:
@@ -65,7 +66,7 @@ class Accuracy:
                      f"{self.planned_peak_bytes / GiB:.3f} GiB for the worst the data can form"]
         else:
             lines = [f"Peak tensor memory per device: predicted {self.predicted_peak_bytes / GiB:.3f} GiB, measured "
-                     f"{self.measured_peak_bytes / GiB:.3f} GiB ({self.peak_error:+.1%}) in step {TRACKED_STEPS}, whose "
+                     f"{self.measured_peak_bytes / GiB:.3f} GiB ({self.peak_error:+.1%}) in step {self.peak_step}, whose "
                      f"largest micro-batch was {rows} x {tokens} tokens; the plan reserves "
                      f"{self.planned_peak_bytes / GiB:.3f} GiB for the worst the data can form"]
         if self.measured_step_s is None:
@@ -94,7 +95,8 @@ def compare(choice: PlanChoice, work: Workload, measured: Measured, device_kind:
                     predicted_step_s=choice.chosen.time.total_s,
                     measured_step_s=steady[len(steady) // 2] if steady else None, steady_steps=len(steady),
                     largest=max(((r, t) for _, r, t in measured.shapes), key=_size, default=(1, 1)), memory=memory,
-                    compiled_graphs=_compiled_graphs() if plan.compile else None, not_measured=measured.not_measured)
+                    compiled_graphs=_compiled_graphs() if plan.compile else None, not_measured=measured.not_measured,
+                    peak_step=max(1, min(TRACKED_STEPS, len(measured.step_times))))
 
 
 def predicted_memory(plan: Plan, work: Workload, shapes: list[tuple[int, int, int]], device_kind: str) -> MemoryBreakdown:
