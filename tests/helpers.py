@@ -237,16 +237,17 @@ FSDP = ("plan.replicate=false", "plan.tensor_parallel=1", "plan.pipeline_stages=
 
 def layout(out: Path) -> str:
     """How a run spread its model, from its plan.json: 'sharded' (FSDP2), 'replicated', 'single' (one process), or
-    its mesh ('pipeline 2 (1f1b) x data 1 x tensor 2', 'data 1 x context 2 (ulysses)') where it cut the model or its
-    rows."""
+    its mesh ('pipeline 2 (1f1b) x data 1 x tensor 2', 'data 1 x context 2 (ulysses)', 'pipeline 2 (1f1b) x data 1 x
+    context 2 (gather)') where it cut the model or its rows."""
     plan = plan_of(out)
+    stages = (f"pipeline {plan['pipeline_stages']} ({plan['pipeline_schedule']}) x " if plan["pipeline_stages"] > 1
+              else "")
     if plan["context_parallel"] > 1:
-        return f"data {plan['data_parallel']} x context {plan['context_parallel']} ({plan['context_parallel_way']})" \
-            + (f" x tensor {plan['tensor_parallel']}" if plan["tensor_parallel"] > 1 else "")
+        return (f"{stages}data {plan['data_parallel']} x context {plan['context_parallel']} "
+                f"({plan['context_parallel_way']})" + (f" x tensor {plan['tensor_parallel']}"
+                                                       if plan["tensor_parallel"] > 1 else ""))
     if plan["tensor_parallel"] > 1 or plan["pipeline_stages"] > 1:
-        return (f"pipeline {plan['pipeline_stages']}" + (f" ({plan['pipeline_schedule']})" if plan["pipeline_stages"] > 1
-                                                         else "")
-                + f" x data {plan['data_parallel']} x tensor {plan['tensor_parallel']}")
+        return f"{stages or 'pipeline 1 x '}data {plan['data_parallel']} x tensor {plan['tensor_parallel']}"
     if plan["num_devices"] == 1:
         return "single"
     assert plan["sharded"] != plan["replicate"], plan
@@ -376,16 +377,16 @@ class SmallDisk:
         subprocess.run(["umount", "-l", str(self.path)], check=False)
 
 
-def model_of(folder, lora=None):
-    """Our model of a checkpoint folder; with `lora` (LoraOptions) its adapters initialised, B drawn at random (so
-    that they change the model)."""
+def model_of(folder, lora=None, max_seq_len: int = 128):
+    """Our model of a checkpoint folder (RoPE for rows up to `max_seq_len`); with `lora` (LoraOptions) its adapters
+    initialised, B drawn at random (so that they change the model)."""
     from moai_recipes.models.build import build_model, init_buffers
     from moai_recipes.models.hf_format import HFFolder, load_weights
     from moai_recipes.models.lora import freeze_base, init_adapters
 
     hf = HFFolder.open(folder)
     with torch.device("meta"):
-        model = build_model(hf.spec, max_seq_len=128, lora=lora.builder_kwargs() if lora else None)
+        model = build_model(hf.spec, max_seq_len=max_seq_len, lora=lora.builder_kwargs() if lora else None)
     model.to_empty(device="cpu")
     init_buffers(model, device="cpu")
     load_weights(model, hf, allow_missing=(".lora_a.", ".lora_b.") if lora else ())

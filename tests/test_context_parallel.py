@@ -44,6 +44,11 @@ MESHES = {  # the mesh's plan.json name (tests.helpers.layout) -> (method, flavo
                                                        "plan.recompute=full", "plan.tiled_mlp=true",
                                                        "plan.offload_activations=true"]),
     "data 1 x context 2 (gather) x tensor 2": ("full", "cpu-4", [*context(2, "gather"), "plan.tensor_parallel=2"]),
+    # Each of two pipeline stages split over two context devices: the stages send each other their share's hidden
+    # states, and each stage's attention meets its own context peer.
+    "pipeline 2 (1f1b) x data 1 x context 2 (ulysses)": ("lora", "cpu-4", [
+        "plan.context_parallel=2", "plan.context_parallel_way=ulysses", "plan.pipeline_stages=2",
+        "plan.pipeline_schedule=1f1b", "plan.tensor_parallel=1"]),
     # Resumed from the first run's step 2 checkpoint: its steps 3 and 4 on another degree (context 4), the other way.
     "data 1 x context 4 (gather)": ("full", "cpu-4", [*context(4, "gather"), "plan.tensor_parallel=1", RESUMED]),
 }
@@ -224,7 +229,6 @@ def test_a_degree_or_way_that_cannot_split_the_rows_is_refused_naming_why():
         (dict(context_parallel=3), "must divide the flavor's 32 devices"),
         (dict(context_parallel_way="gather"), "needs plan.context_parallel of 2 or more"),
         (dict(context_parallel=2, context_parallel_way="ring"), "is not a way"),
-        (dict(context_parallel=2, pipeline_stages=2), "pipeline stages are not combined"),
     ]
     for forced, words in cases:
         with pytest.raises(UserError, match=words):

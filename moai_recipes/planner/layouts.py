@@ -108,18 +108,16 @@ def why_not_expert(spec: ModelSpec, degree: int, data: int, tensor: int = 1) -> 
 CONTEXT_WAYS = ("ulysses", "gather")
 
 
-def why_not_context(spec: ModelSpec, degree: int, tensor: int = 1, way: str = "ulysses", *, stages: int = 1,
+def why_not_context(spec: ModelSpec, degree: int, tensor: int = 1, way: str = "ulysses", *,
                     qlora: bool = False) -> str | None:
-    """Why `degree` context devices cannot split this model's rows `way` beside `tensor` and `stages` (None: they
-    can)."""
+    """Why `degree` context devices cannot split this model's rows `way` beside `tensor` devices (None: they can).
+    Pipeline stages take any: each stage's devices split the rows it runs (train/pipeline.py)."""
     if degree == 1:
         return None
     if way not in CONTEXT_WAYS:
         return f"plan.context_parallel_way={way} is not a way; valid: {', '.join(CONTEXT_WAYS)}"
     if spec.is_moe:
         return "a Mixture-of-Experts model's routing is not split over context devices yet"
-    if stages > 1:
-        return "pipeline stages are not combined with context parallelism yet"
     if qlora:
         return "QLoRA's NF4 weights are not combined with context parallelism yet"
     heads = spec.num_heads // tensor
@@ -139,13 +137,13 @@ def why_not_tiled_mlp(spec: ModelSpec, tensor: int = 1) -> str | None:
     return None
 
 
-def _context_options(spec: ModelSpec, data: int, tensor: int, *, stages: int = 1, qlora: bool = False,
+def _context_options(spec: ModelSpec, data: int, tensor: int, *, qlora: bool = False,
                     degree: int | None = None, way: str | None = None) -> list[tuple[int, str]]:
     """(degree, way) of context parallelism over `data` devices left by the tensor and pipeline cuts: `degree` and
     `way` where given (forced), else every degree above 1 that divides them, each way that can split the model."""
     degrees = [degree] if degree else [c for c in range(2, data + 1) if data % c == 0]
     return [(c, w) for c in degrees if data % c == 0 for w in ([way] if way else CONTEXT_WAYS)
-            if not why_not_context(spec, c, tensor, w, stages=stages, qlora=qlora)]
+            if not why_not_context(spec, c, tensor, w, qlora=qlora)]
 
 
 def layouts(work, flavor, forced: dict) -> list[dict]:
@@ -170,7 +168,7 @@ def layouts(work, flavor, forced: dict) -> list[dict]:
     if c_forced is not None and (c_forced < 1 or n % c_forced):
         raise UserError(f"plan.context_parallel={c_forced} must divide the flavor's {n} devices")
     if c_forced and c_forced > 1:  # refused when no way (the forced one, else either) can split the rows
-        whys = [why_not_context(spec, c_forced, t_forced or 1, way, stages=p_forced or 1, qlora=qlora)
+        whys = [why_not_context(spec, c_forced, t_forced or 1, way, qlora=qlora)
                 for way in ([w_forced] if w_forced else CONTEXT_WAYS)]
         if all(whys):
             raise UserError(f"plan.context_parallel={c_forced} cannot split this model's rows: {whys[0]}")
@@ -181,9 +179,9 @@ def layouts(work, flavor, forced: dict) -> list[dict]:
             if (n // t) % p or (qlora and (t > 1 or p > 1)):
                 continue
             if c_forced and c_forced > 1:
-                contexts = _context_options(spec, n // (t * p), t, stages=p, qlora=qlora, degree=c_forced, way=w_forced)
+                contexts = _context_options(spec, n // (t * p), t, qlora=qlora, degree=c_forced, way=w_forced)
             else:
-                contexts = [(1, "none")] + (_context_options(spec, n // (t * p), t, stages=p, qlora=qlora)
+                contexts = [(1, "none")] + (_context_options(spec, n // (t * p), t, qlora=qlora)
                                             if c_forced is None else [])
             for c, way in contexts:
                 out += _expert_layouts(spec, n, t, p, c, way, e_forced, s_forced, qlora)

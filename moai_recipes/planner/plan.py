@@ -265,5 +265,7 @@ class Plan:
             cast = f" computing on {self.param_dtype} copies of its weights" if self.casts_copies else ""
             return f"distribute_param false (one device: a plain module{cast}, no FSDP2)"
         copies = f" over {self.data_parallel} copies" if self.data_parallel < self.num_devices else ""
+        if self.context_parallel > 1 and self.shards < self.num_devices:  # context devices hold shards too
+            copies = f" sharded over {self.shards} devices: data {self.data_parallel} x context {self.context_parallel}"
         return (f"distribute_param true (FSDP2{copies}, reshard_after_forward "
                 f"{str(self.reshard_after_forward).lower()})")

@@ -11,6 +11,12 @@ holds it (`whole_parameter`).
 
 A step's micro-batches run through the schedule all at once; the schedule needs them of one shape, so a step's
 rows are padded to its longest (ignored labels: the loss and the gradients are unchanged).
+
+Under context parallelism (train/context_parallel.py) each stage's devices run the schedule on their share of every
+row: the stacked rows are cut to it before the schedule splits them into micro-batches, so what the stages send
+each other is 1 / C of the hidden states, and each stage's attention meets the other context devices of its own
+stage (they run the same schedule, so their collectives come in the same order). The whole row's documents travel
+as before and become the share's ContextShare in the stage.
 """
 
 from functools import cached_property
@@ -24,6 +30,7 @@ from moai_recipes.models.attention import Documents
 from moai_recipes.models.loss import IGNORE_INDEX, cross_entropy_sum
 from moai_recipes.models.moe import Routing, RoutingTotals, balancing_losses, routing_recorded
 from moai_recipes.planner.plan import Plan
+from moai_recipes.train.context_parallel import ContextShare, share_indices
 from moai_recipes.train.tensor_parallel import parallel_loss, sequence_share, summed_over
 from moai_recipes.train.world import World
 
@@ -35,7 +42,8 @@ class Stage(nn.Module):
     (models/moe.Routing.stats(), a row per sample slot, differentiable), its own layers' added: the last stage's
     loss has every sparse layer's, as one device's would."""
 
-    def __init__(self, decoder: nn.Module, layers: range, *, first: bool, last: bool, spec=None, tensor=None):
+    def __init__(self, decoder: nn.Module, layers: range, *, first: bool, last: bool, spec=None, tensor=None,
+                 context=None, way: str = "none"):
         super().__init__()
         self.tok_embeddings = decoder.tok_embeddings if first else None
         self.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layers})
@@ -43,6 +51,8 @@ class Stage(nn.Module):
         self.output = decoder.output if last else None
         self.__dict__["spec"] = spec if spec is not None and spec.is_moe else None
         self.__dict__["tensor"] = tensor  # the tensor mesh, under sequence parallelism
+        self.__dict__["context"] = context  # the context mesh, where rows are split over its devices
+        self.way = way
 
     def forward(self, h: torch.Tensor, routed: torch.Tensor | None = None, *,
                 document_lengths: torch.Tensor | None = None, input_pos: torch.Tensor | None = None,
@@ -53,6 +63,8 @@ class Stage(nn.Module):
         mask = None
         if document_lengths is not None:  # a packed row's documents travel as a tensor (the schedule cuts tensors)
             mask = Documents(tuple(n for n in document_lengths[0].tolist() if n))
+            if self.context is not None:  # h is this device's share of the row; input_pos was cut the same way
+                mask = ContextShare(documents=mask, mesh=self.context, way=self.way)
         routing = None
         if self.spec is not None:
             mine = samples if self.tensor is None else sequence_share(samples, self.tensor)
@@ -117,8 +129,8 @@ class PipelinedModel(nn.Module):
         tensor = whole(self._params[name]) if mine else None
         if owner == 0:
             return tensor if world.rank == 0 else None
-        # The stage's first device (data 0, tensor 0) sends it to rank 0.
-        sender = owner * world.size("data") * world.size("tensor")
+        # The stage's first device (data 0, context 0, tensor 0) sends it to rank 0.
+        sender = owner * world.size("data") * world.size("context") * world.size("tensor")
         shape = self.decoder.get_parameter(name).shape
         if world.rank == sender:
             dist.send(tensor.to(world.device, torch.float32).contiguous(), dst=0)
@@ -134,8 +146,9 @@ def pipeline_stages(decoder: nn.Module, plan: Plan, world: World, spec=None) -> 
     the model's, whose sparse layers' routing the stages pass on (models/moe.py)."""
     split = plan.stage_ranges()
     tensor = world.dim("tensor") if plan.tensor_parallel > 1 else None
-    stages = [Stage(decoder, split[s], first=s == 0, last=s == len(split) - 1, spec=spec, tensor=tensor)
-              for s in _stage_ids(plan, world)]
+    context = world.dim("context") if plan.context_parallel > 1 else None
+    stages = [Stage(decoder, split[s], first=s == 0, last=s == len(split) - 1, spec=spec, tensor=tensor,
+                    context=context, way=plan.context_parallel_way) for s in _stage_ids(plan, world)]
     return PipelinedModel(decoder, stages, world=world, plan=plan)
 
 
@@ -158,6 +171,9 @@ def run_pipeline(model: PipelinedModel, batches: list[dict], *, plan: Plan, pad_
     moe = spec is not None
     aux_scale = routed.aux_scale if routed is not None else 0.0
     inputs = _stacked(batches, _count(plan, len(batches)), pad_id, routing=moe)
+    if plan.context_parallel > 1:  # every row padded to a multiple of 2C already (Plan.padded_row)
+        mine = share_indices(inputs["tokens"].shape[1], world.size("context"), world.coordinate("context"))
+        inputs.update({k: inputs[k][:, mine] for k in ("tokens", "labels", "input_pos")})
     group = world.dim("pipeline").get_group()
     count = plan.pipeline_stages * plan.stages_per_device
     stages = [PipelineStage(stage, s, count, world.device, group=group)
