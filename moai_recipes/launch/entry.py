@@ -16,7 +16,7 @@ import gc
 import os
 import sys
 import tempfile
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from moai_recipes import env
@@ -65,6 +65,18 @@ def check_world(flavor: Flavor, given: env.GivenWorld | None) -> None:
                         f"or pick a flavor of {given.world_size} devices")
 
 
+@contextmanager
+def _one_thread():
+    import torch  # imported by what runs inside anyway; not before a refused command needs it
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def launch(job: Job) -> int:
     """Start the job's processes on this machine and wait for them; start them again after a dead worker (up to
     max_restarts) or an out-of-memory step (each time with a smaller plan, so this ends)."""
@@ -73,7 +85,11 @@ def launch(job: Job) -> int:
     # differ) and the model's folder (the tiny default made, a Hub download fetched once).
     check_output_dir(cfg, verify=False)  # refused early; the workers' rank 0 reads the checkpoint back
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
-    cfg.model.checkpoint_dir = str(resolve_model_dir(**model_source(cfg)))
+    # Making the tiny default model here (a fresh cache) must not start an OpenMP team in a process that forks the
+    # workers: libgomp is not fork-safe, and each forked worker hung at its first parallel region (seen: cpu-2's first
+    # run on a new machine, stuck in RoPE's cos). One thread runs no parallel region; the workers start their own.
+    with _one_thread() if forks_workers(flavor) else nullcontext():
+        cfg.model.checkpoint_dir = str(resolve_model_dir(**model_source(cfg)))
     if forks_workers(flavor):
         prepare_workers(job.recipe)  # after the checks above: a refused command does not wait for the imports
     # This process only waits now: what it holds (torch's modules) lives until it exits, when the last collection
