@@ -85,23 +85,43 @@ def test_same_losses_on_any_flavor_and_micro_batch(tmp_path, hf_checkpoints, ins
 
 def test_bf16_compute_follows_fp32_and_its_peak_is_planned(tmp_path):
     """dtype=bf16 (bf16 compute, fp32 master weights): full on two processes (FSDP2's mixed precision) and LoRA on
-    one (a plain module on bf16 copies, train/mixed_precision.py); the losses follow fp32's within bf16's precision
-    and the planner's peak holds like for like."""
+    one (a plain module on bf16 copies of its adapters, its frozen base stored in bf16: train/mixed_precision.py); the
+    losses follow fp32's within bf16's precision and the planner's peak holds like for like. The LoRA run's merged
+    model is the fp32 checkpoint's weights plus the adapters, as peft merges them: not the bf16 base it computed with."""
     common = ["logger=stdout", "max_steps=4", "batch_size=8", "optimizer.lr=3e-3", "sample_max_new_tokens=0"]
     runs = {"fp32": ("recipes.full_finetune", ["flavor=cpu"]),
             "bf16": ("recipes.full_finetune", ["flavor=cpu-2", "dtype=bf16"]),
-            "lora-bf16": ("recipes.lora_finetune", ["flavor=cpu", "dtype=bf16", "save_merged=false"])}
+            "lora-bf16": ("recipes.lora_finetune", ["flavor=cpu", "dtype=bf16"]),
+            # FSDP2 gathering a bf16 base beside the adapters' fp32 masters (cast to bf16 as it gathers them).
+            "lora-bf16-fsdp": ("recipes.lora_finetune", ["flavor=cpu-2", "dtype=bf16", "plan.replicate=false",
+                                                         "save_merged=false"])}
     losses = {}
     for name, (module, extra) in runs.items():
         r = run_recipe(*common, *extra, f"output_dir={tmp_path / name}", module=module)
         assert r.returncode == 0, r.stdout + r.stderr
         assert abs(peak_error(r.stdout)) <= 0.10, name
-        assert ("bfloat16 compute, float32 master weights" in r.stdout) == name.endswith("bf16")
-        assert layout(tmp_path / name) == ("sharded" if name == "bf16" else "single")
+        assert ("bfloat16 compute, float32 master weights" in r.stdout) == (name != "fp32")
+        assert layout(tmp_path / name) == ("single" if name in ("fp32", "lora-bf16") else "sharded")
         losses[name] = [row["loss"] for row in metrics(tmp_path / name)]
     for a, b in zip(losses["fp32"], losses["bf16"], strict=True):
         assert abs(a - b) <= 2e-2 * a, losses
     assert losses["lora-bf16"][-1] < losses["lora-bf16"][0]
+    for a, b in zip(losses["lora-bf16"], losses["lora-bf16-fsdp"], strict=True):  # the order of fp32 sums apart
+        assert abs(a - b) <= 1e-4 * a, losses
+
+    import peft
+    import transformers
+    from omegaconf import OmegaConf
+
+    out = tmp_path / "lora-bf16"
+    base = OmegaConf.load(out / "config.yaml").model.checkpoint_dir
+    assert all(t.dtype == torch.float32 for t in tensors(base).values())
+    plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    expected = peft.PeftModel.from_pretrained(plain, out / "adapter").merge_and_unload().state_dict()
+    got = tensors(out / "model")
+    for name, tensor in got.items():
+        # A bf16 base would be 1e-4 to 1e-3 off (its 8 bits of mantissa); the checkpoint's own weights are exact.
+        assert tensor.dtype == torch.float32 and (tensor - expected[name]).abs().max() <= 1e-6, name
 
 
 @pytest.mark.parametrize("family, flavor, options", [
@@ -129,6 +149,22 @@ def test_lr_zero_returns_the_input_weights_bit_for_bit(tmp_path, family, flavor,
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(model_dir)
+
+
+def test_a_first_run_on_several_processes_with_an_empty_cache_finishes(tmp_path):
+    """A new machine's first cpu-2 run: the launcher makes the tiny default model before it forks the workers. It once
+    started an OpenMP team doing so, and the forked workers hung at their first parallel region (libgomp is not
+    fork-safe)."""
+    import os
+    import shutil
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copy(os.path.join(os.environ["MOAI_CACHE"], "cpu-speed.json"), cache)  # the suite's pinned speed only
+    r = run_recipe("flavor=cpu-2", "logger=stdout", "max_steps=1", "batch_size=4", "sample_max_new_tokens=0",
+                   f"output_dir={tmp_path / 'run'}", env={"MOAI_CACHE": str(cache)}, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (cache / "tiny-llama-v1-seed0").is_dir() and (tmp_path / "run" / "model").is_dir()
 
 
 def test_an_earlier_run_is_never_overwritten(tmp_path):

@@ -31,6 +31,18 @@ class Dtype(Choice):
     bf16 = "bf16"
 
 
+class Precision(Choice):
+    mixed = "mixed"  # fp32 master weights, gradients and AdamW moments beside a bf16 compute
+    bf16 = "bf16"  # weights, gradients and moments in bf16 (torchtune's default), updates rounded stochastically
+
+
+class OptimizerStates(Choice):
+    auto = "auto"  # the trained weights' dtype: fp32 under precision=mixed, bf16 under precision=bf16
+    fp32 = "fp32"
+    bf16 = "bf16"
+    int8 = "int8"  # torchao's 8-bit AdamW: each moment in int8 with a scale per block of 256
+
+
 class Recompute(Choice):
     none = "none"
     selective = "selective"  # recompute the cheap pointwise operators, keep matmuls and attention
@@ -160,6 +172,9 @@ class OptimizerConfig:
     weight_decay: float = setting(0.0, "decoupled weight decay")
     warmup_steps: int = setting(10, "steps of linear warm-up")
     max_grad_norm: Optional[float] = setting(1.0, "gradients clipped to this total norm (null: no clipping)")
+    states: OptimizerStates = setting(OptimizerStates.auto, "AdamW's two moments: auto (the trained weights' dtype), "
+                                                            "fp32, bf16 (with precision=bf16), int8 (torchao's 8-bit "
+                                                            "AdamW)")
 
 
 @dataclass
@@ -237,6 +252,9 @@ class RecipeConfig:
     seed: int = setting(0, "the data order, the initialisation of adapters, dropout")
     output_dir: Optional[str] = setting(None, "null: outputs/<recipe>/<date>_<time>; never overwrites an earlier run")
     dtype: Dtype = setting(Dtype.auto, "auto: bf16 compute with fp32 master weights on GPUs, fp32 on the CPU")
+    precision: Precision = setting(Precision.mixed, "with a bf16 compute: mixed keeps fp32 master weights, gradients "
+                                                    "and AdamW moments; bf16 keeps them in bf16 (half the memory, "
+                                                    "updates rounded stochastically; computes in bf16 on the CPU too)")
     sample_max_new_tokens: int = setting(24, "tokens of the sample answers before and after training (0: none)")
     resume: str = setting("auto", "auto: continue output_dir's newest checkpoint; never; or a checkpoint folder")
     resume_force: bool = setting(False, "resume even where the model, tokenizer, data, global batch or settings "

@@ -390,7 +390,7 @@ def save_weights(model: torch.nn.Module, hf: HFFolder, out_dir: Path, *, rank: i
             tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         writes.run(make_tmp)
     try:
-        export = _Export(model, params, hf, transform)
+        export = _Export(model, params, hf, transform, rank)
         total_size = sum(_save_file(export, hf, names, fname, tmp, writes) for fname in hf.files)
         if rank == 0:
             writes.run(lambda: _write_index_and_extras(hf, tmp, total_size))
@@ -431,9 +431,18 @@ class _Export:
 
     KEPT = 3
 
-    def __init__(self, model, params: dict, hf: HFFolder, transform):
-        self.model, self.params, self.hf, self.transform = model, params, hf, transform
+    def __init__(self, model, params: dict, hf: HFFolder, transform, rank: int):
+        self.model, self.params, self.hf, self.transform, self.rank = model, params, hf, transform, rank
         self.kept: dict[str, torch.Tensor | None] = {}
+        # Where each of our weights is in the checkpoint: [(file, Hugging Face name)], a stacked experts' in expert order.
+        self.sources: dict[str, list[tuple[str, str]]] = {}
+        names = tune_names(hf)
+        for fname, hf_names in hf.files.items():
+            for hf_name in hf_names:
+                if names[hf_name] is not None:
+                    self.sources.setdefault(names[hf_name], []).append((fname, hf_name))
+        for places in self.sources.values():
+            places.sort(key=lambda place: expert_index(place[1]) or 0)
 
     def __call__(self, tune: str, expert: int | None) -> torch.Tensor | None:
         if expert is None:
@@ -449,10 +458,33 @@ class _Export:
         """One whole weight, gathered and transformed; its intermediates die on return. `stacked`: an experts'
         weight, [E, out, in] (QLoRA holds it as [E x out, in])."""
         source = "tok_embeddings.weight" if tune == _TIED_OUTPUT and self.hf.spec.tie_word_embeddings else tune
-        whole = whole_parameter(self.model, source, self.params)
+        whole = self._checkpoints(source) if self._narrowed(source) else whole_parameter(self.model, source, self.params)
         if stacked and whole is not None and whole.dim() == 2:
             whole = whole.view(self.hf.spec.num_experts, -1, whole.shape[-1])
         return whole if self.transform is None or whole is None else self.transform(source, whole)
+
+
+    def _narrowed(self, tune: str) -> bool:
+        """Whether the model holds this frozen weight in a narrower dtype than the checkpoint (LoRA's base stored in
+        the bf16 it computes in, train/mixed_precision.py): then the checkpoint's own values are what it was, and what
+        a merge adds the adapters to. Decided alike on every rank (no gather is skipped by some only). NF4 weights
+        (QLoRA) are merged into as trained, dequantized, as torchtune merges them."""
+        param = self.params.get(tune)
+        if param is None or param.requires_grad or is_nf4(param) or tune not in self.sources:
+            return False
+        return param.dtype.itemsize < min(self.hf.dtypes[name].itemsize for _, name in self.sources[tune])
+
+    def _checkpoints(self, tune: str) -> torch.Tensor | None:
+        """The weight read from the checkpoint's files in fp32, on rank 0 (None elsewhere); a stacked experts' weight
+        [E, out, in] from its experts' tensors."""
+        if self.rank != 0:
+            return None
+        places, parts = self.sources[tune], {}
+        for fname in dict.fromkeys(fname for fname, _ in places):  # each file opened once, in order
+            with _open(self.hf.folder / fname) as f:
+                parts.update({name: f.get_tensor(name).float() for file, name in places if file == fname})
+        parts = [parts[name] for _, name in places]
+        return parts[0] if len(parts) == 1 and expert_index(self.sources[tune][0][1]) is None else torch.stack(parts)
 
 
 def _write_index_and_extras(hf: HFFolder, tmp: Path, total_size: int) -> None:

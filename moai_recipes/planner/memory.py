@@ -17,6 +17,9 @@ from moai_recipes.models.attention import GATHER_BLOCK
 from moai_recipes.planner.plan import Plan, Workload
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# AdamW's two moments, bytes per trained value (Plan.optimizer_states, train/optim.py): torchao's 8-bit AdamW keeps
+# each in int8 with an fp32 scale per block of 256 values.
+STATE_BYTES = {"float32": 8, "bfloat16": 4, "int8": 2 * (1 + 4 / 256)}
 NF4_BYTES = 0.5 + 1 / 64 * 4 / 4 + 0.01  # 4-bit codes, per-block scales, double-quantized scalers
 # torchao dequantizes an NF4 weight whole for each use (forward and backward of its linear), through
 # intermediates of about 21 bytes per value whatever the compute dtype (MemTracker, torchao 0.14.1,
@@ -147,15 +150,18 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     experts = sizes.experts_per_layer * L
     held = ((sizes.total if L == spec.num_layers else L * sizes.per_layer + root) - experts) / T + experts
     nf4 = sizes.nf4_per_layer * L
-    master = (held - nf4) * 4 + nf4 * NF4_BYTES
     trainable = held if full else sizes.trainable * L / spec.num_layers / T
+    # A frozen weight (LoRA's base) is stored in the dtype it computes in (train/mixed_precision.py), a trained
+    # one and its gradient in the master dtype (fp32, or bf16 with precision=bf16).
+    frozen, m = c, DTYPE_BYTES[plan.master_dtype]
+    master = trainable * m + (held - nf4 - trainable) * frozen + nf4 * NF4_BYTES
     # And RoPE's cos and sin tables (one for all layers, fp32 buffers, whole on every device, on it even under CPU
     # offload): a position per token of the longest row.
     params = (0 if cpu_offload else master / n) + 2 * plan.row_length * spec.head_dim * 4
-    if work.reference == "copy" and full:  # recipes.dpo's frozen reference: a second copy, sharded alike
-        params += (held - nf4) * c + nf4 * NF4_BYTES if plan.casts_copies else master / n  # or cast once for good
-    sharded_grads = 0 if cpu_offload else trainable * 4 / n
-    optimizer = 0 if cpu_offload else trainable * 8 / n  # AdamW: two fp32 moments
+    if work.reference == "copy" and full:  # recipes.dpo's frozen reference: a second copy in the compute dtype
+        params += ((held - nf4) * frozen + nf4 * NF4_BYTES) / n
+    sharded_grads = 0 if cpu_offload else trainable * m / n
+    optimizer = 0 if cpu_offload else trainable * STATE_BYTES[plan.optimizer_states] / n  # AdamW's two moments
 
     # FSDP2 keeps the root group (embeddings, norm, output) gathered for the whole step, and a layer
     # plus the next one (prefetch) in the backward; without resharding after forward every layer
@@ -167,9 +173,12 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     fsdp, copies = plan.sharded, plan.casts_copies
     # A layer gathered: its dense weights cut by tensor parallelism and, of its experts, this device's 1 / ep.
     gathered_layer = (sizes.per_layer - sizes.experts_per_layer) / T + sizes.experts_per_layer / ep
-    layer_c = ((gathered_layer - sizes.nf4_per_layer) * c + (sizes.nf4_per_layer * NF4_BYTES if n > 1 else 0)) if fsdp or copies else 0
+    layer_c = ((gathered_layer - sizes.nf4_per_layer) * c + (sizes.nf4_per_layer * NF4_BYTES if n > 1 else 0)) if fsdp else 0
+    root_gathered = root / T * c if fsdp else 0
+    if copies:  # a plain module's compute copies: of its trained weights only (the frozen ones compute as stored)
+        layer_c = (sizes.trainable - (sizes.root if full else 0)) / spec.num_layers / T * c
+        root_gathered = root / T * c if full else 0
     layers_gathered = (lambda k: k * layer_c) if plan.reshard_after_forward and not copies else (lambda k: L * layer_c)
-    root_gathered = root / T * c if fsdp or copies else 0
     # The root's weight gradients (in the compute dtype, before their reduce-scatter, which comes last):
     # the output projection's from the loss's backward on, the embeddings' only after the first layer's.
     # At the end of a layer's backward FSDP2 copies its gradients into one flat fp32 buffer for the
@@ -178,7 +187,7 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     reduce_copy = gathered_layer * 4 * sizes.trainable / sizes.total if fsdp else 0
     # Sharded gradients of all layers but the first (and not yet the root's) while the first runs its backward.
     layer_trainable = (sizes.trainable - (sizes.root if full else 0)) / spec.num_layers / T
-    later_grads = 0 if cpu_offload else (L - 1) * layer_trainable * 4 / n
+    later_grads = 0 if cpu_offload else (L - 1) * layer_trainable * m / n
 
     dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
     # Packed rows attend document by document except in a GPU's varlen kernel (models/attention.py).
@@ -270,14 +279,17 @@ class HostMemory:
 
 def predict_host_memory(plan: Plan, work: Workload, processes_per_node: int) -> HostMemory:
     """Host bytes of the busiest node: each process's runtime, its share of what CPU offload keeps on the host
-    (fp32 master weights or NF4, fp32 gradients, AdamW's two fp32 moments), the largest weight whole in fp32
-    (loading reads and exporting gathers one at a time), and on rank 0's node one file of the export."""
+    (master weights of what trains, frozen weights in the compute dtype or NF4, gradients and AdamW's two moments,
+    each in the plan's dtype), the largest weight whole in fp32 (loading reads and exporting gathers one at a time),
+    and on rank 0's node one file of the export."""
     spec, sizes = work.spec, work.sizes
     nf4 = sizes.nf4_per_layer * spec.num_layers
     offloaded = 0
     if plan.cpu_offload:
-        master = (sizes.total - nf4) * 4 + nf4 * NF4_BYTES
-        offloaded = (master + sizes.trainable * (4 + 8)) / plan.shards
+        frozen = sizes.total - nf4 - sizes.trainable  # stored in the compute dtype, as on the device
+        m = DTYPE_BYTES[plan.master_dtype]  # the trained weights and their gradients
+        master = sizes.trainable * m + frozen * DTYPE_BYTES[plan.param_dtype] + nf4 * NF4_BYTES
+        offloaded = (master + sizes.trainable * (m + STATE_BYTES[plan.optimizer_states])) / plan.shards
     # A sparse layer's experts are loaded and exported stacked, one projection of all of them at a time.
     largest = max(spec.vocab_size * spec.embed_dim, spec.intermediate_dim * spec.embed_dim,
                   spec.num_heads * spec.head_dim * spec.embed_dim,

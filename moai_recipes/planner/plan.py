@@ -19,6 +19,8 @@ class Workload:
     seq_len: int
     lora: object = None  # models.lora.LoraOptions
     dtype: str = "auto"
+    precision: str = "mixed"  # mixed | bf16: what the trained weights, gradients and moments are stored in
+    states: str = "auto"  # AdamW's moments: auto (the trained weights' dtype) | fp32 | bf16 | int8
     lengths: tuple[int, ...] | None = None  # the data's samples' token counts (None: all seq_len long)
     steps: int | None = None  # optimizer steps of the run (None: unknown, a long run)
     # Preference tuning's reference model (recipes.dpo): "copy", a frozen copy (LoRA: the base, adapters off) run
@@ -76,8 +78,9 @@ class Plan:
     cpu_offload: bool
     chunked_loss: bool  # the output projection and the loss in chunks of tokens (models/loss.py)
     param_dtype: str  # compute dtype of parameters in forward/backward
-    master_dtype: str  # dtype of the sharded parameters, gradients and optimizer state
+    master_dtype: str  # dtype of the trained weights as stored (sharded) and of their gradients
     compile: bool = False  # each layer's forward and backward compiled by torch.compile (train/parallel.py)
+    optimizer_states: str = "float32"  # AdamW's moments: float32 | bfloat16 | int8 (train/optim.py)
     # Ranks are balanced by the work of their documents, n x (1 + n / attention_length) for n tokens: attention
     # grows with the square of a document's length (ModelSpec.attention_length; 0: balanced by tokens alone).
     attention_length: int = 0
@@ -241,7 +244,8 @@ class Plan:
         return (f"batch {self.batch_size} over {self.num_devices} device(s): {self.layout()}, batch_per_device "
                 f"{self.batch_per_device}, {split}, recomputation {self.recompute}, {self._distribution()}, cpu_offload "
                 f"{str(self.cpu_offload).lower()}, chunked loss {str(self.chunked_loss).lower()}, {self.param_dtype} "
-                f"compute, {self.master_dtype} master weights, {'compiled' if self.compile else 'eager'} layers"
+                f"compute, {self.master_dtype} master weights, {self.optimizer_states} AdamW states, "
+                f"{'compiled' if self.compile else 'eager'} layers"
                 + (", activations offloaded to the host" if self.offload_activations else "")
                 + (f", MLP in {self.tiled_mlp} tiles" if self.tiled_mlp else ""))
 
@@ -265,7 +269,7 @@ class Plan:
             cast = f" computing on {self.param_dtype} copies of its weights" if self.casts_copies else ""
             return f"distribute_param false (one device: a plain module{cast}, no FSDP2)"
         copies = f" over {self.data_parallel} copies" if self.data_parallel < self.num_devices else ""
-        if self.context_parallel > 1 and self.shards < self.num_devices:  # context devices hold shards too
-            copies = f" sharded over {self.shards} devices: data {self.data_parallel} x context {self.context_parallel}"
+        if self.context_parallel > 1:  # context devices hold shards too
+            copies = f" sharded over data {self.data_parallel} x context {self.context_parallel} devices"
         return (f"distribute_param true (FSDP2{copies}, reshard_after_forward "
                 f"{str(self.reshard_after_forward).lower()})")

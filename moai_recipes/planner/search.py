@@ -99,7 +99,8 @@ def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: 
     # One copy shards nothing, so resharding is moot there (take what the user forced), except for an uncut copy
     # below its master dtype: resharded, FSDP2 casts it layer by layer; not, the whole model's bf16 copies are held
     # through the step (Plan.sharded, train/mixed_precision.py): faster, and more memory.
-    cast = compute != "float32" and not cut
+    uncast = compute == ("bfloat16" if work.precision == "bf16" else "float32")  # computing in the stored dtype
+    cast = not uncast and not cut
     reshards = [True, False] if data > 1 or context or cast else [forced.get("reshard_after_forward", True)]
     # A cut model is FSDP2-sharded over its copies, held on the devices, its loss whole per stage (the vocabulary
     # is cut by tensor parallelism already): replicas, offloading and the chunked loss are for uncut models.
@@ -107,9 +108,9 @@ def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: 
     # shard like data-parallel ones (FSDP2 over data x context): their shards can live on the host as well.
     experts = layout["expert_parallel"] > 1
     offloads = [False, True] if flavor.device.kind == "gpu" and not cut and not experts else [False]
-    # Replicas are plain modules: several processes computing in their fp32 master dtype (FSDP2 casts to bf16).
+    # Replicas are plain modules: several processes computing in their master dtype (FSDP2 casts to bf16).
     # Context devices compute parts of the same samples' gradients: FSDP2 over data x context sums them.
-    replicas = [False, True] if data > 1 and compute == "float32" and not cut and not experts and not context \
+    replicas = [False, True] if data > 1 and uncast and not cut and not experts and not context \
         else [False]
     chunks = [False] if cut else [False, True]
     # Compiling is predicted to gain nothing on the CPU in fp32 (timing.COMPILED), so it is offered there only when
@@ -271,12 +272,35 @@ def longest_row(work: Workload, flavor: Flavor, forced=None) -> tuple[int, PlanC
     return best
 
 
+def stored_dtypes(work: Workload, flavor: Flavor) -> tuple[str, str, str]:
+    """(compute, trained weights and their gradients, AdamW's moments) as the user's dtype, precision and
+    optimizer.states ask: numerics are the user's, never the planner's to change. A frozen weight is stored in the
+    compute dtype (train/mixed_precision.py)."""
+    bf16 = work.precision == "bf16"
+    if bf16 and work.dtype == "fp32":
+        raise UserError("precision=bf16 stores the weights in bf16 and computes in bf16: drop dtype=fp32, or keep "
+                        "precision=mixed (fp32 master weights) with dtype=bf16")
+    gpu = flavor.device.kind == "gpu"
+    compute = "bfloat16" if (work.dtype == "bf16" or bf16 or (work.dtype == "auto" and gpu)) else "float32"
+    master = "bfloat16" if bf16 else "float32"
+    states = {"auto": master, "fp32": "float32", "bf16": "bfloat16", "int8": "int8"}[work.states]
+    if states == "int8" and bf16:
+        # Measured: torchao 0.14.1's 8-bit moments of FSDP2-sharded bf16 weights do not load back from a step
+        # checkpoint (their step fails on the loaded state's dtype); over fp32 master weights they do.
+        raise UserError("optimizer.states=int8 goes with precision=mixed (fp32 master weights): with precision=bf16 "
+                        "use optimizer.states=auto (bf16 moments)")
+    if states != "int8" and states != master:  # torch's AdamW keeps the moments in the weights' dtype
+        raise UserError(f"optimizer.states={work.states} keeps AdamW's moments in the trained weights' dtype, which "
+                        f"precision={work.precision} stores in {master}: use optimizer.states=auto or int8"
+                        + (", or precision=bf16" if states == "bfloat16" else ""))
+    return compute, master, states
+
+
 def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool = False) -> tuple[list[Candidate], int]:
     """Every plan the forced fields allow, with its predictions; a UserError if they allow none. `until_fit`: stop
     at the first that fits (whether any fits is all the caller asks)."""
     n = flavor.num_devices
-    gpu = flavor.device.kind == "gpu"
-    compute = "bfloat16" if (work.dtype == "bf16" or (work.dtype == "auto" and gpu)) else "float32"
+    compute, master, states = stored_dtypes(work, flavor)
     budget = int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
     host_budget = int(flavor.host_memory_gb * GiB * (1 - SAFETY_MARGIN))
     # Each layout's copies of the model split the global batch: its options, with the sequences a copy gets.
@@ -305,7 +329,8 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
             continue
         plan = Plan(batch_size=work.batch_size, num_devices=n, max_seq_len=work.seq_len,
                     accumulation_steps=math.ceil(per_device / o["micro_batch_size"]),
-                    param_dtype=compute, master_dtype="float32", attention_length=work.spec.attention_length,
+                    param_dtype=compute, master_dtype=master, optimizer_states=states,
+                    attention_length=work.spec.attention_length,
                     row_sizes=ROW_SIZES_PER_DOUBLING.get((flavor.device.kind, compute), 0), **o)
         memory = predict_memory(plan, work, flavor.device.kind, traced_scale=scales.get(calibration.MEMORY, 1.0))
         time = predict_time(plan, work, flavor.device, scales=scales)
@@ -371,6 +396,9 @@ def _what_would_fit(work: Workload, flavor: Flavor, forced: dict) -> str:
                 hints.append(f"The smallest flavor that fits is {option.option} ({other.name} on {flavor.device.name}): "
                              f"flavor={option.option}.")
                 break
+    precision = _precision_that_fits(work, flavor, forced)
+    if precision:
+        hints.append(precision)
     if work.lora is None:
         fits = _adapters_that_fit(work, flavor, forced)
         if fits:
@@ -379,6 +407,23 @@ def _what_would_fit(work: Workload, flavor: Flavor, forced: dict) -> str:
         hints.append(f"Try a shorter max_seq_len (now {work.seq_len}), LoRA (recipes.lora_finetune), or a larger "
                      "flavor.device_memory_gb.")
     return " ".join(hints)
+
+
+def _precision_that_fits(work: Workload, flavor: Flavor, forced: dict) -> str | None:
+    """Which leaner storage fits where the user's does not: int8 AdamW moments, or bf16 weights, gradients and moments.
+    Named, never chosen: numerics are the user's (stored_dtypes)."""
+    from dataclasses import replace
+
+    leaner = []
+    if work.precision == "mixed" and work.states in ("auto", "fp32"):
+        leaner.append((replace(work, states="int8"), "optimizer.states=int8 (8-bit AdamW moments)"))
+    if work.precision == "mixed" and work.dtype != "fp32" and work.states != "int8":
+        leaner.append((replace(work, precision="bf16", states="auto"),
+                       "precision=bf16 (weights, gradients and AdamW moments in bf16, as torchtune keeps them)"))
+    for lean, how in leaner:
+        if _fits(lean, flavor, forced):
+            return f"With {how} it fits."
+    return None
 
 
 def _adapters_that_fit(work: Workload, flavor: Flavor, forced: dict) -> str | None:

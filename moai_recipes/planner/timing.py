@@ -21,7 +21,7 @@ from moai_recipes.flavors import Device
 from moai_recipes.planner.activations import RowForm, trace_head, trace_layer
 from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
 from moai_recipes.planner.layouts import device_shares, stage_costs
-from moai_recipes.planner.memory import DTYPE_BYTES
+from moai_recipes.planner.memory import DTYPE_BYTES, STATE_BYTES
 from moai_recipes.planner.plan import Plan, Workload
 
 # Share of the peak FLOP/s that large micro-batches reach, and the micro-batch (tokens) at which half of
@@ -29,10 +29,17 @@ from moai_recipes.planner.plan import Plan, Workload
 EFFICIENCY = {"gpu": (0.55, 1024), "cpu": (0.92, 16)}
 # Share of the memory bandwidth that a training step's elementwise kernels reach (many small ones).
 BANDWIDTH_EFFICIENCY = {"gpu": 0.7, "cpu": 0.63}
-# Bytes per trainable value and step: gradient clipping reads the gradients for their norm and scales
+# Bytes per trainable value and step in fp32: gradient clipping reads the gradients for their norm and scales
 # them (12); fused AdamW (train/optim.py, GPUs and the CPU alike) reads parameter, gradient and both moments and
-# writes three of them once (28).
+# writes three of them once (28). In other dtypes (optimizer_traffic) the same passes over their bytes.
 OPTIMIZER_TRAFFIC = {"gpu": 12 + 28, "cpu": 12 + 28}
+
+
+def optimizer_traffic(plan: Plan, kind: str) -> float:
+    """OPTIMIZER_TRAFFIC for the plan's dtypes: 3 passes over the gradients and 2 over the parameters (master dtype),
+    2 over both moments (optimizer_states), scaled from fp32's 3 x 4 + 2 x 4 + 2 x 8 = 36 bytes moved."""
+    m = DTYPE_BYTES[plan.master_dtype]
+    return OPTIMIZER_TRAFFIC[kind] * (5 * m + 2 * STATE_BYTES[plan.optimizer_states]) / 36
 # Cost of dispatching one operator, whatever its size: PyTorch's eager dispatch (and on a GPU the kernel
 # launch, asynchronous: the device works meanwhile). Selective recompute runs its policy, in Python, on
 # every operator of the layer: SELECTIVE_OP_S more each. The CPU's fitted with bench/planner_accuracy.py.
@@ -250,7 +257,7 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
                                                 + share.embedding * embedding) / sizes.total) / T
     trainable, total = sizes.trainable * part, sizes.total * part
     if not plan.cpu_offload:  # offloaded, the optimizer runs on the host (below)
-        terms["memory"] += trainable / plan.shards * OPTIMIZER_TRAFFIC[kind] / memory_speed
+        terms["memory"] += trainable / plan.shards * optimizer_traffic(plan, kind) / memory_speed
     if plan.casts_copies:  # train/mixed_precision.py: each trained weight cast once a step (a frozen one once a run),
         c = DTYPE_BYTES[compute_dtype]  # each gradient once a micro-batch
         terms["memory"] += (trainable * (4 + c) + micro * trainable * (c + 8)) / memory_speed
@@ -340,7 +347,9 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
             terms["memory"] += 2 * kept / memory_speed
     if plan.cpu_offload:
         moved = micro * sizes.total / n * DTYPE_BYTES[compute_dtype] * 2 + sizes.trainable * 4 / n
-        terms["offload"] = moved / (PCIE_GBPS * 1e9) + sizes.trainable * 16 / n / 20e9  # host-side AdamW
+        # and the host-side AdamW over the master weights, gradients and moments as stored
+        state = 2 * DTYPE_BYTES[plan.master_dtype] + STATE_BYTES[plan.optimizer_states]
+        terms["offload"] = moved / (PCIE_GBPS * 1e9) + sizes.trainable * state / n / 20e9
     once_s = COMPILE_S[kind] if plan.compile else 0.0
     if work.reference != "none":
         # recipes.dpo's reference: a forward of the step's pairs, a third of the layers' forward and backward (and,

@@ -30,7 +30,7 @@ from moai_recipes.planner.search import choose_reference
 from moai_recipes.train.answers import Answers
 from moai_recipes.train.loop import LoopSettings, train_loop
 from moai_recipes.train.metrics_log import MetricsLog
-from moai_recipes.train.mixed_precision import frozen_in_compute_dtype, in_compute_dtype
+from moai_recipes.train.mixed_precision import in_compute_dtype, stored_as_planned
 from moai_recipes.train.optim import build_optimizer, build_scheduler
 from moai_recipes.train.out_of_memory import forced_plan
 from moai_recipes.train.parallel import parallelize
@@ -77,7 +77,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     # 4. The reference: a frozen copy, the adapters switched off, or log-probabilities cached before step 1.
     ref = Reference()
     if reference == "copy" and lora is None:
-        ref.model = frozen_in_compute_dtype(_model(inputs, plan, world, lora=None, seed=cfg.seed).eval(), plan)
+        ref.model = _model(inputs, plan, world, lora=None, seed=cfg.seed, frozen=True).eval()
     elif reference == "copy":
         ref.adapters_off = True
     elif reference == "cached":
@@ -86,7 +86,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
                                          pad_id=inputs.tokenizer.pad_id, adapters_off=lora is not None)
 
     # 5. The optimizer over what trains, then the loop with the preference objective.
-    optimizer = build_optimizer(trainable, cfg.optimizer)
+    optimizer = build_optimizer(trainable, cfg.optimizer, plan)
     state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.optimizer, total_steps=inputs.total_steps))
     process = prepare_process(plan, work, flavor, world)
     log = MetricsLog.start(cfg, inputs, choice) if world.is_main else None
@@ -125,12 +125,16 @@ def _reference_modes(cfg: DictConfig, loss: PreferenceLoss) -> tuple[str, ...]:
     return ("copy", "cached") if cfg.reference == "auto" else (str(cfg.reference),)
 
 
-def _model(inputs, plan, world: World, *, lora, seed: int) -> torch.nn.Module:
+def _model(inputs, plan, world: World, *, lora, seed: int, frozen: bool = False) -> torch.nn.Module:
+    """The policy (LoRA: adapters on its frozen base), or with `frozen` the reference copy, nothing of it trained."""
     with torch.device("meta"):
         model = build_model(inputs.spec, max_seq_len=plan.row_length, lora=lora.builder_kwargs() if lora else None,
                             quantize_base=bool(lora and lora.quantize_base))
     if lora:
         freeze_base(model)  # before sharding: FSDP2 keeps requires_grad per parameter
+    if frozen:
+        model.requires_grad_(False)
+    stored_as_planned(model, plan)  # what never changes in the compute dtype (no fp32 master), what trains as planned
     model = parallelize(model, plan, world, spec=inputs.spec)
     load_weights(model, inputs.hf, allow_missing=(".lora_a.", ".lora_b.") if lora else ())
     if lora:

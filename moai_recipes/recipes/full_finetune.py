@@ -22,6 +22,7 @@ from moai_recipes.models.hf_format import load_weights, save_weights
 from moai_recipes.planner.search import choose_plan
 from moai_recipes.train.answers import Answers
 from moai_recipes.train.loop import LoopSettings, train_loop
+from moai_recipes.train.mixed_precision import stored_as_planned
 from moai_recipes.train.optim import build_optimizer, build_scheduler
 from moai_recipes.train.out_of_memory import forced_plan
 from moai_recipes.train.parallel import parallelize
@@ -52,11 +53,12 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     # 3. Build on meta; recompute, shard and give memory in one place, one order; then the weights.
     with torch.device("meta"):
         model = build_model(inputs.spec, max_seq_len=plan.row_length)
+    stored_as_planned(model, plan)  # fp32 master weights, or bf16 ones (precision=bf16)
     model = parallelize(model, plan, world, spec=inputs.spec)  # under pipeline parallelism, this device's stages only
     load_weights(model, inputs.hf)
 
     # 4. Every parameter is trained.
-    optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+    optimizer = build_optimizer(model.parameters(), cfg.optimizer, plan)
     state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.optimizer, total_steps=inputs.total_steps))
 
     # 5. This process set up for the loop (threads, allocator, collector), then the loop: the same global batch,

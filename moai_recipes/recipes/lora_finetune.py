@@ -29,6 +29,7 @@ from moai_recipes.models.sources import base_model_name
 from moai_recipes.planner.search import choose_plan
 from moai_recipes.train.answers import Answers
 from moai_recipes.train.loop import LoopSettings, train_loop
+from moai_recipes.train.mixed_precision import stored_as_planned
 from moai_recipes.train.optim import build_optimizer, build_scheduler
 from moai_recipes.train.out_of_memory import forced_plan
 from moai_recipes.train.parallel import parallelize
@@ -62,6 +63,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
         model = build_model(inputs.spec, max_seq_len=plan.row_length, lora=lora.builder_kwargs(),
                             quantize_base=lora.quantize_base)
     freeze_base(model)  # before sharding: FSDP2 keeps requires_grad per parameter
+    stored_as_planned(model, plan)  # the base in the compute dtype (no fp32 master of it), the adapters as planned
     model = parallelize(model, plan, world, spec=inputs.spec)  # under pipeline parallelism, this device's stages only
     load_weights(model, inputs.hf, allow_missing=(".lora_a.", ".lora_b."))
     init_adapters(model, seed=cfg.seed)
@@ -69,7 +71,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     say(f"Trainable: {sum(p.numel() for p in trainable) / 1e6:.3f}M adapter parameters")
 
     # 4. Only the adapters are trained: only they get gradients and optimizer state.
-    optimizer = build_optimizer(trainable, cfg.optimizer)
+    optimizer = build_optimizer(trainable, cfg.optimizer, plan)
     state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.optimizer, total_steps=inputs.total_steps))
 
     # 5. This process set up for the loop (threads, allocator, collector), then the loop: the same global batch,

@@ -281,7 +281,7 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                 result = runner.run(lambda plan: step_fn(state, rank_micro_batches(plan, samples, world), plan=plan,
                                                          world=world, settings=settings, pad_id=pad_id),
                                     step=done, optimizer=state.optimizer)
-                lr = state.scheduler.get_last_lr()[0]
+                lr = float(state.scheduler.get_last_lr()[0])  # torchao keeps it as a tensor
                 state.scheduler.step()
             profiled = profiler.profiled(done)
             # The profiler slows the steps it records: they do not say what a step costs (None keeps the positions).

@@ -1,19 +1,24 @@
 """Mixed precision on a plain module (one process): what FSDP2's MixedPrecisionPolicy does for a sharded model,
 without its per-layer copies in and out.
 
-The module's registered parameters stay the fp32 master weights, so the optimizer, the gradient clipping, the
-checkpoints and the exported model see only them. For a step (or an evaluation) `compute_copies` registers a bf16
-copy of each in its place; each micro-batch's bf16 gradient is added to its master's fp32 gradient as soon as
+The module's registered parameters stay the fp32 master weights of what trains, so the optimizer, the gradient
+clipping and the checkpoints see only them; a frozen weight (LoRA's base, DPO's reference) is stored in bf16 from the
+start (`stored_as_planned`, as under FSDP2): it never changes, so an fp32 master of it would only hold memory
+(SmolLM2-135M's base: 540 MB in fp32 beside its 270 MB bf16 copy). For a step (or an evaluation) `compute_copies`
+registers a bf16 copy of each trained weight in its place; each micro-batch's bf16 gradient is added to its master's fp32 gradient as soon as
 autograd has it, which is what FSDP2 does with `reduce_dtype=float32` in a world of one. So a step computes the
 same numbers as under FSDP2, bit for bit, and the losses stay those of the sharded plans.
 
 Why not FSDP2 in one process: there it copies every layer's parameters into and out of its all-gather buffers and
 casts them twice a step (forward, and again for the backward) and its gradients out of reduce-scatter buffers.
 With bf16 matmuls 4x faster than fp32 on the CPU, that showed: SmolLM2-135M's bf16 step took 1.0 s under FSDP2 and
-0.87 s without it (the same losses and gradient norms, bit for bit). But the whole model's bf16 copy is alive
-through the step, where FSDP2 resharded after the forward holds a layer or two: the planner weighs the two
-(Plan.sharded, `reshard_after_forward`) and falls back to FSDP2 where the copy does not fit (an 8B LoRA on one 80 GB
-GPU). Replicas (several processes) stay fp32: the planner offers them only there.
+0.87 s without it (the same losses and gradient norms, bit for bit). But the bf16 copy of every trained weight is
+alive through the step, where FSDP2 resharded after the forward holds a layer or two: the planner weighs the two
+(Plan.sharded, `reshard_after_forward`) and falls back to FSDP2 where the copies do not fit (full fine-tuning near the
+device's memory). An 8B LoRA on one 80 GB GPU, whose base needed an fp32 master and a bf16 copy, is now a plain
+module: its base is 16 GB of bf16, its adapters' copies a few MB. Replicas (several processes) compute in their
+master dtype: the planner offers them only there. With precision=bf16 the weights are stored in bf16 and nothing
+is cast.
 """
 
 from collections import defaultdict
@@ -21,7 +26,6 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from moai_recipes.models.build import is_nf4
 from moai_recipes.planner.plan import Plan
@@ -46,16 +50,15 @@ def _register(tensor: nn.Parameter, places: list[tuple[nn.Module, str]]) -> None
 
 @contextmanager
 def compute_copies(model: nn.Module, dtype: torch.dtype):
-    """Within it, `model` computes with `dtype` copies of its parameters; the gradients of the trainable ones reach
-    the fp32 masters' `.grad` (added to what is there), and the masters are registered again on the way out."""
-    slots = _slots(model)
+    """Within it, `model` computes with `dtype` copies of its trained parameters; their gradients reach the fp32
+    masters' `.grad` (added to what is there), and the masters are registered again on the way out. Frozen weights
+    are stored in `dtype` already (stored_as_planned): they compute as they are."""
+    slots = {p: places for p, places in _slots(model).items() if p.dtype != dtype}
+    assert all(p.requires_grad for p in slots), "frozen weights are stored in the compute dtype (stored_as_planned)"
     hooks = []
     for master, places in slots.items():
-        if master.requires_grad:
-            copy = nn.Parameter(master.detach().to(dtype))
-            hooks.append(copy.register_post_accumulate_grad_hook(_to_master(master)))
-        else:
-            copy = _frozen_copy(master, dtype)
+        copy = nn.Parameter(master.detach().to(dtype))
+        hooks.append(copy.register_post_accumulate_grad_hook(_to_master(master)))
         _register(copy, places)
     try:
         yield
@@ -64,21 +67,6 @@ def compute_copies(model: nn.Module, dtype: torch.dtype):
             hook.remove()
         for master, places in slots.items():
             _register(master, places)
-
-
-# A frozen weight's copy (LoRA's base), kept from one step to the next: casting SmolLM2-135M's base again every step
-# was 5% of a LoRA step. It is held through every step anyway (the planner counts it), so keeping it costs no peak.
-# Made again if the master changed since.
-_FROZEN = WeakIdKeyDictionary()  # master -> (what it was when copied, the copy); by identity, as tensors compare by value
-
-
-def _frozen_copy(master: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
-    seen = (master._version, master.data_ptr(), dtype)  # changed in place, or given other memory (`.data =`)
-    held = _FROZEN.get(master)
-    if held is None or held[0] != seen:
-        held = (seen, nn.Parameter(master.detach().to(dtype), requires_grad=False))
-        _FROZEN[master] = held
-    return held[1]
 
 
 def _to_master(master: nn.Parameter):
@@ -100,11 +88,15 @@ def in_compute_dtype(model: nn.Module, plan: Plan):
     return compute_copies(model, getattr(torch, plan.param_dtype)) if plan.casts_copies else nullcontext()
 
 
-def frozen_in_compute_dtype(model: nn.Module, plan: Plan) -> nn.Module:
-    """`model` frozen (recipes.dpo's reference copy), its parameters cast once to the plan's compute dtype where a
-    plain module computes on copies: it never changes, so one copy serves every step."""
-    model.requires_grad_(False)
-    if plan.casts_copies:
-        for master, places in _slots(model).items():
-            _register(nn.Parameter(master.detach().to(getattr(torch, plan.param_dtype)), requires_grad=False), places)
+def stored_as_planned(model: nn.Module, plan: Plan) -> nn.Module:
+    """`model`'s weights in the dtypes the plan stores them in: a trained one in the master dtype (fp32; bf16 with
+    precision=bf16), a frozen one (LoRA's base, recipes.dpo's reference copy) in the compute dtype: a weight that never
+    changes needs no fp32 master beside the copy it computes with. Called on the meta model, before FSDP2 shards it
+    (which then gathers each as it is, casting only fp32 masters) and before the weights are loaded (cast from the
+    checkpoint as the compute copy was cast from the master: the same numbers). NF4 weights (QLoRA) stay NF4."""
+    compute, master = getattr(torch, plan.param_dtype), getattr(torch, plan.master_dtype)
+    for param, places in _slots(model).items():
+        dtype = master if param.requires_grad else compute
+        if param.dtype != dtype:
+            _register(nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad), places)
     return model

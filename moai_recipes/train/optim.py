@@ -5,13 +5,45 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moai_recipes.planner.plan import Plan
 
-def build_optimizer(params, settings) -> torch.optim.AdamW:
-    """AdamW over `params` as the `optimizer` config group says, fused: one pass over each parameter, its gradient
-    and moments, no temporaries. On the CPU too: there torch's foreach AdamW loops over the tensors op by op (a
-    dozen passes over memory), 6.7x slower for SmolLM2-135M's parameters (47 ms against 313 ms a step)."""
-    return torch.optim.AdamW(params, lr=settings.lr, betas=tuple(settings.betas), eps=settings.eps,
-                             weight_decay=settings.weight_decay, fused=True)
+
+def build_optimizer(params, settings, plan: Plan) -> torch.optim.Optimizer:
+    """AdamW over `params` as the `optimizer` config group says, its moments in plan.optimizer_states:
+
+    - fp32 or bf16 moments, in the trained weights' dtype (precision=mixed: fp32 masters; precision=bf16: bf16
+      weights): torch's fused AdamW, one pass over each parameter, its gradient and moments, no temporaries. On the
+      CPU too: there torch's foreach AdamW loops over the tensors op by op (a dozen passes over memory), 6.7x slower
+      for SmolLM2-135M's parameters (47 ms against 313 ms a step). bf16 weights are updated rounding to nearest, as
+      torchtune's bf16 runs are: an update below half a weight's last bit (8 bits of mantissa) is lost. Stochastic
+      rounding (torchao's AdamW, bf16_stochastic_round) would keep it in expectation, but its compiled kernel fails on
+      FSDP2's sharded parameters (torchao 0.14.1, torch 2.13: the noise is drawn at the whole weight's shape), and
+      one process rounding otherwise than eight would give the flavors different loss curves.
+    - int8 moments (optimizer.states=int8): torchao's 8-bit AdamW, each moment quantised per block of 256 values. Its
+      step is a compiled kernel per parameter shape (inductor, on the CPU as on GPUs): the first steps take the
+      compile time."""
+    kwargs = dict(lr=settings.lr, betas=tuple(settings.betas), eps=settings.eps, weight_decay=settings.weight_decay)
+    if plan.optimizer_states == "int8":
+        from torchao.optim import AdamW8bit
+
+        return _outside_dispatch_modes(AdamW8bit)(params, **kwargs)
+    return torch.optim.AdamW(params, fused=True, **kwargs)
+
+
+def _outside_dispatch_modes(cls: type) -> type:
+    """A torchao optimizer whose step runs with the dispatch modes set aside: its step is torch.compile(fullgraph=True),
+    which dynamo refuses under a mode, and the CPU's first steps run under MemTracker's (train/peak_memory.py). What
+    the step allocates is then not followed (a compiled kernel per parameter: no temporaries the size of the
+    model); the moments are, as the optimizer's state, from the step after their first."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    class Untracked(cls):
+        def step(self, closure=None):
+            with _disable_current_modes():
+                return super().step(closure)
+
+    Untracked.__name__ = Untracked.__qualname__ = cls.__name__
+    return Untracked
 
 
 def build_scheduler(optimizer, settings, *, total_steps: int):
