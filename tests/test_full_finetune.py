@@ -6,6 +6,7 @@ Run: pytest tests/test_full_finetune.py   (about two minutes on two cores)
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,7 +115,7 @@ def test_bf16_compute_follows_fp32_and_its_peak_is_planned(tmp_path):
     from omegaconf import OmegaConf
 
     out = tmp_path / "lora-bf16"
-    base = OmegaConf.load(out / "config.yaml").model.checkpoint_dir
+    base = Path(OmegaConf.load(out / "config.yaml").model.checkpoint_dir)
     assert all(t.dtype == torch.float32 for t in tensors(base).values())
     plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     expected = peft.PeftModel.from_pretrained(plain, out / "adapter").merge_and_unload().state_dict()

@@ -1,8 +1,9 @@
 """One device's bf16 compute without FSDP2 (train/mixed_precision.py) computes what FSDP2's mixed precision computes:
 the same losses and the same fp32 gradients, bit for bit, over micro-batches that accumulate, with a tied embedding,
-and with LoRA's frozen base. In this process: a world of one and real FSDP2."""
+and with LoRA's frozen base, stored in bf16 in both. In this process: a world of one and real FSDP2."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,10 +14,13 @@ from moai_recipes.models.lora import freeze_base
 from moai_recipes.models.loss import token_loss_sum
 from moai_recipes.planner.plan import Workload
 from moai_recipes.planner.search import choose_plan
-from moai_recipes.train.mixed_precision import compute_copies, frozen_in_compute_dtype
+from moai_recipes.train.mixed_precision import compute_copies, stored_as_planned
 from moai_recipes.train.parallel import shard_model
 from moai_recipes.train.world import join_world
 from tests.helpers import setup
+
+
+BF16_COMPUTE = SimpleNamespace(param_dtype="bfloat16", master_dtype="float32")  # what stored_as_planned reads of a Plan
 
 
 def _model(spec, lora):
@@ -27,7 +31,7 @@ def _model(spec, lora):
         for name, p in model.named_parameters():  # torchtune starts lora_b at zero: give it gradients to compare
             if "lora" in name:
                 torch.nn.init.normal_(p, std=0.02)
-    return model
+    return stored_as_planned(model, BF16_COMPUTE)  # the frozen base in bf16, as the recipes store it
 
 
 @pytest.mark.parametrize("tied, lora", [(True, False), (False, True)], ids=["full-tied", "lora"])
@@ -56,8 +60,10 @@ def test_bf16_copies_give_fsdp2_mixed_precision_losses_and_gradients_bit_for_bit
             loss.backward()
             want.append(loss.detach())
         assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[0].dtype == torch.float32
-        # The masters are registered again, fp32, each holding the two micro-batches' fp32 gradients.
-        assert all(p is masters[n] and p.dtype == torch.float32 for n, p in plain.named_parameters())
+        # The masters are registered again, fp32, each holding the two micro-batches' fp32 gradients; a frozen weight
+        # was never replaced: bf16 as stored.
+        assert all(p is masters[n] and p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16)
+                   for n, p in plain.named_parameters())
         reference = {n: p.grad for n, p in sharded.named_parameters()}
         for name, p in plain.named_parameters():
             if not p.requires_grad:
@@ -68,7 +74,7 @@ def test_bf16_copies_give_fsdp2_mixed_precision_losses_and_gradients_bit_for_bit
             assert p.grad.abs().sum() > 0, name
         if tied:
             assert plain.output.tied_module.weight is plain.tok_embeddings.weight
-        # A frozen weight's copy is made once and kept, until its master changes; a trained one's every step.
+        # A trained weight's copy is made every step; a frozen one computes as it is stored (no copy at all).
         names = {p.requires_grad: n for n, p in reversed(list(plain.named_parameters()))}  # the first of each
 
         def copies():
@@ -78,16 +84,11 @@ def test_bf16_copies_give_fsdp2_mixed_precision_losses_and_gradients_bit_for_bit
         first, again = copies(), copies()
         assert first[names[True]] is not again[names[True]]
         if lora:
-            frozen = masters[names[False]]
-            assert first[names[False]] is again[names[False]]
-            with torch.no_grad():
-                frozen.add_(1.0)
-            changed = copies()[names[False]]
-            assert changed is not again[names[False]] and torch.equal(changed, frozen.to(torch.bfloat16))
-        # A frozen copy (recipes.dpo's reference) is cast once, its RoPE tables left in fp32 as FSDP2 leaves them.
+            assert first[names[False]] is again[names[False]] is masters[names[False]]
+        # A frozen copy (recipes.dpo's reference) is stored in bf16, its RoPE tables left in fp32 as FSDP2 leaves them.
         plan = choose_plan(Workload(spec=spec, batch_size=4, seq_len=64, dtype="bf16"), flavor).chosen.plan
         assert plan.casts_copies and not plan.sharded
-        frozen = frozen_in_compute_dtype(_model(spec, None), plan)
+        frozen = stored_as_planned(_model(spec, None).requires_grad_(False), plan)
         assert {p.dtype for p in frozen.parameters()} == {torch.bfloat16}
         assert not any(p.requires_grad for p in frozen.parameters())
         assert {b.dtype for b in frozen.buffers()} == {torch.float32}
