@@ -5,7 +5,7 @@
 # (installs llama-cpp-python first, which builds llama.cpp from source: about 5 minutes once).
 # make demo-dpo: preference tuning (DPO with LoRA) of the same model on pirate-voiced pairs (about two minutes).
 # make test: install with the test extras (about 7 minutes once, llama.cpp's build most of it), then run the test
-# suite (484 passed and 3 skipped in 12:10 on a fresh clone of a slower day's two cores; 9:48 to 10:11 for 479 on a
+# suite (494 passed and 3 skipped in 11:48 on a fresh clone of a slower day's two cores; 9:48 to 10:11 for 479 on a
 # faster one; about 17 to 19 minutes in all).
 PYTHON ?= python3
 VENV ?= .venv

@@ -35,6 +35,13 @@ BANDWIDTH_EFFICIENCY = {"gpu": 0.7, "cpu": 0.63}
 OPTIMIZER_TRAFFIC = {"gpu": 12 + 28, "cpu": 12 + 28}
 
 
+# torchao's 8-bit AdamW on the CPU: a compiled kernel per parameter, dequantising and requantising its moments block
+# by block, far from memory speed: 21.5 ns a value (SmolLM2-135M's parameters, 2 threads: 2.92 s a step against 0.16 s
+# for torch's fused fp32 step; bench/optimizer_dtypes.py). On GPUs its kernels are priced by their traffic (not
+# measured).
+INT8_STEP_S_PER_VALUE = {"cpu": 21.5e-9}
+
+
 def optimizer_traffic(plan: Plan, kind: str) -> float:
     """OPTIMIZER_TRAFFIC for the plan's dtypes: 3 passes over the gradients and 2 over the parameters (master dtype),
     2 over both moments (optimizer_states), scaled from fp32's 3 x 4 + 2 x 4 + 2 x 8 = 36 bytes moved."""
@@ -257,7 +264,10 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
                                                 + share.embedding * embedding) / sizes.total) / T
     trainable, total = sizes.trainable * part, sizes.total * part
     if not plan.cpu_offload:  # offloaded, the optimizer runs on the host (below)
-        terms["memory"] += trainable / plan.shards * optimizer_traffic(plan, kind) / memory_speed
+        if plan.optimizer_states == "int8" and kind in INT8_STEP_S_PER_VALUE:
+            terms["memory"] += trainable / plan.shards * INT8_STEP_S_PER_VALUE[kind]
+        else:
+            terms["memory"] += trainable / plan.shards * optimizer_traffic(plan, kind) / memory_speed
     if plan.casts_copies:  # train/mixed_precision.py: each trained weight cast once a step (a frozen one once a run),
         c = DTYPE_BYTES[compute_dtype]  # each gradient once a micro-batch
         terms["memory"] += (trainable * (4 + c) + micro * trainable * (c + 8)) / memory_speed
