@@ -1,5 +1,5 @@
 """The optimizer step's time by storage, on this CPU, against the planner's `optimizer` share of a step
-(planner/timing.optimizer_traffic over the measured memory bandwidth; int8: INT8_STEP_S_PER_VALUE, fitted here): SmolLM2-135M's parameters with random
+(planner/timing.optimizer_s at the measured memory bandwidth; int8: INT8_STEP_S_PER_VALUE, fitted here): SmolLM2-135M's parameters with random
 gradients, torch's fused AdamW over fp32 and over bf16 weights and moments, torchao's 8-bit AdamW over fp32 masters.
 Clipping's passes (measured beside: the norm and the scaling) are part of what the planner counts.
 
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from moai_recipes.planner.cpu_speed import process_threads
-from moai_recipes.planner.timing import BANDWIDTH_EFFICIENCY, INT8_STEP_S_PER_VALUE, device_speed, optimizer_traffic
+from moai_recipes.planner.timing import BANDWIDTH_EFFICIENCY, device_speed, optimizer_s
 from moai_recipes.flavors import resolve_flavor
 from moai_recipes.train.optim import build_optimizer, clip_gradients
 
@@ -48,8 +48,7 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         steady = times[3:]
         n = sum(p.numel() for p in params)
-        predicted = (n * INT8_STEP_S_PER_VALUE["cpu"] if states == "int8" else
-                     n * optimizer_traffic(plan, "cpu") / speed)
+        predicted = optimizer_s(plan, "cpu", n, speed)
         print(f"| {name} | {statistics.median(steady):.3f} ({min(steady):.3f}-{max(steady):.3f}) | {predicted:.3f} |",
               flush=True)
 

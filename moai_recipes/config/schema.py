@@ -33,7 +33,7 @@ class Dtype(Choice):
 
 class Precision(Choice):
     mixed = "mixed"  # fp32 master weights, gradients and AdamW moments beside a bf16 compute
-    bf16 = "bf16"  # weights, gradients and moments in bf16 (torchtune's default), updates rounded stochastically
+    bf16 = "bf16"  # weights, gradients and moments in bf16 (torchtune's default), updates rounded to nearest
 
 
 class OptimizerStates(Choice):
@@ -254,7 +254,7 @@ class RecipeConfig:
     dtype: Dtype = setting(Dtype.auto, "auto: bf16 compute with fp32 master weights on GPUs, fp32 on the CPU")
     precision: Precision = setting(Precision.mixed, "with a bf16 compute: mixed keeps fp32 master weights, gradients "
                                                     "and AdamW moments; bf16 keeps them in bf16 (half the memory, "
-                                                    "updates rounded stochastically; computes in bf16 on the CPU too)")
+                                                    "updates rounded to nearest; computes in bf16 on the CPU too)")
     sample_max_new_tokens: int = setting(24, "tokens of the sample answers before and after training (0: none)")
     resume: str = setting("auto", "auto: continue output_dir's newest checkpoint; never; or a checkpoint folder")
     resume_force: bool = setting(False, "resume even where the model, tokenizer, data, global batch or settings "

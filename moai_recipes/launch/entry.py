@@ -88,9 +88,10 @@ def launch(job: Job) -> int:
     # Making the tiny default model here (a fresh cache) must not start an OpenMP team in a process that forks the
     # workers: libgomp is not fork-safe, and each forked worker hung at its first parallel region (seen: cpu-2's first
     # run on a new machine, stuck in RoPE's cos). One thread runs no parallel region; the workers start their own.
-    with _one_thread() if forks_workers(flavor) else nullcontext():
+    forked = forks_workers(flavor)
+    with _one_thread() if forked else nullcontext():
         cfg.model.checkpoint_dir = str(resolve_model_dir(**model_source(cfg)))
-    if forks_workers(flavor):
+    if forked:
         prepare_workers(job.recipe)  # after the checks above: a refused command does not wait for the imports
     # This process only waits now: what it holds (torch's modules) lives until it exits, when the last collection
     # would walk it all for nothing (0.5 s after the workers end; train/process.py freezes the workers' too), and

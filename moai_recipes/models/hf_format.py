@@ -390,7 +390,7 @@ def save_weights(model: torch.nn.Module, hf: HFFolder, out_dir: Path, *, rank: i
             tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         writes.run(make_tmp)
     try:
-        export = _Export(model, params, hf, transform, rank)
+        export = _Export(model, params, hf, names, transform, rank)
         total_size = sum(_save_file(export, hf, names, fname, tmp, writes) for fname in hf.files)
         if rank == 0:
             writes.run(lambda: _write_index_and_extras(hf, tmp, total_size))
@@ -431,12 +431,12 @@ class _Export:
 
     KEPT = 3
 
-    def __init__(self, model, params: dict, hf: HFFolder, transform, rank: int):
+    def __init__(self, model, params: dict, hf: HFFolder, names: dict, transform, rank: int):
         self.model, self.params, self.hf, self.transform, self.rank = model, params, hf, transform, rank
         self.kept: dict[str, torch.Tensor | None] = {}
         # Where each of our weights is in the checkpoint: [(file, Hugging Face name)], a stacked experts' in expert order.
+        # `names`: tune_names(hf).
         self.sources: dict[str, list[tuple[str, str]]] = {}
-        names = tune_names(hf)
         for fname, hf_names in hf.files.items():
             for hf_name in hf_names:
                 if names[hf_name] is not None:
@@ -462,7 +462,6 @@ class _Export:
         if stacked and whole is not None and whole.dim() == 2:
             whole = whole.view(self.hf.spec.num_experts, -1, whole.shape[-1])
         return whole if self.transform is None or whole is None else self.transform(source, whole)
-
 
     def _narrowed(self, tune: str) -> bool:
         """Whether the model holds this frozen weight in a narrower dtype than the checkpoint (LoRA's base stored in

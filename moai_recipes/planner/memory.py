@@ -11,9 +11,9 @@ import torch
 
 from moai_recipes.models.build import nf4_weights
 from moai_recipes.models.spec import ModelSpec
+from moai_recipes.models.attention import GATHER_BLOCK
 from moai_recipes.planner.activations import RowForm, trace_head, trace_layer
 from moai_recipes.planner.layouts import DeviceShare, device_shares
-from moai_recipes.models.attention import GATHER_BLOCK
 from moai_recipes.planner.plan import Plan, Workload
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -151,15 +151,13 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     held = ((sizes.total if L == spec.num_layers else L * sizes.per_layer + root) - experts) / T + experts
     nf4 = sizes.nf4_per_layer * L
     trainable = held if full else sizes.trainable * L / spec.num_layers / T
-    # A frozen weight (LoRA's base) is stored in the dtype it computes in (train/mixed_precision.py), a trained
-    # one and its gradient in the master dtype (fp32, or bf16 with precision=bf16).
-    frozen, m = c, DTYPE_BYTES[plan.master_dtype]
-    master = trainable * m + (held - nf4 - trainable) * frozen + nf4 * NF4_BYTES
+    m = DTYPE_BYTES[plan.master_dtype]  # a trained weight's and its gradient's bytes
+    master = stored_weights(plan, trained=trainable, frozen=held - nf4 - trainable, nf4=nf4)
     # And RoPE's cos and sin tables (one for all layers, fp32 buffers, whole on every device, on it even under CPU
     # offload): a position per token of the longest row.
     params = (0 if cpu_offload else master / n) + 2 * plan.row_length * spec.head_dim * 4
     if work.reference == "copy" and full:  # recipes.dpo's frozen reference: a second copy in the compute dtype
-        params += ((held - nf4) * frozen + nf4 * NF4_BYTES) / n
+        params += stored_weights(plan, trained=0, frozen=held - nf4, nf4=nf4) / n
     sharded_grads = 0 if cpu_offload else trainable * m / n
     optimizer = 0 if cpu_offload else trainable * STATE_BYTES[plan.optimizer_states] / n  # AdamW's two moments
 
@@ -173,10 +171,12 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     fsdp, copies = plan.sharded, plan.casts_copies
     # A layer gathered: its dense weights cut by tensor parallelism and, of its experts, this device's 1 / ep.
     gathered_layer = (sizes.per_layer - sizes.experts_per_layer) / T + sizes.experts_per_layer / ep
+    # A layer's trained values (all of them in full fine-tuning, its adapters in LoRA), cut by tensor parallelism.
+    layer_trainable = (sizes.trainable - (sizes.root if full else 0)) / spec.num_layers / T
     layer_c = ((gathered_layer - sizes.nf4_per_layer) * c + (sizes.nf4_per_layer * NF4_BYTES if n > 1 else 0)) if fsdp else 0
     root_gathered = root / T * c if fsdp else 0
     if copies:  # a plain module's compute copies: of its trained weights only (the frozen ones compute as stored)
-        layer_c = (sizes.trainable - (sizes.root if full else 0)) / spec.num_layers / T * c
+        layer_c = layer_trainable * c
         root_gathered = root / T * c if full else 0
     layers_gathered = (lambda k: k * layer_c) if plan.reshard_after_forward and not copies else (lambda k: L * layer_c)
     # The root's weight gradients (in the compute dtype, before their reduce-scatter, which comes last):
@@ -186,7 +186,6 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     output_grad = (sizes.root - embedding * (not spec.tie_word_embeddings)) / T * c if full and share.head else 0
     reduce_copy = gathered_layer * 4 * sizes.trainable / sizes.total if fsdp else 0
     # Sharded gradients of all layers but the first (and not yet the root's) while the first runs its backward.
-    layer_trainable = (sizes.trainable - (sizes.root if full else 0)) / spec.num_layers / T
     later_grads = 0 if cpu_offload else (L - 1) * layer_trainable * m / n
 
     dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
@@ -277,6 +276,13 @@ class HostMemory:
         return {**self.__dict__, "total": self.total}
 
 
+def stored_weights(plan: Plan, *, trained: float, frozen: float, nf4: float) -> float:
+    """Bytes of weights as the plan stores them (train/mixed_precision.stored_as_planned): a trained one in the master
+    dtype (fp32, or bf16 with precision=bf16), a frozen one (LoRA's base, DPO's reference) in the compute dtype,
+    QLoRA's NF4 ones in NF4."""
+    return trained * DTYPE_BYTES[plan.master_dtype] + frozen * DTYPE_BYTES[plan.param_dtype] + nf4 * NF4_BYTES
+
+
 def predict_host_memory(plan: Plan, work: Workload, processes_per_node: int) -> HostMemory:
     """Host bytes of the busiest node: each process's runtime, its share of what CPU offload keeps on the host
     (master weights of what trains, frozen weights in the compute dtype or NF4, gradients and AdamW's two moments,
@@ -286,10 +292,9 @@ def predict_host_memory(plan: Plan, work: Workload, processes_per_node: int) -> 
     nf4 = sizes.nf4_per_layer * spec.num_layers
     offloaded = 0
     if plan.cpu_offload:
-        frozen = sizes.total - nf4 - sizes.trainable  # stored in the compute dtype, as on the device
-        m = DTYPE_BYTES[plan.master_dtype]  # the trained weights and their gradients
-        master = sizes.trainable * m + frozen * DTYPE_BYTES[plan.param_dtype] + nf4 * NF4_BYTES
-        offloaded = (master + sizes.trainable * (m + STATE_BYTES[plan.optimizer_states])) / plan.shards
+        weights = stored_weights(plan, trained=sizes.trainable, frozen=sizes.total - nf4 - sizes.trainable, nf4=nf4)
+        grads = sizes.trainable * DTYPE_BYTES[plan.master_dtype]
+        offloaded = (weights + grads + sizes.trainable * STATE_BYTES[plan.optimizer_states]) / plan.shards
     # A sparse layer's experts are loaded and exported stacked, one projection of all of them at a time.
     largest = max(spec.vocab_size * spec.embed_dim, spec.intermediate_dim * spec.embed_dim,
                   spec.num_heads * spec.head_dim * spec.embed_dim,

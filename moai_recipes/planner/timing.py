@@ -31,22 +31,13 @@ EFFICIENCY = {"gpu": (0.55, 1024), "cpu": (0.92, 16)}
 BANDWIDTH_EFFICIENCY = {"gpu": 0.7, "cpu": 0.63}
 # Bytes per trainable value and step in fp32: gradient clipping reads the gradients for their norm and scales
 # them (12); fused AdamW (train/optim.py, GPUs and the CPU alike) reads parameter, gradient and both moments and
-# writes three of them once (28). In other dtypes (optimizer_traffic) the same passes over their bytes.
+# writes three of them once (28). In other dtypes (optimizer_s) the same passes over their bytes.
 OPTIMIZER_TRAFFIC = {"gpu": 12 + 28, "cpu": 12 + 28}
-
-
 # torchao's 8-bit AdamW on the CPU: a compiled kernel per parameter, dequantising and requantising its moments block
 # by block, far from memory speed: 21.5 ns a value (SmolLM2-135M's parameters, 2 threads: 2.92 s a step against 0.16 s
 # for torch's fused fp32 step; bench/optimizer_dtypes.py). On GPUs its kernels are priced by their traffic (not
 # measured).
 INT8_STEP_S_PER_VALUE = {"cpu": 21.5e-9}
-
-
-def optimizer_traffic(plan: Plan, kind: str) -> float:
-    """OPTIMIZER_TRAFFIC for the plan's dtypes: 3 passes over the gradients and 2 over the parameters (master dtype),
-    2 over both moments (optimizer_states), scaled from fp32's 3 x 4 + 2 x 4 + 2 x 8 = 36 bytes moved."""
-    m = DTYPE_BYTES[plan.master_dtype]
-    return OPTIMIZER_TRAFFIC[kind] * (5 * m + 2 * STATE_BYTES[plan.optimizer_states]) / 36
 # Cost of dispatching one operator, whatever its size: PyTorch's eager dispatch (and on a GPU the kernel
 # launch, asynchronous: the device works meanwhile). Selective recompute runs its policy, in Python, on
 # every operator of the layer: SELECTIVE_OP_S more each. The CPU's fitted with bench/planner_accuracy.py.
@@ -209,6 +200,16 @@ def _routed_flops(spec, plan: Plan, work: Workload, tokens: float, layers: int) 
     return 2 * passes * tokens * spec.experts_per_token * 3 * spec.embed_dim * spec.expert_dim * sparse
 
 
+def optimizer_s(plan: Plan, kind: str, values: float, memory_speed: float) -> float:
+    """Seconds of clipping and the optimizer's step over `values` trained values in the plan's dtypes: OPTIMIZER_TRAFFIC
+    scaled by the bytes they move (3 passes over the gradients and 2 over the weights in the master dtype, 2 over
+    both moments; fp32's 3 x 4 + 2 x 4 + 2 x 8 = 36), at `memory_speed`; torchao's int8 step on the CPU as measured."""
+    if plan.optimizer_states == "int8" and kind in INT8_STEP_S_PER_VALUE:
+        return values * INT8_STEP_S_PER_VALUE[kind]
+    m = DTYPE_BYTES[plan.master_dtype]
+    return values * OPTIMIZER_TRAFFIC[kind] * (5 * m + 2 * STATE_BYTES[plan.optimizer_states]) / 36 / memory_speed
+
+
 def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None = None) -> TimeEstimate:
     """Seconds of one optimizer step of `plan` on `device`, with the data's real lengths; `scales`: the
     machine's calibration of each term (planner/calibration.py)."""
@@ -264,10 +265,7 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
                                                 + share.embedding * embedding) / sizes.total) / T
     trainable, total = sizes.trainable * part, sizes.total * part
     if not plan.cpu_offload:  # offloaded, the optimizer runs on the host (below)
-        if plan.optimizer_states == "int8" and kind in INT8_STEP_S_PER_VALUE:
-            terms["memory"] += trainable / plan.shards * INT8_STEP_S_PER_VALUE[kind]
-        else:
-            terms["memory"] += trainable / plan.shards * optimizer_traffic(plan, kind) / memory_speed
+        terms["memory"] += optimizer_s(plan, kind, trainable / plan.shards, memory_speed)
     if plan.casts_copies:  # train/mixed_precision.py: each trained weight cast once a step (a frozen one once a run),
         c = DTYPE_BYTES[compute_dtype]  # each gradient once a micro-batch
         terms["memory"] += (trainable * (4 + c) + micro * trainable * (c + 8)) / memory_speed
