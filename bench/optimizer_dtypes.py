@@ -4,9 +4,16 @@ gradients, torch's fused AdamW over fp32 and over bf16 weights and moments, torc
 Clipping's passes (measured beside: the norm and the scaling) are part of what the planner counts.
 
 Run: python bench/optimizer_dtypes.py   (about two minutes; the int8 step compiles first)
+
+    python bench/optimizer_dtypes.py --in-backward
+
+measures instead what the optimizer in the backward (train/optimizer_in_backward.py) adds a tensor: a stack of 100
+linear layers (200 tensors), a step of a forward, a backward and the step, with one AdamW over all the parameters
+and with each applied in the backward (timing.IN_BACKWARD_PARAM_S); alternating, medians of 20 steps.
 """
 
 import statistics
+import sys
 import time
 from types import SimpleNamespace
 
@@ -22,6 +29,30 @@ SHAPES = [(49152, 576)] + [(576, 576), (192, 576), (192, 576), (576, 576), (1536
 SETTINGS = SimpleNamespace(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 CHOICES = {"fp32 (precision=mixed)": ("float32", "float32"), "bf16 (precision=bf16)": ("bfloat16", "bfloat16"),
            "int8 moments (fp32 masters)": ("float32", "int8")}
+
+
+def in_backward(rounds: int = 3, layers: int = 100, width: int = 64) -> None:
+    torch.set_num_threads(process_threads(1))
+
+    def step_s(in_bwd: bool) -> float:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+        plan = SimpleNamespace(optimizer_in_backward=in_bwd, optimizer_states="float32", master_dtype="float32")
+        optimizer = build_optimizer(model.parameters(), SETTINGS, plan)
+        x, times = torch.randn(32, width), []
+        for _ in range(25):
+            start = time.perf_counter()
+            optimizer.armed = True  # the loop arms it before a step's last micro-batch
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[5:])
+
+    for r in range(rounds):
+        plain, applied = step_s(False), step_s(True)
+        print(f"round {r + 1}: one AdamW {plain * 1e3:.2f} ms, in the backward {applied * 1e3:.2f} ms a step: "
+              f"{(applied - plain) / (2 * layers) * 1e6:.0f} us more a tensor", flush=True)
 
 
 def main() -> None:
@@ -54,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    in_backward() if "--in-backward" in sys.argv else main()

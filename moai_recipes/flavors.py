@@ -39,11 +39,16 @@ def _host_memory_gb() -> float:
 
 # Host memory per node, from data sheets: an MI250 node of 4 cards (8 devices) as HPE Cray EX235a, 512 GB;
 # MI300X as Azure ND MI300X v5, 1850 GB; A100 as DGX A100, 1 TB; H100 and H200 as DGX H100 / H200, 2 TB.
+# Workstation cards (torchtune's README measures on them): RTX 4090 (Ada whitepaper: 165.2 bf16 TFLOPS dense with fp32
+# accumulation, 82.6 fp32, 1,008 GB/s) and RTX A6000 (154.8 bf16 dense, 38.7 fp32, 768 GB/s), peers over PCIe 4.0
+# x16 (no NVLink beyond a pair), as 8-GPU servers of 512 GB.
 DEVICES = {
     "mi250": Device("mi250", "gpu", 64, 2, 8, 191.5, 47.9, 1638, 100, 25, host_memory_gb=512),
     "mi300x": Device("mi300x", "gpu", 192, 1, 8, 1307, 163.4, 5300, 64, 50, host_memory_gb=1850),
     "a100": Device("a100", "gpu", 80, 1, 8, 312, 19.5, 2039, 300, 25, host_memory_gb=1024),
     "h100": Device("h100", "gpu", 80, 1, 8, 989, 67, 3350, 450, 50, host_memory_gb=2048),
+    "rtx4090": Device("rtx4090", "gpu", 24, 1, 8, 165.2, 82.6, 1008, 25, 12.5, host_memory_gb=512),
+    "a6000": Device("a6000", "gpu", 48, 1, 8, 154.8, 38.7, 768, 25, 12.5, host_memory_gb=512),
     "h200": Device("h200", "gpu", 141, 1, 8, 989, 67, 4800, 450, 50, host_memory_gb=2048),
     # The CPU's compute and memory speed are measured on the machine (planner/cpu_speed.py); its "link" is
     # gloo between processes of one machine, fitted with bench/planner_accuracy.py --processes 2.

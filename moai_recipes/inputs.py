@@ -134,6 +134,7 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
         data = read_data(cfg, tokenizer, dry=dry, progress=main and not dry)
     workload = Workload(spec=spec, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, lora=lora, dtype=cfg.dtype,
                         precision=str(cfg.precision), states=str(cfg.optimizer.states),
+                        clips=cfg.optimizer.max_grad_norm is not None,
                         lengths=data.lengths if data is not None else None,
                         steps=data.total_steps if data is not None else cfg.max_steps)
     eval_tasks = None

@@ -55,6 +55,7 @@ class DatasetKind(Choice):
     chat = "chat"
     text = "text"
     preference = "preference"  # prompt, chosen, rejected: recipes.dpo
+    prompt = "prompt"  # prompts (and the columns the rewards read): recipes.grpo
 
 
 class LoggerKind(Choice):
@@ -96,6 +97,19 @@ class ReferenceMode(Choice):
     auto = "auto"  # the planner's choice, by memory and time
     copy = "copy"  # a frozen copy in memory (LoRA: the base with the adapters switched off), run every step
     cached = "cached"  # the reference log-probabilities computed once, in a first pass over the data, then read
+
+
+class GRPOLossType(Choice):
+    dapo = "dapo"  # TRL's default: the token mean over the step's completions
+    grpo = "grpo"  # each completion's token mean, then the mean over completions (the paper's)
+    bnpo = "bnpo"  # the token mean (TRL: per micro-batch; here the step's)
+    dr_grpo = "dr_grpo"  # Dr. GRPO: the tokens' sum over completions x max_completion_length
+
+
+class ScaleRewards(Choice):
+    group = "group"  # advantages divided by their group's std
+    batch = "batch"  # by the step's std
+    none = "none"  # not divided (Dr. GRPO)
 
 
 class ExportFormat(Choice):
@@ -230,6 +244,10 @@ class PlanConfig:
                                                         "stream (null: the planner decides)")
     tiled_mlp: Optional[bool] = setting(None, "each MLP computed over tiles of the sequence, its intermediate never "
                                               "whole, at the cost of its forward once more (null: the planner decides)")
+    optimizer_in_backward: Optional[bool] = setting(None, "each weight updated by AdamW as soon as its gradient of the "
+                                                          "step is complete, the gradient freed at once: no step holds "
+                                                          "all the gradients; needs optimizer.max_grad_norm=null (null: "
+                                                          "the planner decides)")
 
 
 @dataclass
@@ -322,6 +340,40 @@ class DPORecipeConfig(LoraRecipeConfig):
 
 
 @dataclass
+class GRPORecipeConfig(LoraRecipeConfig):
+    """recipes.grpo: TRL's GRPOConfig names and defaults where TRL has them (a TRL config reads across)."""
+
+    dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(kind=DatasetKind.prompt))
+    # TRL's learning rate: an RL step moves a trained model by little.
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-6))
+    batch_size: int = setting(64, "GLOBAL completions a step (num_generations of each of batch_size / num_generations "
+                                  "prompts), whatever the flavor")
+    max_seq_len: int = setting(1024, "a prompt and its completion; prompts longer than max_seq_len - "
+                                     "max_completion_length are dropped")
+    method: Method = setting(Method.full, "full: every weight trained, or lora: adapters on the frozen base "
+                                          "(lora.quantize_base=true: QLoRA)")
+    rewards: list[str] = setting([], "reward functions by dotted path (mypkg.rewards.exact), called as TRL calls them")
+    reward_weights: Optional[list[float]] = setting(None, "one weight per reward function (null: all 1)")
+    num_generations: int = setting(8, "completions sampled per prompt: a group, whose rewards are compared")
+    max_completion_length: int = setting(512, "tokens a completion has at most")
+    temperature: float = setting(1.0, "sampling temperature (also of the log-probabilities trained on, as TRL)")
+    top_p: float = setting(1.0, "sampling: the smallest set of tokens whose probability reaches top_p")
+    top_k: int = setting(0, "sampling: the k likeliest tokens only (0: all)")
+    beta: float = setting(0.0, "the weight of the KL to the reference (0: no reference model)")
+    epsilon: float = setting(0.2, "the ratio clipped to [1 - epsilon, 1 + epsilon_high]")
+    epsilon_high: Optional[float] = setting(None, "the upper clip (null: epsilon; DAPO's clip-higher: 0.28)")
+    delta: Optional[float] = setting(None, "two-sided clipping: the ratio also capped at delta (null: not)")
+    loss_type: GRPOLossType = setting(GRPOLossType.dapo, "dapo | grpo | bnpo | dr_grpo: how the tokens' losses are "
+                                                          "averaged")
+    scale_rewards: ScaleRewards = setting(ScaleRewards.group, "group | batch | none: what advantages are divided by")
+    mask_truncated_completions: bool = setting(False, "completions cut at max_completion_length train on nothing")
+    num_iterations: int = setting(1, "steps trained on each generation's completions (the ratio moves from 1 after "
+                                     "the first)")
+    use_bias_correction_kl: bool = setting(True, "the KL term weighted by the importance ratio, as TRL by default")
+    save_merged: bool = setting(True, "lora: also write model/, the base with the adapters merged, beside adapter/")
+
+
+@dataclass
 class GenerateConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     prompt: Optional[str] = setting(None, "required; on the command line taken as typed (commas, quotes and all)")
@@ -383,7 +435,7 @@ class EvalConfig:
 
 
 SCHEMAS = {"full_finetune": RecipeConfig, "lora_finetune": LoraRecipeConfig, "plan": PlanRecipeConfig,
-           "generate": GenerateConfig, "export": ExportConfig, "dpo": DPORecipeConfig,
+           "generate": GenerateConfig, "export": ExportConfig, "dpo": DPORecipeConfig, "grpo": GRPORecipeConfig,
            "eval": EvalConfig}
 for recipe, schema in SCHEMAS.items():
     ConfigStore.instance().store(name=f"{recipe}_schema", node=schema)

@@ -44,7 +44,7 @@ from moai_recipes.planner.live_storages import LiveStorages
 from moai_recipes.models.recompute import apply_recompute
 from moai_recipes.models.tiled_mlp import apply_tiled_mlp
 
-_VERSION = 8  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 9  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -195,12 +195,23 @@ def _store(path: Path, value: dict) -> None:
         pass
 
 
-def _cpu_flash_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
+def _causal(flops: int, is_causal: bool, queries: int, keys: int) -> int:
+    """A causal kernel computes the blocks on and below the diagonal only (flash attention on GPUs and this CPU alike
+    skips the rest): (keys + 1) / 2 of each query's keys where queries and keys are the same row. PyTorch's formulas
+    count every pair."""
+    return flops * (keys + 1) // (2 * keys) if is_causal and queries == keys else flops
 
 
-def _cpu_flash_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+def _sdpa_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    """The CPU's flash attention and the GPUs' (flash, efficient, cuDNN): (query, key, value, ..., is_causal, ...)."""
+    is_causal = kwargs.get("is_causal", args[1] if len(args) > 1 and isinstance(args[1], bool) else False)
+    return _causal(sdpa_flop_count(query.shape, key.shape, value.shape), is_causal, query.shape[-2], key.shape[-2])
+
+
+def _sdpa_backward_flops(grad_out, query, key, value, out, logsumexp, *args, out_val=None, **kwargs) -> int:
+    is_causal = kwargs.get("is_causal", args[1] if len(args) > 1 and isinstance(args[1], bool) else False)
+    flops = sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    return _causal(flops, is_causal, query.shape[-2], key.shape[-2])
 
 
 def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
@@ -213,11 +224,11 @@ def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
     return 2 * math.prod(out_val.shape) * a.shape[-1]  # batched: every group's whole product
 
 
-# PyTorch's formulas, and those it has none for: the CPU's flash attention (counted as the GPU kernels are), the
-# experts' grouped product.
+# PyTorch's formulas, and those it has none for: the CPU's flash attention (counted as the GPU kernels are, a causal
+# one's half), the experts' grouped product.
 _FLOP_FORMULAS = {**flop_registry,
-                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
-                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops,
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward_flops,
                   torch.ops.aten._grouped_mm: _grouped_mm_flops}
 
 

@@ -185,8 +185,12 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     # reduce-scatter (whatever the world size) while they are still alive (measured: +1 layer of grads).
     output_grad = (sizes.root - embedding * (not spec.tie_word_embeddings)) / T * c if full and share.head else 0
     reduce_copy = gathered_layer * 4 * sizes.trainable / sizes.total if fsdp else 0
-    # Sharded gradients of all layers but the first (and not yet the root's) while the first runs its backward.
+    # Sharded gradients of all layers but the first (and not yet the root's) while the first runs its backward; with
+    # the optimizer in the backward (train/optimizer_in_backward.py) each layer's are applied and freed as they come:
+    # one layer's at a time.
     later_grads = 0 if cpu_offload else (L - 1) * layer_trainable * m / n
+    if plan.optimizer_in_backward:
+        later_grads = layer_trainable * m / n
 
     dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
     # Packed rows attend document by document except in a GPU's varlen kernel (models/attention.py).
@@ -229,8 +233,10 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
                                      grads=max(earlier_grads, later_grads),
                                      activations=micro_batch_size * act.retained / T / C + layer_backward,
                                      logits=0),
+        # (In the backward, nothing is left to it: a parameter at a time, its temporaries a parameter's.)
         "optimizer step": dict(gathered=0, grads=sharded_grads, logits=0,
-                               activations=0 if cpu_offload else trainable * OPTIMIZER_TEMPORARY[device_kind] / n),
+                               activations=0 if cpu_offload else trainable * OPTIMIZER_TEMPORARY[device_kind] / n)
+        if not plan.optimizer_in_backward else dict(gathered=0, grads=0, logits=0, activations=0),
         # A replica sums its gradients over the processes through one flat copy of them (train/parallel.py).
         "gradients all-reduced": dict(gathered=0, grads=sharded_grads * 2 if plan.replicate else 0, logits=0,
                                       activations=0),

@@ -26,6 +26,7 @@ class Workload:
     # Preference tuning's reference model (recipes.dpo): "copy", a frozen copy (LoRA: the base, adapters off) run
     # each step; "cached", its log-probabilities computed in a first pass over the data; "none" (fine-tuning).
     reference: str = "none"
+    clips: bool = True  # gradients clipped to a total norm (optimizer.max_grad_norm): then no optimizer in the backward
 
     @cached_property
     def sizes(self):
@@ -111,6 +112,10 @@ class Plan:
     # bf16 matmuls (oneDNN) JIT their kernels for each row count they have not seen, and keep them: without it a
     # step of new documents is a new row count (planner/search.ROW_SIZES_PER_DOUBLING).
     row_sizes: int = 0
+    # AdamW applied to each weight in the backward as soon as its gradient of the step is complete, the gradient freed
+    # at once (train/optimizer_in_backward.py): no clipping, and every gradient on this device's own model (no
+    # pipeline, replicas or offloaded state).
+    optimizer_in_backward: bool = False
 
     def __post_init__(self):
         assert self.num_devices % (self.tensor_parallel * self.pipeline_stages) == 0, self
@@ -122,6 +127,7 @@ class Plan:
         assert self.context_parallel == 1 or (self.packing and not self.replicate), self
         assert not self.offload_activations or self.recompute == "full", self
         assert self.tiled_mlp == 0 or (self.tiled_mlp > 1 and self.tensor_parallel == 1), self
+        assert not self.optimizer_in_backward or not (self.pipeline_stages > 1 or self.replicate or self.cpu_offload), self
 
     @property
     def data_parallel(self) -> int:
@@ -247,7 +253,8 @@ class Plan:
                 f"compute, {self.master_dtype} master weights, {self.optimizer_states} AdamW states, "
                 f"{'compiled' if self.compile else 'eager'} layers"
                 + (", activations offloaded to the host" if self.offload_activations else "")
-                + (f", MLP in {self.tiled_mlp} tiles" if self.tiled_mlp else ""))
+                + (f", MLP in {self.tiled_mlp} tiles" if self.tiled_mlp else "")
+                + (", optimizer in the backward" if self.optimizer_in_backward else ""))
 
     def layout(self) -> str:
         """The reference's words for the mesh: `num_stages : 2 (1f1b), TP 2, DP 4` (and `EP 2` where the experts are

@@ -126,13 +126,18 @@ def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: 
     # the host is the device, so only where forced) and the MLP in tiles (a dense, uncut one: layouts.why_not_tiled_mlp).
     activation_offloads = [False, True] if flavor.device.kind == "gpu" or forced.get("offload_activations") else [False]
     tileable = not why_not_tiled_mlp(work.spec, layout["tensor_parallel"])
+    # AdamW in the backward: where nothing clips the gradients, each device holds its own gradients whole (no
+    # pipeline: a stage's micro-batches interleave), and recipes.dpo's step (its own) is not the one run.
+    in_backward = [False, True] if not work.clips and work.reference == "none" and layout["pipeline_stages"] == 1 \
+        else [False]
     opts = [dict(micro_batch_size=m, packing=p, recompute=r, replicate=d, reshard_after_forward=s, cpu_offload=o,
-                 chunked_loss=c, compile=k, offload_activations=a, tiled_mlp=t, **layout)
+                 chunked_loss=c, compile=k, offload_activations=a, tiled_mlp=t, optimizer_in_backward=b, **layout)
             for m in sizes for p in packings for r in recomputes for d in replicas
             for s in (reshards[:1] if d else reshards)  # nothing is resharded in a replica
             for o in ([False] if d else offloads) for c in chunks for k in compiles
             for a in (activation_offloads if r == "full" and not k else [False])
-            for t in ([0, _tiles(layout, m, p, work)] if r == "full" and tileable and not k else [0])]
+            for t in ([0, _tiles(layout, m, p, work)] if r == "full" and tileable and not k else [0])
+            for b in (in_backward if not d and not o else [False])]
     # A pipeline of P devices runs at least P micro-batches (1F1B's schedules: at once, padded with empty ones).
     stages = layout["pipeline_stages"]
     return [o for o in opts if all(forced.get(k) is None or _as_forced(k, o[k]) == forced[k] for k in o
@@ -180,6 +185,14 @@ def _impossible(forced: dict, flavor: Flavor, work: Workload) -> str:
         why = why_not_tiled_mlp(work.spec, forced.get("tensor_parallel") or 1)
         if why:
             return f"plan.tiled_mlp=true cannot tile this model's MLP: {why}; drop plan.tiled_mlp"
+    if forced.get("optimizer_in_backward"):
+        why = ("optimizer.max_grad_norm clips the gradients to their total norm, known only once the last is made, "
+               "when the others would be applied already: set optimizer.max_grad_norm=null" if work.clips else
+               "recipes.dpo runs its own step: drop it" if work.reference != "none" else
+               f"it needs each device's gradients on the device and whole for the step, and the flavor's other plan "
+               f"fields ({', '.join(f'plan.{k}={v}' for k, v in forced.items() if k != 'optimizer_in_backward')}) "
+               "ask for pipeline stages, replicas or CPU offload: drop them")
+        return f"plan.optimizer_in_backward=true: {why}"
     if forced.get("cpu_offload"):
         return (f"plan.cpu_offload=true: {flavor.name} has no device memory to offload from (it runs on the CPU); "
                 "drop plan.cpu_offload or pick a GPU flavor")
@@ -327,8 +340,11 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
     for o, per_device in options:
         if o["tiled_mlp"] and not _tiling_can_help(whole_mlp.get(_twin(o)), forced, budget, work):
             continue
+        accumulation = math.ceil(per_device / o["micro_batch_size"])
+        if o["optimizer_in_backward"] and accumulation > 1 and not forced.get("optimizer_in_backward"):
+            continue  # earlier micro-batches' gradients are held as without it: nothing saved
         plan = Plan(batch_size=work.batch_size, num_devices=n, max_seq_len=work.seq_len,
-                    accumulation_steps=math.ceil(per_device / o["micro_batch_size"]),
+                    accumulation_steps=accumulation,
                     param_dtype=compute, master_dtype=master, optimizer_states=states,
                     attention_length=work.spec.attention_length,
                     row_sizes=ROW_SIZES_PER_DOUBLING.get((flavor.device.kind, compute), 0), **o)

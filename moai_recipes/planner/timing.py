@@ -26,7 +26,7 @@ from moai_recipes.planner.plan import Plan, Workload
 
 # Share of the peak FLOP/s that large micro-batches reach, and the micro-batch (tokens) at which half of
 # that is reached. GPU figures are typical of FSDP training; the CPU's fitted with bench/planner_accuracy.py.
-EFFICIENCY = {"gpu": (0.55, 1024), "cpu": (0.92, 16)}
+EFFICIENCY = {"gpu": (0.80, 512), "cpu": (0.92, 16)}
 # Share of the memory bandwidth that a training step's elementwise kernels reach (many small ones).
 BANDWIDTH_EFFICIENCY = {"gpu": 0.7, "cpu": 0.63}
 # Bytes per trainable value and step in fp32: gradient clipping reads the gradients for their norm and scales
@@ -57,6 +57,10 @@ SCALAR_LATENCY_S = {"gpu": 50e-6, "cpu": 0.3e-3}
 # tensors of the tiny model: 0.45 ms plain, 1.45 ms as DTensors, on this machine); estimates to calibrate.
 PARAM_S = {"gpu": 10e-6, "cpu": 15e-6}
 DTENSOR_PARAM_S = {"gpu": 30e-6, "cpu": 50e-6}
+# The optimizer in the backward (train/optimizer_in_backward.py): an AdamW step per tensor, called from autograd's
+# hook, with its norm and finiteness: 83-85 us more a tensor than one AdamW over all (100 layers' 200 tensors on this
+# machine: bench/optimizer_dtypes.py --in-backward). Host work: on a GPU it overlaps the device's.
+IN_BACKWARD_PARAM_S = {"gpu": 85e-6, "cpu": 85e-6}
 PCIE_GBPS = 25
 # A compiled layer (plan.compile) fuses its elementwise operators: the share of the eager layer's elementwise
 # traffic and of its dispatched operators that remain. GPUs: inductor's fused Triton kernels read each input
@@ -121,7 +125,9 @@ EXPERT_DEVICE_IMBALANCE = 1.25
 # more); gather all-gathers the keys and values in the forward and reduce-scatters their gradients in the backward.
 # Each a fixed cost beside its bytes, as expert parallelism's all-to-alls; on the compute's path, never hidden.
 CONTEXT_EXCHANGES = {"ulysses": {"forward": 4, "backward": 4}, "gather": {"forward": 1, "backward": 1}}
-GATHERED_ATTENTION = 1.5  # the blocked, masked attention's cost over causal attention (predict_time)
+# The blocked, masked attention's cost over causal attention's FLOPs (predict_time): every pair of a block computed
+# under the mask, and the blocks' checkpoint again (measured on cpu-2 as 1.5x the dense count: 3x the causal one).
+GATHERED_ATTENTION = 3.0
 
 
 @dataclass(frozen=True)
@@ -285,7 +291,8 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     # The optimizer and the clipping handle each trainable tensor in Python, a DTensor's through its dispatch.
     dtensors = plan.sharded or T > 1
     terms["parameters"] = (sizes.trainable_tensors * L / spec.num_layers
-                           * (PARAM_S[kind] + (DTENSOR_PARAM_S[kind] if dtensors else 0)))
+                           * (PARAM_S[kind] + (DTENSOR_PARAM_S[kind] if dtensors else 0)
+                              + (IN_BACKWARD_PARAM_S[kind] if plan.optimizer_in_backward else 0)))
     # FSDP2's copies of the model span data x context x tensor devices: inside a node while they fit one. It shards
     # over the data x context ones.
     D = plan.data_parallel * C
@@ -354,7 +361,9 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
         else:
             terms["memory"] += 2 * kept / memory_speed
     if plan.cpu_offload:
-        moved = micro * sizes.total / n * DTYPE_BYTES[compute_dtype] * 2 + sizes.trainable * 4 / n
+        # the weights in for the forward and the backward, the gradients out in their stored dtype
+        moved = (micro * sizes.total / n * DTYPE_BYTES[compute_dtype] * 2
+                 + sizes.trainable * DTYPE_BYTES[plan.master_dtype] / n)
         # and the host-side AdamW over the master weights, gradients and moments as stored
         state = 2 * DTYPE_BYTES[plan.master_dtype] + STATE_BYTES[plan.optimizer_states]
         terms["offload"] = moved / (PCIE_GBPS * 1e9) + sizes.trainable * state / n / 20e9

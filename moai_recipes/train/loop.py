@@ -63,7 +63,9 @@ class LoopSettings:
     fault_oom_tokens: int | None = None  # micro-batches of more tokens fail as out of memory (tests; ProcessSettings)
     fault_step_delay: float = 0.0  # seconds each step waits first (tests; ProcessSettings)
     fault_memory_headroom: int | None = None  # a real address-space limit after the first step (tests; ProcessSettings)
-    objective: object = None  # what a step optimises: None, the token loss; train/preference_step's for DPO
+    # What a step optimises: None, the token loss; train/preference_step's for DPO, train/grpo_step's for GRPO: its
+    # step(state, micro_batches, plan=, world=, settings=, pad_id=), told the step's number in `step_number` first.
+    objective: object = None
     peak_flops: float = 0.0  # one device's, in the compute dtype (ProcessSettings): MFU's denominator
     profile_steps: tuple[int, ...] = ()  # steps measured by torch.profiler (train/profiling.py)
     measure_memory: bool = True  # the peak tensor memory measured (train/peak_memory.py)
@@ -104,19 +106,22 @@ def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM)
 
 
 def _losses(model: torch.nn.Module, batches: list[dict], *, plan: Plan, world: World, pad_id: int,
-            scale: float | None, routed: RoutingTotals | None = None) -> torch.Tensor:
+            scale: float | None, routed: RoutingTotals | None = None, optimizer=None) -> torch.Tensor:
     """The summed loss of this process's micro-batches (model_inputs), and with `scale` their backward, the loss
     scaled by it: through the pipeline's schedule, or one micro-batch at a time. Every device of a tensor-parallel
     group holds the same sum; under a pipeline only the last stage holds any (0 elsewhere).
 
     A Mixture-of-Experts model adds its samples' balancing losses, scaled by routed.aux_scale, to the backward, and
-    what its routers decided to `routed` (None: nothing, as in evaluation)."""
+    what its routers decided to `routed` (None: nothing, as in evaluation). An optimizer that applies gradients in the
+    backward (train/optimizer_in_backward.py) is armed for the last micro-batch's."""
     if plan.pipeline_stages > 1:
         return run_pipeline(model, batches, plan=plan, pad_id=pad_id, scale=scale, routed=routed)
     total = torch.zeros((), device=world.device, dtype=torch.float64)
     tensor = world.dim("tensor") if plan.tensor_parallel > 1 else None
     context = world.dim("context") if plan.context_parallel > 1 else None
-    for batch in batches:
+    for i, batch in enumerate(batches):
+        if optimizer is not None and plan.optimizer_in_backward:
+            optimizer.armed = i == len(batches) - 1
         if context is not None:  # this device's share of the row's tokens (train/context_parallel.py)
             batch = share_batch(batch, context, plan.context_parallel_way)
         routing = None
@@ -205,9 +210,9 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
             batch = model_inputs(micro, plan, pad_id)
             injected_fault(batch["tokens"].numel(), settings.fault_oom_tokens)
             batches.append(batch)
-        with in_compute_dtype(state.model, plan):
+        with in_compute_dtype(state.model, plan, state.optimizer):
             loss_sum = _losses(state.model, batches, plan=plan, world=world, pad_id=pad_id, scale=scale,
-                               routed=routed)
+                               routed=routed, optimizer=state.optimizer)
     except Exception as e:
         if not is_out_of_memory(e):
             raise
@@ -215,6 +220,12 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
     else:
         failed = None
     if failed is not None:
+        applied = getattr(state.optimizer, "applied", 0)
+        if applied and world.world_size == 1:  # several processes start again from the last checkpoint instead
+            raise UserError(f"out of memory in the backward ({failed.splitlines()[0][:200]}) after the optimizer had "
+                            f"updated {applied} weights (plan.optimizer_in_backward): the step cannot run again in "
+                            "place. Run the same command again (resume=auto continues from the last checkpoint) with "
+                            "plan.recompute=full or a smaller plan.micro_batch_size")
         raise StepOutOfMemory(failed)
     if plan.replicate:
         all_reduce_gradients(state.model)
@@ -222,7 +233,10 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
     summed = _all_reduce([loss_sum.item(), *(routed.as_list() if routed else [])], world.device)
     total_loss = summed[0] / plan.tensor_parallel
     stages = world.dim("pipeline").get_group() if plan.pipeline_stages > 1 else None
-    grad_norm = clip_gradients(state.model, settings.max_grad_norm, stages=stages)
+    if plan.optimizer_in_backward:  # most gradients applied already: their norm was measured on the way
+        grad_norm = state.optimizer.gradient_norm()
+    else:
+        grad_norm = clip_gradients(state.model, settings.max_grad_norm, stages=stages)
     finite = math.isfinite(total_loss) and math.isfinite(grad_norm)  # the same verdict on every rank
     if finite:  # a NaN/inf step is never applied: the weights stay those of the last good step
         state.optimizer.step()
@@ -277,7 +291,10 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             shapes = micro_batch_shapes(runner.plan, samples) if meter.tracked else None
             with profiler.step(done), StepTimer(world.device) as timer, \
                     meter.step(state.model, state.optimizer, shapes):
-                step_fn = settings.objective.step if settings.objective is not None else train_step
+                step_fn = train_step
+                if settings.objective is not None:  # DPO's, GRPO's step; GRPO generates every num_iterations steps
+                    settings.objective.step_number = done
+                    step_fn = settings.objective.step
                 result = runner.run(lambda plan: step_fn(state, rank_micro_batches(plan, samples, world), plan=plan,
                                                          world=world, settings=settings, pad_id=pad_id),
                                     step=done, optimizer=state.optimizer)

@@ -18,6 +18,11 @@ from moai_recipes import env
 from moai_recipes.checkpoint.output_dir import complete_checkpoints
 from moai_recipes.files import room_for
 
+# What an objective measured that the step line shows beside the loss: DPO's margin and accuracy, GRPO's reward, its
+# spread, the KL to the reference and the completions' length (the rest: metrics.jsonl, W&B).
+LINE_METRICS = ("rewards/margins", "rewards/accuracies", "reward", "reward_std", "kl", "completions/mean_length")
+
+
 @dataclass(frozen=True)
 class StepMetrics:
     """One optimizer step as the log records it: a row of metrics.jsonl, a W&B point, the step line."""
@@ -47,6 +52,7 @@ class StepMetrics:
         row = {k: v for k, v in asdict(self).items() if v is not None and k != "extra"
                and (k not in ("traced", "profiled") or v)}
         return {**row, **(self.extra or {})}
+
 
 
 def wandb_logged_in() -> bool:
@@ -137,7 +143,7 @@ class MetricsLog:
                   f"Throughput: {m['tokens_per_sec']:.2f} tokens/sec | MFU: {100 * m['mfu']:.1f}%"
                   + (f" | Eval loss: {m['eval_loss']:.8g} ({m['eval_time_s']:.2f} s)" if "eval_loss" in m else "")
                   + "".join(f" | {name}: {value:.4g}" for name, value in m.get("tasks", {}).items())
-                  + "".join(f" | {name}: {m[name]:.4g}" for name in ("rewards/margins", "rewards/accuracies") if name in m)
+                  + "".join(f" | {name}: {m[name]:.4g}" for name in LINE_METRICS if name in m)
                   + "".join(f" | {name}: {m[name]:.4f}" for name in ("aux_loss", "expert_load") if name in m)
                   + (" | memory traced: a slower step" if m.get("traced") else "")
                   + (" | profiled: a slower step" if m.get("profiled") else ""))

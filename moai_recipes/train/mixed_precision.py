@@ -49,16 +49,18 @@ def _register(tensor: nn.Parameter, places: list[tuple[nn.Module, str]]) -> None
 
 
 @contextmanager
-def compute_copies(model: nn.Module, dtype: torch.dtype):
+def compute_copies(model: nn.Module, dtype: torch.dtype, ready=None):
     """Within it, `model` computes with `dtype` copies of its trained parameters; their gradients reach the fp32
     masters' `.grad` (added to what is there), and the masters are registered again on the way out. Frozen weights
-    are stored in `dtype` already (stored_as_planned): they compute as they are."""
+    are stored in `dtype` already (stored_as_planned): they compute as they are. `ready(master)`, if given, is
+    called once a master's gradient has the copy's added (autograd's own hooks on the master never run: its gradient
+    is not accumulated by autograd): the optimizer in the backward (train/optimizer_in_backward.py)."""
     slots = {p: places for p, places in _slots(model).items() if p.dtype != dtype}
     assert all(p.requires_grad for p in slots), "frozen weights are stored in the compute dtype (stored_as_planned)"
     hooks = []
     for master, places in slots.items():
         copy = nn.Parameter(master.detach().to(dtype))
-        hooks.append(copy.register_post_accumulate_grad_hook(_to_master(master)))
+        hooks.append(copy.register_post_accumulate_grad_hook(_to_master(master, ready)))
         _register(copy, places)
     try:
         yield
@@ -69,7 +71,7 @@ def compute_copies(model: nn.Module, dtype: torch.dtype):
             _register(master, places)
 
 
-def _to_master(master: nn.Parameter):
+def _to_master(master: nn.Parameter, ready=None):
     def hook(copy: nn.Parameter) -> None:
         # FSDP2 (reduce_dtype float32): the bf16 gradient in fp32, added to the sharded one of earlier micro-batches
         # (in place: the bf16 values are widened as they are added, no fp32 copy of them made first).
@@ -78,14 +80,19 @@ def _to_master(master: nn.Parameter):
         else:
             master.grad.add_(copy.grad)
         copy.grad = None  # each micro-batch's gradient is added once, and the copy's memory goes at once
+        if ready is not None:
+            ready(master)
 
     return hook
 
 
-def in_compute_dtype(model: nn.Module, plan: Plan):
+def in_compute_dtype(model: nn.Module, plan: Plan, optimizer=None):
     """The context a plan's forward and backward passes run in: `compute_copies` where a plain module computes in a
-    dtype below its master weights' (Plan.casts_copies), nothing where FSDP2 casts or nothing is cast."""
-    return compute_copies(model, getattr(torch, plan.param_dtype)) if plan.casts_copies else nullcontext()
+    dtype below its master weights' (Plan.casts_copies), nothing where FSDP2 casts or nothing is cast. `optimizer`:
+    the step's, told of each master's gradient when it applies them in the backward."""
+    if not plan.casts_copies:
+        return nullcontext()
+    return compute_copies(model, getattr(torch, plan.param_dtype), ready=getattr(optimizer, "gradient_ready", None))
 
 
 def stored_as_planned(model: nn.Module, plan: Plan) -> nn.Module:

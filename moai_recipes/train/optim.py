@@ -21,7 +21,18 @@ def build_optimizer(params, settings, plan: Plan) -> torch.optim.Optimizer:
       one process rounding otherwise than eight would give the flavors different loss curves.
     - int8 moments (optimizer.states=int8): torchao's 8-bit AdamW, each moment quantised per block of 256 values. Its
       step is a compiled kernel per parameter shape (inductor, on the CPU as on GPUs): the first steps take the
-      compile time."""
+      compile time.
+
+    With plan.optimizer_in_backward, that AdamW for each parameter, applied in the backward
+    (train/optimizer_in_backward.py)."""
+    if plan.optimizer_in_backward:  # each parameter updated in the backward, as soon as its gradient is complete
+        from moai_recipes.train.optimizer_in_backward import AdamWInBackward
+
+        return AdamWInBackward(params, plan, engine=lambda one: _adamw(one, settings, plan))
+    return _adamw(params, settings, plan)
+
+
+def _adamw(params, settings, plan: Plan) -> torch.optim.Optimizer:
     kwargs = dict(lr=settings.lr, betas=tuple(settings.betas), eps=settings.eps, weight_decay=settings.weight_decay)
     if plan.optimizer_states == "int8":
         from torchao.optim import AdamW8bit

@@ -107,6 +107,7 @@ class PreferenceObjective:
 
     loss: PreferenceLoss
     reference: Reference
+    step_number: int = 0  # the step about to run (set by the loop)
 
     def step(self, state, micro_batches: list[list[dict] | None], *, plan: Plan, world: World, settings,
              pad_id: int):

@@ -1,0 +1,96 @@
+"""AdamW in the backward (plan.optimizer_in_backward): each weight updated as soon as its gradient of the step is
+complete, the gradient freed (train/optimizer_in_backward.py).
+
+Real runs of the tiny model: with and without it, the same losses step for step and gradient norms within float
+summation order, on one process (a plain fp32 module; a bf16 one computing on copies of its fp32 masters, where the
+master's gradient is not autograd's), on two (FSDP2 shards, its sharded gradients), and with torchao's 8-bit AdamW
+(LoRA). A run with it resumes from a step checkpoint, with it and without it (its state_dict is one AdamW's), to the
+uninterrupted run's losses. The planner: offered only where nothing clips, with one micro-batch a step; the peak it
+saves is the gradients'; refused by name where it cannot work.
+Run: pytest tests/test_optimizer_in_backward.py (about two minutes)
+"""
+
+import pytest
+
+from moai_recipes.errors import UserError
+from moai_recipes.planner.plan import Workload
+from moai_recipes.planner.search import choose_plan
+from tests.helpers import metrics, plan_of, run_recipe, setup
+
+COMMON = ["logger=stdout", "max_steps=4", "batch_size=8", "optimizer.lr=3e-3", "sample_max_new_tokens=0",
+          "optimizer.max_grad_norm=null"]
+RUNS = {  # name -> (recipe, overrides)
+    "fp32, one process": ("recipes.full_finetune", ["flavor=cpu"]),
+    "bf16 copies, one process": ("recipes.full_finetune", ["flavor=cpu", "dtype=bf16"]),
+    "FSDP2, two processes": ("recipes.full_finetune", ["flavor=cpu-2", "plan.replicate=false"]),
+    "LoRA, int8 AdamW": ("recipes.lora_finetune", ["flavor=cpu", "optimizer.states=int8"]),
+}
+
+
+def _run(tmp_path, name: str, in_backward: bool, *extra: str):
+    module, overrides = RUNS[name]
+    out = tmp_path / f"{in_backward}"
+    r = run_recipe(*COMMON, *overrides, f"plan.optimizer_in_backward={str(in_backward).lower()}", *extra,
+                   f"output_dir={out}", module=module)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert plan_of(out)["optimizer_in_backward"] is in_backward
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RUNS)
+def test_the_same_losses_as_one_step_after_the_backward(tmp_path, name):
+    runs = [metrics(_run(tmp_path, name, b)) for b in (False, True)]
+    assert [row["loss"] for row in runs[1]] == pytest.approx([row["loss"] for row in runs[0]], rel=1e-6, abs=0)
+    assert [row["grad_norm"] for row in runs[1]] == pytest.approx([row["grad_norm"] for row in runs[0]], rel=1e-5)
+    assert runs[1][-1]["loss"] < runs[1][0]["loss"]
+
+
+@pytest.mark.slow
+def test_a_run_with_it_resumes_with_it_and_without_it(tmp_path):
+    whole = _run(tmp_path, "fp32, one process", True, "checkpoint_every=2")
+    losses = [row["loss"] for row in metrics(whole)]
+    step2 = whole / "checkpoints" / "step-000002"
+    for again in (True, False):  # the checkpoint holds one AdamW's state: either way reads it
+        out = tmp_path / f"resumed-{again}"
+        r = run_recipe(*COMMON, "flavor=cpu", f"plan.optimizer_in_backward={str(again).lower()}", f"resume={step2}",
+                       f"output_dir={out}")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert [row["loss"] for row in metrics(out)] == pytest.approx(losses[2:], rel=1e-6, abs=0), again
+
+
+def _work(model: str = "llama3_2_3b", seq_len: int = 4096, **kwargs):
+    _, spec, flavor = setup(f"model={model}", "flavor=small", "flavor.device=a100", "flavor.memory_gb=80")
+    return Workload(spec=spec, batch_size=2, seq_len=seq_len, precision="bf16", **kwargs), flavor
+
+
+def test_the_planner_offers_it_where_nothing_clips_and_counts_the_gradients_it_frees():
+    """Llama-3.2-3B on one A100 in bf16, short rows (2 x 256 tokens) under full recomputation: the step's peak is its
+    gradients' (the last layers' backward, or the optimizer's step), which the optimizer in the backward frees as it
+    goes: a layer's at a time, not the model's 6.4 GB. (On torchtune's 4,096-token rows the peak is the
+    activations' and it saves little: 24.9 -> 23.1 GiB in torchtune's README.)"""
+    forced = {"recompute": "full", "packing": True, "micro_batch_size": 2, "chunked_loss": True}
+    clipped, flavor = _work(seq_len=256)
+    assert not any(c.plan.optimizer_in_backward for c in choose_plan(clipped, flavor, forced=forced).candidates)
+    free = _work(seq_len=256, clips=False)[0]
+    choice = choose_plan(free, flavor, forced=forced)
+    by = {c.plan.optimizer_in_backward: c for c in choice.candidates if not c.plan.cpu_offload and not c.plan.compile
+          and not c.plan.offload_activations}
+    gradients = free.spec.num_params() * 2  # bf16
+    assert by[False].memory.grads > 0.75 * gradients and by[False].memory.phase == "first layer backward"
+    assert by[True].memory.grads <= 2 * gradients / free.spec.num_layers  # a layer's: the peak moves elsewhere
+    assert by[True].memory.total < by[False].memory.total
+    # Several micro-batches a step hold the earlier ones' gradients as without it: not offered unless forced.
+    many = choose_plan(free, flavor, forced={"micro_batch_size": 1, "packing": False}).candidates
+    assert not any(c.plan.optimizer_in_backward for c in many)
+
+
+@pytest.mark.parametrize("kwargs, forced, words", [
+    (dict(), {"optimizer_in_backward": True}, r"set optimizer\.max_grad_norm=null"),
+    (dict(clips=False, reference="copy"), {"optimizer_in_backward": True}, r"recipes\.dpo runs its own step"),
+    (dict(clips=False), {"optimizer_in_backward": True, "cpu_offload": True}, r"pipeline stages, replicas or CPU"),
+])
+def test_it_is_refused_by_name_where_it_cannot_work(kwargs, forced, words):
+    work, flavor = _work(**kwargs)
+    with pytest.raises(UserError, match=r"plan\.optimizer_in_backward=true: .*" + words):
+        choose_plan(work, flavor, forced=forced)
