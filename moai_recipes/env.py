@@ -16,6 +16,7 @@ FAULT_OOM_TOKENS = "MOAI_FAULT_OOM_TOKENS"  # test hook: a micro-batch of more t
 FAULT_STEP_DELAY = "MOAI_FAULT_STEP_DELAY"  # test hook: seconds each step waits first, as on a slower machine
 FAULT_MEMORY_HEADROOM = "MOAI_FAULT_MEMORY_HEADROOM"  # test hook: bytes of address space a step may add, for real
 FAULT_SAVE_DELAY = "MOAI_FAULT_SAVE_DELAY"  # test hook: seconds a save waits, half-written, as on a slower disk
+TEST_COMPLETIONS = "MOAI_TEST_COMPLETIONS"  # test hook: recipes.grpo's completions from this function, not sampled
 FORK_WORKERS = "MOAI_FORK_WORKERS"  # 0: a CPU flavor's workers start bare, as a GPU flavor's do (launch/elastic.py)
 OMP_NUM_THREADS = "OMP_NUM_THREADS"  # a user's choice of threads per process, honoured as torchrun does
 # The world a launcher gives a process (torchrun, our elastic launch) and the process group's rendezvous.
@@ -72,6 +73,12 @@ def fault_save_delay() -> float:
     """MOAI_FAULT_SAVE_DELAY: seconds a step checkpoint or an export waits with its files written aside, before it
     is renamed into place (0: none), so that a test can kill a run in the middle of a save."""
     return float(_get(FAULT_SAVE_DELAY) or 0)
+
+
+def test_completions() -> str | None:
+    """MOAI_TEST_COMPLETIONS: the dotted path of a function (prompt ids, seeds) -> completions that recipes.grpo takes
+    its completions from instead of sampling them, so that a test gives TRL and recipes.grpo the same ones."""
+    return _get(TEST_COMPLETIONS)
 
 
 def fork_workers() -> bool:

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAINING = ("recipes.full_finetune", "recipes.lora_finetune", "recipes.dpo")
+TRAINING = ("recipes.full_finetune", "recipes.lora_finetune", "recipes.dpo", "recipes.grpo")
 
 
 def run_recipe(*args, module: str = "recipes.full_finetune", env: dict | None = None, timeout: int = 600,

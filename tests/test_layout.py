@@ -49,7 +49,7 @@ def _imports(path: Path) -> set[str]:
 
 # Bottom to top (docs/architecture.md): a module imports from its own layer and those below it, never above.
 LAYERS = [
-    ("env", "errors", "files", "flavors"),
+    ("env", "errors", "files", "flavors", "rewards"),
     ("config",),
     ("models",),
     ("data",),

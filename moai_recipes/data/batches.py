@@ -59,3 +59,27 @@ class GlobalBatches:
         if "stream" in meta:
             raise UserError("the checkpoint was written by a run that streamed its data; resume it with "
                             "dataset.streaming=true, or start a new run (resume=never)")
+
+
+class RepeatedBatches:
+    """Each global batch of `base` for `times` consecutive steps (recipes.grpo's num_iterations: a generation's
+    completions trained on that many times)."""
+
+    def __init__(self, base: GlobalBatches, times: int):
+        if times < 1:
+            raise UserError(f"num_iterations={times} must be at least 1")
+        self.base, self.times = base, times
+        self.dataset, self.batch_size, self.steps_per_epoch = base.dataset, base.batch_size, base.steps_per_epoch * times
+
+    @property
+    def total_steps(self) -> int:
+        return self.base.total_steps * self.times
+
+    def samples(self, step: int) -> list[dict]:
+        return self.base.samples(step // self.times)
+
+    def position(self, step: int) -> dict:
+        return {**self.base.position(-(-step // self.times)), "round_step": step % self.times}
+
+    def resume(self, step: int, meta: dict) -> None:
+        self.base.resume(step // self.times, meta)

@@ -32,8 +32,8 @@ from moai_recipes.models.tiny import DEMO_DATA
 from moai_recipes.models.loss import IGNORE_INDEX
 
 COLUMNS = {"instruct": ("instruction", "input", "output"), "chat": ("messages",), "text": ("text",),
-           "preference": ("prompt", "chosen", "rejected")}
-KINDS = ("demo", "instruct", "chat", "text", "preference")
+           "preference": ("prompt", "chosen", "rejected"), "prompt": ("prompt",)}
+KINDS = ("demo", "instruct", "chat", "text", "preference", "prompt")
 # ShareGPT speaks of human and gpt, some exports of bot; a role not named here (tool, ipython, function) goes to
 # the chat template as it is, which renders it or says it cannot.
 ROLES = {"human": "user", "gpt": "assistant", "bot": "assistant"}

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from moai_recipes.data.batches import GlobalBatches
+from moai_recipes.data.batches import GlobalBatches, RepeatedBatches
 from moai_recipes.data.preferences import load_pairs
+from moai_recipes.data.prompts import load_prompts
 from moai_recipes.data.datasets import DataSource, SFTDataset, load_dataset
 from moai_recipes.data.hf_datasets import HFSplit
 from moai_recipes.data.stream import StreamedBatches
@@ -70,9 +71,22 @@ def read_data(cfg: DictConfig, tokenizer: Tokenizer, *, dry: bool, progress: boo
     if preference and (d.streaming or d.val_path or d.val_split is not None):
         raise UserError("dataset.streaming, dataset.val_split and dataset.val_path are not offered for preference data "
                         "yet: recipes.dpo logs each step's rewards on its training pairs")
-    load = (lambda s: load_pairs(s, tokenizer, max_seq_len=cfg.max_seq_len, progress=progress)) if preference else \
-        (lambda s: load_dataset(s, tokenizer, max_seq_len=cfg.max_seq_len, cache=d.cache, write_cache=not dry,
-                                progress=progress))
+    prompts = d.kind == "prompt"
+    if prompts != ("num_generations" in cfg):  # recipes.grpo's config is the one with num_generations
+        raise UserError("dataset=prompt (a prompt column) is what recipes.grpo trains on" if prompts
+                        else f"recipes.grpo trains on prompts: dataset=prompt dataset.path=FILE (a prompt column, "
+                             f"and the columns your rewards read), not dataset={d.kind}")
+    if prompts and (d.streaming or d.val_path or d.val_split is not None):
+        raise UserError("dataset.streaming, dataset.val_split and dataset.val_path are not offered for prompts yet: "
+                        "recipes.grpo logs each step's rewards")
+    if preference:
+        load = lambda s: load_pairs(s, tokenizer, max_seq_len=cfg.max_seq_len, progress=progress)  # noqa: E731
+    elif prompts:
+        load = lambda s: load_prompts(s, tokenizer, max_seq_len=cfg.max_seq_len,  # noqa: E731
+                                      max_completion_length=cfg.max_completion_length, progress=progress)
+    else:
+        load = lambda s: load_dataset(s, tokenizer, max_seq_len=cfg.max_seq_len, cache=d.cache,  # noqa: E731
+                                      write_cache=not dry, progress=progress)
     val = None
     if d.val_path:
         val = load(_source(d, d.val_path, d.split, key="dataset.val_path", hf=False))
@@ -95,11 +109,27 @@ def read_data(cfg: DictConfig, tokenizer: Tokenizer, *, dry: bool, progress: boo
     train = load(source)
     if isinstance(d.val_split, float):
         train, val = train.split_off(d.val_split, seed=cfg.seed)
-    batches = GlobalBatches(num_samples=len(train), batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed,
-                            dataset=train)
+    if prompts:  # a step's batch_size completions are num_generations of each of its prompts, each batch of prompts
+        # trained on for num_iterations steps (TRL's reuse of a generation)
+        batches = RepeatedBatches(GlobalBatches(num_samples=len(train), batch_size=prompts_per_step(cfg),
+                                                epochs=cfg.epochs, seed=cfg.seed, dataset=train), cfg.num_iterations)
+    else:
+        batches = GlobalBatches(num_samples=len(train), batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed,
+                                dataset=train)
     total_steps = min(batches.total_steps, cfg.max_steps or math.inf)
     return RunData(train=train, val=val, batches=batches, total_steps=total_steps, lengths=train.lengths,
                    source=source, seconds=time.perf_counter() - start)
+
+
+def prompts_per_step(cfg: DictConfig) -> int:
+    """recipes.grpo: the prompts of a step, whose num_generations completions each make its batch_size."""
+    if cfg.num_generations < 2:
+        raise UserError(f"num_generations={cfg.num_generations}: GRPO compares a prompt's completions with each other; "
+                        "use 2 or more")
+    if cfg.batch_size % cfg.num_generations:
+        raise UserError(f"batch_size={cfg.batch_size} (completions a step) is not a multiple of num_generations="
+                        f"{cfg.num_generations}: use batch_size={cfg.num_generations * max(1, cfg.batch_size // cfg.num_generations)}")
+    return cfg.batch_size // cfg.num_generations
 
 
 def _source(d: DictConfig, path: str | None, split: str, *, key: str = "dataset.path", hf: bool = True) -> DataSource:

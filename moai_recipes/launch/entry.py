@@ -35,7 +35,7 @@ from moai_recipes.launch.registry import new_job_id, registered
 from moai_recipes.launch.worker import Job, run
 from moai_recipes.models.sources import model_source, resolve_model_dir
 
-TRAINING_RECIPES = ("full_finetune", "lora_finetune", "dpo")  # what `train(cfg, flavor, world)` moai_recipes.recipes has
+TRAINING_RECIPES = ("full_finetune", "lora_finetune", "dpo", "grpo")  # what `train(cfg, flavor, world)` moai_recipes.recipes has
 
 
 @exit_on_user_error

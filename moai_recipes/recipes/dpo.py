@@ -21,20 +21,19 @@ from moai_recipes.checkpoint.steps import TrainState
 from moai_recipes.errors import UserError
 from moai_recipes.flavors import Flavor
 from moai_recipes.inputs import read_inputs
-from moai_recipes.models.build import build_model
-from moai_recipes.models.hf_format import load_weights, save_weights
-from moai_recipes.models.lora import freeze_base, gather_adapters, init_adapters, merge_into, save_adapter
+from moai_recipes.models.hf_format import save_weights
+from moai_recipes.models.lora import gather_adapters, merge_into, save_adapter
 from moai_recipes.models.preference_loss import PreferenceLoss
 from moai_recipes.models.sources import base_model_name
 from moai_recipes.planner.search import choose_reference
 from moai_recipes.train.answers import Answers
 from moai_recipes.train.loop import LoopSettings, train_loop
 from moai_recipes.train.metrics_log import MetricsLog
-from moai_recipes.train.mixed_precision import in_compute_dtype, stored_as_planned
+from moai_recipes.train.mixed_precision import in_compute_dtype
 from moai_recipes.train.optim import build_optimizer, build_scheduler
 from moai_recipes.train.out_of_memory import forced_plan
-from moai_recipes.train.parallel import parallelize
 from moai_recipes.train.plan_accuracy import report_accuracy
+from moai_recipes.train.policy import build_policy
 from moai_recipes.train.preference_step import PreferenceObjective, Reference, cache_reference
 from moai_recipes.train.process import prepare_process
 from moai_recipes.train.world import World, decided_by_main
@@ -71,13 +70,13 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
            "a frozen copy in memory, each step", "cached": "log-probabilities cached in a first pass"}[reference])
 
     # 3. The policy, built on meta, sharded, its weights (LoRA: adapters on the frozen base).
-    model = _model(inputs, plan, world, lora=lora, seed=cfg.seed)
+    model = build_policy(inputs, plan, world, lora=lora, seed=cfg.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # 4. The reference: a frozen copy, the adapters switched off, or log-probabilities cached before step 1.
     ref = Reference()
     if reference == "copy" and lora is None:
-        ref.model = _model(inputs, plan, world, lora=None, seed=cfg.seed, frozen=True).eval()
+        ref.model = build_policy(inputs, plan, world, lora=None, seed=cfg.seed, frozen=True).eval()
     elif reference == "copy":
         ref.adapters_off = True
     elif reference == "cached":
@@ -123,20 +122,3 @@ def _reference_modes(cfg: DictConfig, loss: PreferenceLoss) -> tuple[str, ...]:
             raise UserError(f"loss.type={loss.type} has no reference model; leave reference=auto")
         return ("none",)
     return ("copy", "cached") if cfg.reference == "auto" else (str(cfg.reference),)
-
-
-def _model(inputs, plan, world: World, *, lora, seed: int, frozen: bool = False) -> torch.nn.Module:
-    """The policy (LoRA: adapters on its frozen base), or with `frozen` the reference copy, nothing of it trained."""
-    with torch.device("meta"):
-        model = build_model(inputs.spec, max_seq_len=plan.row_length, lora=lora.builder_kwargs() if lora else None,
-                            quantize_base=bool(lora and lora.quantize_base))
-    if lora:
-        freeze_base(model)  # before sharding: FSDP2 keeps requires_grad per parameter
-    if frozen:
-        model.requires_grad_(False)
-    stored_as_planned(model, plan)  # what never changes in the compute dtype (no fp32 master), what trains as planned
-    model = parallelize(model, plan, world, spec=inputs.spec)
-    load_weights(model, inputs.hf, allow_missing=(".lora_a.", ".lora_b.") if lora else ())
-    if lora:
-        init_adapters(model, seed=seed)
-    return model

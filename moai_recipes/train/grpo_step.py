@@ -1,0 +1,268 @@
+"""One optimizer step of GRPO (recipes.grpo): generate (every num_iterations steps), score, train.
+
+A step's global batch is batch_size / num_generations prompts; each data rank takes its share of them (all of a
+prompt's completions on one rank, so its group is whole there), samples num_generations completions of each
+(train/rollouts.py), and every rank's rewards are gathered so that advantages, and what is logged of them, are the
+global batch's (models/grpo_loss.py). With num_iterations > 1 the completions are kept and trained on again in the
+next steps, against the log-probabilities they were sampled with; with beta > 0 the reference's log-probabilities
+are taken once, when they are sampled: the adapters switched off (LoRA) or a frozen copy (full).
+
+Training runs the completions as the plan's micro-batches (padded rows, or packed) and sums each micro-batch's part
+of the step's loss, divided by the step's global count (the completions, or their loss tokens), so the loss and the
+gradients are the same on any flavor. The step line and metrics.jsonl carry TRL's names: reward, reward_std,
+rewards/<fn>/mean, frac_reward_zero_std, kl, entropy, clip_ratio/*, completions/*.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moai_recipes.models.grpo_loss import GRPOLoss, advantages, loss_sum, nanstd, normaliser, token_terms
+from moai_recipes.models.loss import IGNORE_INDEX
+from moai_recipes.planner.plan import Plan
+from moai_recipes.train.micro_batches import model_inputs
+from moai_recipes.train.mixed_precision import in_compute_dtype
+from moai_recipes.train.optim import clip_gradients
+from moai_recipes.train.parallel import all_reduce_gradients
+from moai_recipes.train.preference_step import Reference, _adapters_off, _logits
+from moai_recipes.train.rewards import Rewards
+from moai_recipes.train.rollouts import Sampler, SamplingSettings, completion_seed
+from moai_recipes.train.world import World
+
+
+@dataclass
+class Rollouts:
+    """A generation round's completions on this rank, and what training on them needs."""
+
+    round: int
+    rows: list[dict]  # per completion: tokens (prompt + completion), labels (its completion's), prompt_index
+    advantages: torch.Tensor  # [rows]
+    completions: int  # of the global batch
+    loss_tokens: int  # of the global batch: the completions' tokens the loss counts
+    metrics: dict = field(default_factory=dict)  # generation-time, of the global batch
+    old: list[torch.Tensor] | None = None  # per row: its tokens' log-probabilities when sampled (num_iterations > 1)
+    ref: list[torch.Tensor] | None = None  # per row: the reference's (beta > 0)
+
+
+@dataclass
+class GRPOObjective:
+    """What recipes.grpo's steps optimise: the train loop calls `step` in place of the token loss's."""
+
+    loss: GRPOLoss
+    sampling: SamplingSettings
+    rewards: Rewards
+    num_generations: int
+    num_iterations: int
+    scale_rewards: str
+    mask_truncated_completions: bool
+    seed: int
+    tokenizer: object  # data.tokenizer.Tokenizer
+    reference: Reference
+    max_length: int  # the model's longest row (max_seq_len)
+    completions_hook: object = None  # tests: fn(prompt ids, seeds) -> completions, in place of sampling
+    rollouts: Rollouts | None = None
+    step_number: int = 0  # the step about to run (1 first; set by the loop)
+
+    def step(self, state, micro_batches: list[list[dict] | None], *, plan: Plan, world: World, settings, pad_id: int):
+        from moai_recipes.train.loop import StepResult, _all_reduce
+
+        step = self.step_number
+        round_ = (step - 1) // self.num_iterations
+        if self.rollouts is None or self.rollouts.round != round_:
+            prompts = [s for micro in micro_batches if micro for s in micro]
+            self.rollouts = self._generate(state.model, prompts, round_, plan=plan, world=world, pad_id=pad_id,
+                                           step=step)
+        r = self.rollouts
+        scale = plan.shards / normaliser(self.loss, completions=r.completions, tokens=r.loss_tokens)
+        # Each rank runs as many micro-batches as the busiest (FSDP2's collectives).
+        groups = plan.micro_batches([len(row["tokens"]) for row in r.rows]) if r.rows else []
+        count = int(_all_reduce([len(groups)], world.device, op=dist.ReduceOp.MAX)[0])
+        sums = _Sums()
+        with in_compute_dtype(state.model, plan):
+            for k in range(count):
+                if k >= len(groups):  # another rank's extra micro-batch: FSDP2 needs this rank in it too
+                    (_logits(state.model, torch.full((1, 1), pad_id, dtype=torch.long)).sum() * 0).backward()
+                    continue
+                picked = groups[k]
+                batch = model_inputs([r.rows[i] for i in picked], plan, pad_id)
+                logps, entropy, rows = completion_logps(state.model, batch, self.sampling.temperature)
+                index = torch.tensor(picked, device=rows.device)[rows]  # each token's completion in r.rows
+                old = torch.cat([r.old[i] for i in picked]).to(logps.device) if r.old is not None else None
+                ref = torch.cat([r.ref[i] for i in picked]).to(logps.device) if r.ref is not None else None
+                advantage = r.advantages.to(logps.device)[index]
+                terms = token_terms(logps, old, ref, advantage, self.loss)
+                row_tokens = torch.bincount(rows, minlength=len(picked))
+                part = loss_sum(terms.loss, rows, row_tokens, self.loss)
+                (part * scale).backward()
+                sums.add(part.detach(), terms, entropy, rows, row_tokens)
+        if plan.replicate:
+            all_reduce_gradients(state.model)
+        total = _all_reduce(sums.totals(), world.device)
+        lows, highs = _gathered(sums.row_means(), world)
+        grad_norm = clip_gradients(state.model, settings.max_grad_norm, stages=None)
+        loss = total[0] / normaliser(self.loss, completions=r.completions, tokens=r.loss_tokens)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        tokens = max(total[1], 1)
+        extra = {**r.metrics, "entropy": total[2] / tokens, "clip_ratio/low_mean": total[3] / tokens,
+                 "clip_ratio/high_mean": total[4] / tokens, "clip_ratio/region_mean": total[5] / tokens,
+                 "clip_ratio/low_min": min(lows, default=0.0), "clip_ratio/high_max": max(highs, default=0.0)}
+        if self.loss.beta != 0.0:
+            extra["kl"] = total[6] / tokens
+        return StepResult(loss=loss, tokens=int(r.metrics["tokens"]), target_tokens=int(total[1]),
+                          grad_norm=grad_norm, finite=finite, extra=extra)
+
+    def _generate(self, model, prompts: list[dict], round_: int, *, plan: Plan, world: World, pad_id: int,
+                  step: int) -> Rollouts:
+        """This rank's completions of its prompts, their rewards and advantages (from every rank's rewards)."""
+        G = self.num_generations
+        ids = [p["tokens"] for p in prompts for _ in range(G)]
+        seeds = [completion_seed(self.seed, round_, p["index"], g) for p in prompts for g in range(G)]
+        if self.completions_hook is not None:
+            completions = self.completions_hook(ids, seeds)
+        else:
+            sampler = Sampler(self.sampling, tuple(self.tokenizer.stop_ids), pad_id, plan, world.device, self.max_length)
+            completions = sampler.complete(model, ids, seeds)
+        ends = set(self.tokenizer.stop_ids) | {pad_id}
+        truncated = [not c or c[-1] not in ends for c in completions]
+        texts = [self.tokenizer.decode(c) for c in completions]
+        conversational = bool(prompts) and isinstance(prompts[0]["prompt"], list)
+        shown = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {k: [p["columns"][k] for p in prompts for _ in range(G)] for k in (prompts[0]["columns"] if prompts
+                                                                                     else {})}
+        scores = self.rewards.score(prompts=[p["prompt"] for p in prompts for _ in range(G)], completions=shown,
+                                    completion_ids=completions, columns=columns, step=step - 1) if prompts else \
+            torch.zeros((0, len(self.rewards.functions)))
+        # Every rank's rewards, lengths and truncation, in rank order: the global batch's groups are whole.
+        mine = (scores, [len(c) for c in completions], truncated, [len(p["tokens"]) for p in prompts for _ in range(G)])
+        everyone = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            everyone = everyone[::max(1, dist.get_world_size() // world.size("data"))] if world.size("data") < \
+                dist.get_world_size() else everyone
+        first = sum(len(e[1]) for e in everyone[:world.data_rank])
+        per_function = torch.cat([e[0] for e in everyone])
+        found = advantages(per_function, self.rewards.weights, group=G, scale=self.scale_rewards)
+        lengths = torch.tensor([n for e in everyone for n in e[1]], dtype=torch.float32)
+        cut = torch.tensor([t for e in everyone for t in e[2]])
+        prompt_tokens = sum(n for e in everyone for n in e[3])
+        rows = []
+        for prompt_ids, completion, was_cut in zip(ids, completions, truncated):
+            masked = was_cut and self.mask_truncated_completions
+            labels = [IGNORE_INDEX] * (len(prompt_ids) - 1) + ([IGNORE_INDEX] * len(completion) if masked
+                                                              else list(completion)) + [IGNORE_INDEX]
+            rows.append({"tokens": list(prompt_ids) + list(completion), "labels": labels})
+        loss_tokens = int(sum(0 if (t and self.mask_truncated_completions) else n for n, t in
+                              zip(lengths.long().tolist(), cut.tolist())))
+        ended = lengths[~cut] if (~cut).any() else torch.zeros(1)
+        weighted = found.rewards
+        metrics = {"reward": float(torch.nanmean(weighted)), "reward_std": float(nanstd(weighted)),
+                   "frac_reward_zero_std": float(found.zero_std.float().mean()),
+                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                   "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(cut.float().mean()),
+                   "completions/mean_terminated_length": float(ended.mean()),
+                   "completions/min_terminated_length": float(ended.min()),
+                   "completions/max_terminated_length": float(ended.max()),
+                   "tokens": float(lengths.sum()) + prompt_tokens}
+        for j, name in enumerate(self.rewards.names):
+            metrics[f"rewards/{name}/mean"] = float(torch.nanmean(per_function[:, j]))
+            metrics[f"rewards/{name}/std"] = float(nanstd(per_function[:, j]))
+        out = Rollouts(round=round_, rows=rows, advantages=found.values[first:first + len(rows)],
+                       completions=len(lengths), loss_tokens=loss_tokens, metrics=metrics)
+        if self.num_iterations > 1:
+            out.old = self._logps(model, out.rows, plan=plan, world=world, pad_id=pad_id, reference=False)
+        if self.loss.beta != 0.0:
+            out.ref = self._logps(model, out.rows, plan=plan, world=world, pad_id=pad_id, reference=True)
+        return out
+
+    @torch.no_grad()
+    def _logps(self, model, rows: list[dict], *, plan: Plan, world: World, pad_id: int,
+               reference: bool) -> list[torch.Tensor]:
+        """Each row's completion tokens' log-probabilities now (the policy's, or the reference's), micro-batch by
+        micro-batch as training runs them, every rank in step."""
+        from moai_recipes.train.loop import _all_reduce
+
+        groups = plan.micro_batches([len(row["tokens"]) for row in rows]) if rows else []
+        count = int(_all_reduce([len(groups)], world.device, op=dist.ReduceOp.MAX)[0])
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        use = self.reference.model if reference and self.reference.model is not None else model
+        off = reference and self.reference.adapters_off
+        with in_compute_dtype(model, plan), (_adapters_off(model) if off else _nothing()):
+            for k in range(count):
+                if k >= len(groups):
+                    _logits(use, torch.full((1, 1), pad_id, dtype=torch.long))
+                    continue
+                batch = model_inputs([rows[i] for i in groups[k]], plan, pad_id)
+                logps, _, row_of = completion_logps(use, batch, self.sampling.temperature, entropy=False)
+                logps, row_of = logps.float().cpu(), row_of.cpu()
+                for j, i in enumerate(groups[k]):
+                    out[i] = logps[row_of == j]
+        return out
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def completion_logps(model, batch: dict, temperature: float, *, entropy: bool = True):
+    """(log-probabilities [n], entropies [n] or None, completion of each [n]) of a micro-batch's loss tokens, in their
+    order: log_softmax(logits / temperature) at each label, as TRL's fused head computes them, in fp32."""
+    logits = _logits(model, batch["tokens"], batch.get("documents"))
+    labels = batch["labels"].to(logits.device)
+    keep = labels != IGNORE_INDEX
+    z = logits[keep].float() / temperature
+    log_z = torch.logsumexp(z, dim=-1)
+    logps = z.gather(-1, labels[keep].unsqueeze(-1)).squeeze(-1) - log_z
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            ent = log_z - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return logps, ent, batch["samples"].to(logits.device)[keep]
+
+
+class _Sums:
+    """A rank's sums over its micro-batches: the loss, loss tokens, entropy, clipped tokens, KL; and per completion
+    the share of its tokens clipped low and high (clip_ratio/low_min, high_max)."""
+
+    def __init__(self):
+        self.values = [0.0] * 7
+        self.low_means: list[float] = []
+        self.high_means: list[float] = []
+
+    def add(self, part, terms, entropy, rows, row_tokens) -> None:
+        low, high = terms.low_clipped.float(), terms.high_clipped.float()
+        region = (terms.low_clipped | terms.high_clipped).float()
+        kl = float(terms.kl.detach().sum()) if terms.kl is not None else 0.0
+        for i, v in enumerate((float(part), float(rows.numel()), float(entropy.sum()), float(low.sum()),
+                               float(high.sum()), float(region.sum()), kl)):
+            self.values[i] += v
+        n = row_tokens.float()
+        has = n > 0  # a completion with no loss token (masked as truncated): no ratio (TRL: NaN, dropped)
+        per_low = torch.zeros_like(n).index_add_(0, rows, low) / n.clamp(min=1)
+        per_high = torch.zeros_like(n).index_add_(0, rows, high) / n.clamp(min=1)
+        self.low_means += per_low[has].tolist()
+        self.high_means += per_high[has].tolist()
+
+    def totals(self) -> list[float]:
+        return list(self.values)
+
+    def row_means(self) -> tuple[list[float], list[float]]:
+        return self.low_means, self.high_means
+
+
+def _gathered(means: tuple[list[float], list[float]], world: World) -> tuple[list[float], list[float]]:
+    """Every rank's per-completion clip shares."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return means
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, means)
+    return [v for e in everyone for v in e[0]], [v for e in everyone for v in e[1]]

@@ -1,0 +1,29 @@
+"""The model a preference or RL recipe trains (recipes.dpo, recipes.grpo), built as the plan lays it out: the
+policy (LoRA: adapters on its frozen base), or a frozen copy of it for a reference."""
+
+import torch
+
+from moai_recipes.models.build import build_model
+from moai_recipes.models.hf_format import load_weights
+from moai_recipes.models.lora import freeze_base, init_adapters
+from moai_recipes.planner.plan import Plan
+from moai_recipes.train.mixed_precision import stored_as_planned
+from moai_recipes.train.parallel import parallelize
+from moai_recipes.train.world import World
+
+
+def build_policy(inputs, plan: Plan, world: World, *, lora, seed: int, frozen: bool = False) -> torch.nn.Module:
+    """The policy (LoRA: adapters on its frozen base), or with `frozen` the reference copy, nothing of it trained."""
+    with torch.device("meta"):
+        model = build_model(inputs.spec, max_seq_len=plan.row_length, lora=lora.builder_kwargs() if lora else None,
+                            quantize_base=bool(lora and lora.quantize_base))
+    if lora:
+        freeze_base(model)  # before sharding: FSDP2 keeps requires_grad per parameter
+    if frozen:
+        model.requires_grad_(False)
+    stored_as_planned(model, plan)  # what never changes in the compute dtype (no fp32 master), what trains as planned
+    model = parallelize(model, plan, world, spec=inputs.spec)
+    load_weights(model, inputs.hf, allow_missing=(".lora_a.", ".lora_b.") if lora else ())
+    if lora:
+        init_adapters(model, seed=seed)
+    return model

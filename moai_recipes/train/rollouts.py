@@ -1,0 +1,151 @@
+"""recipes.grpo's rollouts: `num_generations` completions of each prompt, sampled with the KV cache on the model as the
+plan laid it out (FSDP2 shards included), each completion seeded by itself.
+
+A completion's random stream is seeded from (the run's seed, the generation round, the prompt's place in the
+dataset, which of its completions it is), never from the process: the same step samples the same completions on one
+process or eight (given the same weights), and a resumed run samples what the uninterrupted run sampled. Sampling
+is transformers' order: logits / temperature, then top-k, then top-p, then a draw.
+
+Every rank runs the same number of forward passes (FSDP2's gathers are collectives): a rank whose completions have
+all ended keeps stepping with its rows masked until every rank's have ended or `max_completion_length` is reached.
+A completion ends after its first stop token (included, as TRL keeps it).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moai_recipes.planner.plan import Plan
+from moai_recipes.train.mixed_precision import in_compute_dtype
+
+_MIX = 0x9E3779B97F4A7C15  # splitmix64's increment: seeds of nearby (round, prompt, completion) far apart
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """TRL's names: temperature, top_p, top_k (0: none), max_completion_length."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_completion_length: int = 512
+
+
+def completion_seed(seed: int, round_: int, prompt_index: int, generation: int) -> int:
+    """The seed of one completion's random stream."""
+    x = (seed * 1_000_003 + round_) * 1_000_003 + prompt_index
+    x = (x * 31 + generation + 1) & 0xFFFFFFFFFFFFFFFF
+    x = (x + _MIX) & 0xFFFFFFFFFFFFFFFF  # splitmix64's finaliser
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def filtered_logits(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """[rows, vocab] fp32 logits / temperature with what top-k and top-p leave out at -inf (transformers' order)."""
+    z = logits.float() / settings.temperature
+    if settings.top_k and settings.top_k < z.size(-1):
+        kth = torch.topk(z, settings.top_k).values[:, -1:]
+        z = z.masked_fill(z < kth, -math.inf)
+    if settings.top_p < 1.0:
+        probs, order = torch.softmax(z, dim=-1).sort(dim=-1, descending=False)
+        outside = probs.cumsum(dim=-1) <= 1 - settings.top_p  # transformers' TopPLogitsWarper
+        outside[:, -1] = False  # the likeliest always stays
+        z = z.masked_fill(outside.scatter(-1, order, outside), -math.inf)
+    return z
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """How a run samples: its settings, the tokens that end a completion, the padding, and where (the plan's compute
+    dtype, the device, the model's longest row: a prompt and its completion)."""
+
+    settings: SamplingSettings
+    stop_ids: tuple[int, ...]
+    pad_id: int
+    plan: Plan
+    device: torch.device
+    max_length: int
+
+    @torch.no_grad()
+    def complete(self, model: nn.Module, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        """One completion of each prompt (a prompt repeated G times gives G), each drawn from its own seeded stream;
+        a completion is cut after its first stop token (kept) or at max_completion_length tokens."""
+        from torchtune.generation import get_causal_mask_from_padding_mask, get_position_ids_from_padding_mask
+        from torchtune.modules.common_utils import local_kv_cache
+
+        settings, device, pad_id = self.settings, self.device, self.pad_id
+        rows = len(prompts)
+        # Every rank pads its prompts to the longest of any rank's, so all step as often (FSDP2); and each needs a
+        # row.
+        width = _longest(max((len(p) for p in prompts), default=1), device)
+        new = min(settings.max_completion_length, self.max_length - width)
+        tokens = torch.full((max(rows, 1), width), pad_id, dtype=torch.long, device=device)
+        real = torch.zeros_like(tokens, dtype=torch.bool)
+        for i, p in enumerate(prompts):  # left-padded
+            tokens[i, width - len(p):] = torch.tensor(p, device=device)
+            real[i, width - len(p):] = True
+        total = width + new
+        masks = get_causal_mask_from_padding_mask(real, target_seq_len=total)
+        positions = get_position_ids_from_padding_mask(torch.nn.functional.pad(real, (0, new), value=True))
+        generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        stops = torch.tensor(self.stop_ids, device=device)
+        out = [[] for _ in range(rows)]
+        done = torch.zeros(max(rows, 1), dtype=torch.bool, device=device)
+        done[rows:] = True
+        was_training = model.training
+        model.eval()
+        try:
+            with in_compute_dtype(model, self.plan), local_kv_cache(model, batch_size=tokens.size(0), device=device,
+                                                                    dtype=getattr(torch, self.plan.param_dtype),
+                                                                    decoder_max_seq_len=total):
+                logits = _last(model(tokens, mask=masks, input_pos=positions[:, :width]))
+                for t in range(new):
+                    nxt = _draw(filtered_logits(logits, settings), generators, rows)
+                    for i in range(rows):
+                        if not done[i]:
+                            out[i].append(int(nxt[i]))
+                    done |= torch.isin(nxt, stops)
+                    if t == new - 1 or _all_done(done, device):
+                        break
+                    pos = width + t
+                    step_mask = masks.new_zeros((tokens.size(0), 1, total))
+                    step_mask[:, 0, :width] = real
+                    step_mask[:, 0, width:pos + 1] = True
+                    logits = _last(model(nxt.unsqueeze(1), mask=step_mask, input_pos=positions[:, pos:pos + 1]))
+        finally:
+            model.train(was_training)
+        return out
+
+
+def _last(logits) -> torch.Tensor:
+    logits = torch.cat(logits, dim=1) if isinstance(logits, list) else logits  # a chunked output
+    return logits[:, -1]
+
+
+def _draw(z: torch.Tensor, generators: list[torch.Generator], rows: int) -> torch.Tensor:
+    """A token per row from softmax(z), each row from its own stream (an exponential race: argmax p / e)."""
+    probs = torch.softmax(z, dim=-1)
+    noise = torch.ones_like(probs)
+    for i in range(rows):
+        noise[i].exponential_(1, generator=generators[i])
+    return (probs / noise).argmax(dim=-1)
+
+
+def _longest(longest: int, device: torch.device) -> int:
+    """The longest prompt of any rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return longest
+    t = torch.tensor([longest], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0])
+
+
+def _all_done(done: torch.Tensor, device: torch.device) -> bool:
+    finished = torch.tensor([float(done.all())], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(finished, op=dist.ReduceOp.MIN)
+    return bool(finished.item())

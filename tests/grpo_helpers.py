@@ -1,0 +1,34 @@
+"""What tests/test_grpo.py gives both TRL's GRPOTrainer and recipes.grpo: the same completions of each prompt (in place
+of sampling: MOAI_TEST_COMPLETIONS for ours, TRL's _generate_single_turn for theirs) and reward functions with TRL's
+signature. Importable by a recipe's worker processes (their MOAI_TEST_COMPLETIONS names `fixed`)."""
+
+import torch
+
+GROUP = 4  # num_generations of the tests
+LONGEST = 6  # max_completion_length of the tests
+EOS = 1  # the test checkpoint's eos_token_id (tests/test_grpo.py checks it; 2 is its pad)
+
+
+def fixed(prompt_ids: list[list[int]], seeds=None) -> list[list[int]]:
+    """Each row's completion, a function of its prompt's tokens and its place in its group alone (row r is
+    completion r % GROUP of its prompt in both TRL's batch and ours): lengths 1 to LONGEST, most ending in EOS, some
+    cut at LONGEST (truncated)."""
+    out = []
+    for r, p in enumerate(prompt_ids):
+        g = torch.Generator().manual_seed(1000 * sum(p) + r % GROUP)
+        n = int(torch.randint(1, LONGEST + 1, (1,), generator=g))
+        c = torch.randint(10, 380, (n,), generator=g).tolist()  # within the test vocabulary of 384
+        if n < LONGEST or r % 2 == 0:
+            c[-1] = EOS
+        out.append(c)
+    return out
+
+
+def length_reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
+    return [float(len(c)) for c in completion_ids]
+
+
+def column_reward(prompts, completions, completion_ids, target, **kwargs) -> list[float | None]:
+    """Reads a dataset column, as TRL passes them; None (not scored by this function) for about one in five, by the
+    completion's tokens (not its place in the batch, which TRL orders otherwise)."""
+    return [None if sum(c) % 5 == 4 else float(sum(c) % int(t)) for c, t in zip(completion_ids, target)]

@@ -1,0 +1,158 @@
+"""recipes.grpo against TRL 1.16's GRPOTrainer: the same tiny checkpoint, the same prompts and the same completions
+given to both (TRL's generation replaced, ours by MOAI_TEST_COMPLETIONS), fp32: every step's loss, gradient norm,
+reward, reward_std, kl, entropy and clip ratios within 1e-4 relative of TRL's, for each loss type, beta 0 and above
+0, num_iterations 2 (the ratio moves off 1), full and LoRA; and the same numbers on two processes (FSDP2).
+Run: python -m pytest tests/test_grpo.py -q
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.grpo_helpers import EOS, GROUP, LONGEST, fixed
+from tests.helpers import make_hf_checkpoint, metrics, plan_of, run_recipe
+
+pytest.importorskip("trl")
+
+PROMPTS = ["hello there", "a b c", "the cat sat", "one two"]
+TARGETS = [3, 5, 7, 11]
+BATCH, STEPS, LR, LORA_LR, SEED = len(PROMPTS) * GROUP, 2, 3e-2, 1e-1, 0
+KEYS = ("loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "entropy", "clip_ratio/low_mean",
+        "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
+        "completions/mean_length", "completions/clipped_ratio")
+CASES = {  # name -> settings (TRL's names, both sides)
+    "dapo, beta 0.04, two rewards": dict(loss_type="dapo", beta=0.04, num_iterations=1),
+    "grpo, num_iterations 2, clip higher": dict(loss_type="grpo", beta=0.0, num_iterations=2, epsilon_high=0.28,
+                                               mask_truncated_completions=True),
+    "bnpo, beta 0.1, num_iterations 2, batch std": dict(loss_type="bnpo", beta=0.1, num_iterations=2,
+                                                        scale_rewards="batch"),
+    "dr_grpo, no std": dict(loss_type="dr_grpo", beta=0.0, num_iterations=1, scale_rewards="none"),
+}
+REWARDS = ["tests.grpo_helpers.length_reward", "tests.grpo_helpers.column_reward"]
+WEIGHTS = [1.0, 0.5]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    model = make_hf_checkpoint(root / "model", "llama")
+    assert json.loads((model / "config.json").read_text())["eos_token_id"] == EOS
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "target": t}) + "\n" for p, t in zip(PROMPTS, TARGETS)))
+    return model, data
+
+
+def _ours(tmp_path: Path, name: str, model: Path, data: Path, case: dict, *extra, lr: float = LR) -> list[dict]:
+    out = tmp_path / name.replace(" ", "_").replace(",", "")
+    settings = [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}" for k, v in case.items()]
+    r = run_recipe(f"model.checkpoint_dir={model}", "dataset=prompt", f"dataset.path={data}", f"batch_size={BATCH}",
+                   f"num_generations={GROUP}", f"max_completion_length={LONGEST}", "max_seq_len=32",
+                   f"max_steps={STEPS}", f"epochs={STEPS}", f"optimizer.lr={lr}", "optimizer.warmup_steps=0",
+                   "optimizer.betas=[0.9,0.999]", "optimizer.weight_decay=0.0", f"seed={SEED}", "dtype=fp32",
+                   f"rewards=[{','.join(REWARDS)}]", f"reward_weights=[{','.join(map(str, WEIGHTS))}]",
+                   "logger=stdout", f"output_dir={out}", *settings, *extra, module="recipes.grpo",
+                   env={"MOAI_TEST_COMPLETIONS": "tests.grpo_helpers.fixed"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    return rows
+
+
+def _trl(tmp_path: Path, model, tokenizer_dir: Path, case: dict, *, lr: float = LR) -> list[dict]:
+    import trl.trainer.grpo_trainer as grpo_trainer
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    import tests.grpo_helpers as helpers
+
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+                      per_device_train_batch_size=BATCH, gradient_accumulation_steps=1, num_generations=GROUP,
+                      max_completion_length=LONGEST, learning_rate=lr, logging_steps=1, max_steps=STEPS, seed=SEED,
+                      gradient_checkpointing=False, reward_weights=WEIGHTS, **case)
+    rewards = [helpers.length_reward, helpers.column_reward]
+    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, processing_class=AutoTokenizer.from_pretrained(
+        tokenizer_dir), train_dataset=Dataset.from_dict({"prompt": PROMPTS, "target": TARGETS}))
+    # The same completions as ours (in place of sampling); the generation batch kept in its order (TRL shuffles it
+    # with the global RNG: the micro-batch is the whole batch here, so only summation order would change).
+    trainer._generate_single_turn = lambda prompt_ids, *a, **k: (fixed(prompt_ids), None)
+    original, grpo_trainer.shuffle_sequence_dict = grpo_trainer.shuffle_sequence_dict, lambda d: d
+    try:
+        trainer.train()
+    finally:
+        grpo_trainer.shuffle_sequence_dict = original
+    return [h for h in trainer.state.log_history if "loss" in h and "reward" in h or "entropy" in h]
+
+
+def _same(ours: list[dict], theirs: list[dict], keys=KEYS) -> None:
+    assert len(ours) == len(theirs) == STEPS, (len(ours), len(theirs))
+    for mine, trl in zip(ours, theirs):
+        for key in keys:
+            if key not in trl:
+                continue
+            assert abs(mine[key] - trl[key]) <= 1e-4 * abs(trl[key]) + 1e-6, (mine["step"], key, mine[key], trl[key])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CASES)
+def test_full_grpo_equals_trl(setup, tmp_path, name):
+    import transformers
+
+    model, data = setup
+    case = CASES[name]
+    ours = _ours(tmp_path, name, model, data, case)
+    theirs = _trl(tmp_path, transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), model, case)
+    _same(ours, theirs, KEYS + (("kl",) if case.get("beta") else ()))
+
+
+@pytest.mark.slow
+def test_lora_grpo_equals_trl_with_the_adapters_off_as_reference(setup, tmp_path):
+    import transformers
+    from peft import PeftModel
+
+    from moai_recipes.models.build import build_model
+    from moai_recipes.models.lora import gather_adapters, init_adapters, lora_options, save_adapter
+    from moai_recipes.models.spec import read_spec
+
+    model, data = setup
+    case = dict(loss_type="dapo", beta=0.04, num_iterations=2, epsilon_high=0.28)
+    lora = ["method=lora", "lora.rank=4", "lora.alpha=8", "lora.attn_modules=[q_proj,v_proj]"]
+    ours = _ours(tmp_path, "lora", model, data, case, *lora, lr=LORA_LR)
+    # TRL starts from our adapters (A as init_adapters draws it, B zero), its reference the adapters switched off.
+    opts = lora_options({"attn_modules": ["q_proj", "v_proj"], "apply_to_mlp": False, "apply_to_output": False,
+                         "rank": 4, "alpha": 8.0, "dropout": 0.0, "quantize_base": False}, spec=read_spec(model))
+    start = build_model(read_spec(model), max_seq_len=128, lora=opts.builder_kwargs())
+    init_adapters(start, seed=SEED)
+    save_adapter(gather_adapters(start), opts=opts, out_dir=tmp_path / "start", base_model=str(model))
+    base = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    theirs = _trl(tmp_path, PeftModel.from_pretrained(base, tmp_path / "start", is_trainable=True), model, case,
+                  lr=LORA_LR)
+    _same(ours, theirs, KEYS + ("kl",))
+    assert (tmp_path / "lora" / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_same_completions_and_numbers_on_two_processes(setup, tmp_path):
+    """Sampled for real (no test completions): each completion seeded by its prompt and its place in the group, so
+    two FSDP2 processes sample and score what one process does, step for step."""
+    model, data = setup
+    common = [f"model.checkpoint_dir={model}", "dataset=prompt", f"dataset.path={data}", f"batch_size={BATCH}",
+              f"num_generations={GROUP}", "max_completion_length=5", "max_seq_len=32", "max_steps=3", "epochs=3",
+              "optimizer.lr=3e-2", "optimizer.warmup_steps=0", "dtype=fp32", "beta=0.04", "num_iterations=2",
+              "temperature=0.9", "top_p=0.95", "top_k=50", "rewards=[tests.grpo_helpers.length_reward]",
+              "logger=stdout"]
+    runs = {}
+    for flavor in ("cpu", "cpu-2"):
+        out = tmp_path / flavor
+        r = run_recipe(*common, f"flavor={flavor}", "plan.replicate=false", f"output_dir={out}", module="recipes.grpo")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[flavor] = metrics(out)
+    assert plan_of(tmp_path / "cpu-2")["sharded"] and plan_of(tmp_path / "cpu-2")["data_parallel"] == 2
+    for one, two in zip(runs["cpu"], runs["cpu-2"], strict=True):
+        for key in ("completions/mean_length", "completions/clipped_ratio", "reward", "reward_std"):
+            assert one[key] == two[key], (one["step"], key, one[key], two[key])
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert abs(one[key] - two[key]) <= 1e-4 * abs(one[key]) + 1e-6, (one["step"], key, one[key], two[key])
+    assert len({row["completions/mean_length"] for row in runs["cpu"]}) > 1 or runs["cpu"][0]["reward_std"] > 0
