@@ -4,6 +4,8 @@
 # make demo-gguf (after make demo): the learned model as one q8_0 GGUF file, asked the demo's questions by llama.cpp
 # (installs llama-cpp-python first, which builds llama.cpp from source: about 5 minutes once).
 # make demo-dpo: preference tuning (DPO with LoRA) of the same model on pirate-voiced pairs (about two minutes).
+# make demo-grpo: online RL (GRPO with LoRA) of the same model on additions, rewarded for the right sum and for the
+# number alone (204 s for its 24 steps on this 2-core machine).
 # make test: install with the test extras (about 7 minutes once, llama.cpp's build most of it), then run the test
 # suite (494 passed and 3 skipped in 11:48 on a fresh clone of a slower day's two cores; 9:48 to 10:11 for 479 on a
 # faster one; about 17 to 19 minutes in all).
@@ -17,7 +19,7 @@ BASE := $(VENV)/.installed-base-$(SUM)
 GGUF := $(VENV)/.installed-gguf-$(SUM)
 TESTS := $(VENV)/.installed-test-$(SUM)
 
-.PHONY: install demo demo-gguf demo-dpo demo-tiny test test-fast bench clean
+.PHONY: install demo demo-gguf demo-dpo demo-grpo demo-tiny test test-fast bench clean
 
 $(BASE): pyproject.toml
 	@test -x $(PY) || { echo "== make: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
@@ -58,6 +60,13 @@ demo-dpo: $(BASE)
 	$(PY) -m recipes.dpo model=smollm2_135m dataset=pirate method=lora flavor=cpu epochs=3 batch_size=8 \
 		optimizer.lr=2e-4 optimizer.warmup_steps=2 lora.rank=16 lora.alpha=32 \
 		lora.attn_modules=[q_proj,k_proj,v_proj,output_proj] lora.apply_to_mlp=true
+
+demo-grpo: $(BASE)
+	$(PY) -m recipes.grpo model=smollm2_135m dataset=additions method=lora flavor=cpu max_steps=24 batch_size=32 \
+		num_generations=8 max_completion_length=12 max_seq_len=96 optimizer.lr=3e-4 optimizer.warmup_steps=2 \
+		lora.rank=16 lora.alpha=32 lora.attn_modules=[q_proj,k_proj,v_proj,output_proj] lora.apply_to_mlp=true \
+		rewards=[moai_recipes.rewards.exact_answer,moai_recipes.rewards.number_only] sample_max_new_tokens=12 \
+		"dataset.sample_prompts=[What is 12 + 7? Reply with the number only.,What is 25 + 18? Reply with the number only.]"
 
 # The tiny model on the embedded demo data: full fine-tuning in about 15 seconds, nothing to fetch.
 demo-tiny: $(BASE)

@@ -37,7 +37,7 @@ from moai_recipes.models.lora import LoraOptions, lora_options
 from moai_recipes.models.peft_adapter import PeftAdapter
 from moai_recipes.models.sources import model_source, resolve_model_dir
 from moai_recipes.models.spec import ModelSpec, check_context, spec_for, with_aux_loss_coef
-from moai_recipes.planner.plan import Workload
+from moai_recipes.planner.plan import Rollout, Workload
 
 if TYPE_CHECKING:
     from moai_recipes.inference.harness import Tasks
@@ -134,7 +134,7 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
         data = read_data(cfg, tokenizer, dry=dry, progress=main and not dry)
     workload = Workload(spec=spec, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, lora=lora, dtype=cfg.dtype,
                         precision=str(cfg.precision), states=str(cfg.optimizer.states),
-                        clips=cfg.optimizer.max_grad_norm is not None,
+                        clips=cfg.optimizer.max_grad_norm is not None, rollout=_rollout(cfg),
                         lengths=data.lengths if data is not None else None,
                         steps=data.total_steps if data is not None else cfg.max_steps)
     eval_tasks = None
@@ -232,3 +232,13 @@ def checked_tokenizer(hf: HFFolder) -> Tokenizer:
                         f"vocab_size is {hf.spec.vocab_size}: the tokenizer belongs to another model. Put the "
                         "model's own tokenizer files in the folder")
     return tokenizer
+
+
+def _rollout(cfg: DictConfig) -> Rollout | None:
+    """recipes.grpo's generation phase, for the planner (None for the other recipes)."""
+    if "num_generations" not in cfg:
+        return None
+    # The reference's forward with LoRA (the adapters off); full fine-tuning's frozen copy is priced as recipes.dpo's
+    # (Workload.reference, set by the recipe).
+    return Rollout(completion_length=cfg.max_completion_length, num_iterations=cfg.num_iterations,
+                   extra_passes=int(cfg.num_iterations > 1) + int(cfg.beta != 0 and cfg.method == "lora"))

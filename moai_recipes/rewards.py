@@ -1,7 +1,7 @@
 """Reward functions shipped for recipes.grpo, with TRL's signature (any TRL reward function works the same way):
 `fn(prompts, completions, completion_ids, **dataset_columns) -> list[float | None]`, one value per completion.
 
-    python -m recipes.grpo rewards=[moai_recipes.rewards.exact_answer,moai_recipes.rewards.number_first]
+    python -m recipes.grpo rewards=[moai_recipes.rewards.exact_answer,moai_recipes.rewards.number_only]
 
 A completion is a string, or (conversational prompts) [{"role": "assistant", "content": text}].
 """
@@ -16,18 +16,19 @@ def _text(completion) -> str:
 
 
 def exact_answer(completions, answer, **kwargs) -> list[float]:
-    """1 where the completion's first number is the row's `answer` column, else 0 (an arithmetic or GSM8K-style
-    check you can read by eye)."""
+    """1 where the completion's last number is the row's `answer` column (GSM8K's convention: "7 + 5 = 12" answers
+    12), else 0: an arithmetic check you can read by eye."""
     out = []
     for completion, expected in zip(completions, answer):
-        found = _NUMBER.search(_text(completion))
-        out.append(1.0 if found and _same_number(found.group(), str(expected)) else 0.0)
+        found = _NUMBER.findall(_text(completion))
+        out.append(1.0 if found and _same_number(found[-1], str(expected)) else 0.0)
     return out
 
 
-def number_first(completions, **kwargs) -> list[float]:
-    """A format reward: 1 where the completion starts with a number (after spaces), else 0."""
-    return [1.0 if _NUMBER.match(_text(c).lstrip()) else 0.0 for c in completions]
+def number_only(completions, **kwargs) -> list[float]:
+    """A format reward: 1 where the completion is one number and nothing else (a final period and spaces allowed),
+    else 0."""
+    return [1.0 if _NUMBER.fullmatch(_text(c).strip().rstrip(".").strip()) else 0.0 for c in completions]
 
 
 def _same_number(a: str, b: str) -> bool:

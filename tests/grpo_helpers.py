@@ -32,3 +32,8 @@ def column_reward(prompts, completions, completion_ids, target, **kwargs) -> lis
     """Reads a dataset column, as TRL passes them; None (not scored by this function) for about one in five, by the
     completion's tokens (not its place in the batch, which TRL orders otherwise)."""
     return [None if sum(c) % 5 == 4 else float(sum(c) % int(t)) for c, t in zip(completion_ids, target)]
+
+
+def broken_reward(prompts, completions, **kwargs) -> list[float]:
+    """Returns one value too few: recipes.grpo names it and the prompt."""
+    return [0.0] * (len(completions) - 1)

@@ -1,7 +1,9 @@
 """recipes.grpo against TRL 1.16's GRPOTrainer: the same tiny checkpoint, the same prompts and the same completions
 given to both (TRL's generation replaced, ours by MOAI_TEST_COMPLETIONS), fp32: every step's loss, gradient norm,
 reward, reward_std, kl, entropy and clip ratios within 1e-4 relative of TRL's, for each loss type, beta 0 and above
-0, num_iterations 2 (the ratio moves off 1), full and LoRA; and the same numbers on two processes (FSDP2).
+0, num_iterations 2 (the ratio moves off 1), full and LoRA. Sampled for real: the same completions and numbers on one
+process and two (FSDP2), the KV cache the planner predicted; a run resumed mid-round on another flavor goes on as the
+uninterrupted one; what cannot run is refused by name.
 Run: python -m pytest tests/test_grpo.py -q
 """
 
@@ -134,9 +136,9 @@ def test_lora_grpo_equals_trl_with_the_adapters_off_as_reference(setup, tmp_path
 
 
 @pytest.mark.slow
-def test_the_same_completions_and_numbers_on_two_processes(setup, tmp_path):
+def test_the_same_completions_and_numbers_on_two_and_four_processes(setup, tmp_path):
     """Sampled for real (no test completions): each completion seeded by its prompt and its place in the group, so
-    two FSDP2 processes sample and score what one process does, step for step."""
+    two and four FSDP2 processes sample and score what one process does, step for step."""
     model, data = setup
     common = [f"model.checkpoint_dir={model}", "dataset=prompt", f"dataset.path={data}", f"batch_size={BATCH}",
               f"num_generations={GROUP}", "max_completion_length=5", "max_seq_len=32", "max_steps=3", "epochs=3",
@@ -144,15 +146,85 @@ def test_the_same_completions_and_numbers_on_two_processes(setup, tmp_path):
               "temperature=0.9", "top_p=0.95", "top_k=50", "rewards=[tests.grpo_helpers.length_reward]",
               "logger=stdout"]
     runs = {}
-    for flavor in ("cpu", "cpu-2"):
+    for flavor in ("cpu", "cpu-2", "cpu-4"):
         out = tmp_path / flavor
         r = run_recipe(*common, f"flavor={flavor}", "plan.replicate=false", f"output_dir={out}", module="recipes.grpo")
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         runs[flavor] = metrics(out)
     assert plan_of(tmp_path / "cpu-2")["sharded"] and plan_of(tmp_path / "cpu-2")["data_parallel"] == 2
-    for one, two in zip(runs["cpu"], runs["cpu-2"], strict=True):
-        for key in ("completions/mean_length", "completions/clipped_ratio", "reward", "reward_std"):
-            assert one[key] == two[key], (one["step"], key, one[key], two[key])
-        for key in ("loss", "grad_norm", "kl", "entropy"):
-            assert abs(one[key] - two[key]) <= 1e-4 * abs(one[key]) + 1e-6, (one["step"], key, one[key], two[key])
+    for flavor, rows in runs.items():  # the KV cache the planner priced is the one each process held
+        assert rows[0]["generation/kv_cache_bytes"] == plan_of(tmp_path / flavor)["predicted_kv_cache_bytes"] > 0
+    assert plan_of(tmp_path / "cpu-4")["sharded"] and plan_of(tmp_path / "cpu-4")["data_parallel"] == 4
+    for other in ("cpu-2", "cpu-4"):
+        for one, two in zip(runs["cpu"], runs[other], strict=True):
+            for key in ("completions/mean_length", "completions/clipped_ratio", "reward", "reward_std"):
+                assert one[key] == two[key], (other, one["step"], key, one[key], two[key])
+            for key in ("loss", "grad_norm", "kl", "entropy"):
+                assert abs(one[key] - two[key]) <= 1e-4 * abs(one[key]) + 1e-6, (other, one["step"], key, one[key],
+                                                                                 two[key])
     assert len({row["completions/mean_length"] for row in runs["cpu"]}) > 1 or runs["cpu"][0]["reward_std"] > 0
+
+
+@pytest.mark.slow
+def test_a_run_resumed_mid_round_on_another_flavor_trains_on_what_it_sampled(setup, tmp_path):
+    """num_iterations 2: the checkpoint of step 1 holds the round's completions (every rank's); resumed on two
+    processes, steps 2-4 are the uninterrupted run's (step 2 trains on step 1's completions again, step 3 samples
+    anew, seeded by its prompts)."""
+    model, data = setup
+    common = [f"model.checkpoint_dir={model}", "dataset=prompt", f"dataset.path={data}", f"batch_size={BATCH}",
+              f"num_generations={GROUP}", "max_completion_length=5", "max_seq_len=32", "max_steps=4", "epochs=4",
+              "optimizer.lr=3e-2", "optimizer.warmup_steps=0", "dtype=fp32", "beta=0.04", "num_iterations=2",
+              "rewards=[tests.grpo_helpers.length_reward]", "logger=stdout", "checkpoint_every=1", "checkpoint_keep=4"]
+    whole = tmp_path / "whole"
+    r = run_recipe(*common, f"output_dir={whole}", module="recipes.grpo")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    resumed = tmp_path / "resumed"
+    r = run_recipe(*common, "flavor=cpu-2", "plan.replicate=false", f"resume={whole / 'checkpoints' / 'step-000001'}",
+                   f"output_dir={resumed}", module="recipes.grpo")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    before, after = metrics(whole), metrics(resumed)
+    assert [row["step"] for row in after] == [2, 3, 4]
+    for one, two in zip(before[1:], after, strict=True):
+        assert one["reward"] == two["reward"] and one["completions/mean_length"] == two["completions/mean_length"]
+        for key in ("loss", "grad_norm", "kl"):
+            assert abs(one[key] - two[key]) <= 1e-4 * abs(one[key]) + 1e-6, (one["step"], key, one[key], two[key])
+
+
+def test_what_cannot_run_is_refused_by_name(setup, tmp_path):
+    model, data = setup
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "hi"}) + "\n")
+    common = [f"model.checkpoint_dir={model}", "dataset=prompt", "max_steps=1", "logger=stdout", "max_seq_len=32",
+              "max_completion_length=4", f"output_dir={tmp_path / 'out'}"]
+    for args, words in [((f"dataset.path={data}", "batch_size=6", "num_generations=4"),
+                         "batch_size=6 (completions a step) is not a multiple of num_generations=4"),
+                        ((f"dataset.path={data}", "num_generations=1", "batch_size=4"), "num_generations=1"),
+                        ((f"dataset.path={bad}", "batch_size=8", "num_generations=4"), "no 'prompt' column"),
+                        ((f"dataset.path={data}", "batch_size=8", "num_generations=4", "rewards=[nowhere.fn]"),
+                         "cannot import 'nowhere'"),
+                        ((f"dataset.path={data}", "batch_size=8", "num_generations=4", "loss_type=ppo"), "loss_type"),
+                        ((f"dataset.path={data}", "batch_size=8", "num_generations=4", "temperature=0"),
+                         "temperature=0.0 must be above 0"),
+                        ((f"dataset.path={data}", "batch_size=8", "num_generations=4",
+                          "rewards=[tests.grpo_helpers.broken_reward]"), "reward function broken_reward on the batch "
+                                                                        "starting with prompt")]:
+        r = run_recipe(*common, *args, module="recipes.grpo")
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (words, r.stderr[-2000:])
+
+
+@pytest.mark.slow
+def test_qlora_grpo_runs_the_same_on_one_process_and_two(setup, tmp_path):
+    """QLoRA: the adapters on an NF4 base (a checkpoint whose weights hold whole NF4 blocks), sampled and trained on
+    one process and on two FSDP2 shards: the same numbers, and a PEFT adapter written."""
+    _, data = setup
+    model = make_hf_checkpoint(tmp_path / "qlora-model", "llama", hidden=256, num_layers=2, intermediate=512)
+    qlora = ["method=lora", "lora.quantize_base=true", "lora.attn_modules=[q_proj,k_proj,v_proj,output_proj]",
+             "lora.apply_to_mlp=true", "beta=0.04"]
+    runs = {}
+    for flavor in ("cpu", "cpu-2"):
+        runs[flavor] = _ours(tmp_path, f"qlora-{flavor}", model, data, dict(loss_type="dapo"), *qlora,
+                             f"flavor={flavor}", "plan.replicate=false", lr=LORA_LR)
+    for one, two in zip(runs["cpu"], runs["cpu-2"], strict=True):
+        for key in ("loss", "grad_norm", "kl", "reward"):
+            assert abs(one[key] - two[key]) <= 1e-4 * abs(one[key]) + 1e-6, (one["step"], key, one[key], two[key])
+    assert (tmp_path / "qlora-cpu-2" / "adapter" / "adapter_config.json").is_file()

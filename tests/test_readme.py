@@ -57,7 +57,7 @@ def test_every_override_the_docs_write_composes_as_typed():
     for doc, span in spans:
         for args in _typed(span):
             errors = []
-            for recipe in ("full_finetune", "lora_finetune", "dpo", "generate", "plan", "export", "eval"):
+            for recipe in ("full_finetune", "lora_finetune", "dpo", "grpo", "generate", "plan", "export", "eval"):
                 try:
                     load_config(recipe, args)
                     break
@@ -100,7 +100,10 @@ def placeholders(tmp_path_factory) -> dict[str, str]:
     pairs = root / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": f"Question {i}?", "chosen": f" Answer {i}.", "rejected": " No."}) + "\n"
                              for i in range(40)))
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i} + 2 =", "answer": str(i + 2)}) + "\n" for i in range(40)))
     return {"/data/Qwen2.5-0.5B": made["qwen2"], "chats.jsonl": str(chats), "OUT/adapter": str(adapter),
+            "prompts.jsonl": str(prompts),
             "my_tasks": str(tasks), "[my_task]": "[quiz_mc]", "pairs.jsonl": str(pairs),
             "outputs/full_finetune/DATE/model": made["llama"], "OUT/model": made["llama"],
             **{f"DIR of {family}": folder for family, folder in made.items()}}
@@ -147,7 +150,8 @@ def test_the_readme_commands_run_as_typed(placeholders, tmp_path, monkeypatch, c
                 result = (0, output.out, output.err)
         else:
             module, args = argv[2], argv[3:]
-            if module in ("recipes.full_finetune", "recipes.lora_finetune", "recipes.dpo") and not {"--cfg", "--help"} & set(args):
+            if module in ("recipes.full_finetune", "recipes.lora_finetune", "recipes.dpo", "recipes.grpo") \
+                    and not {"--cfg", "--help"} & set(args):
                 try:
                     code = cli.main(["validate", module.split(".")[1], *args])
                 except SystemExit as e:

@@ -49,6 +49,9 @@ class TrainState:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: object  # an LR scheduler: state_dict() and load_state_dict()
+    # What else a step changes, of the objective's own (recipes.grpo: the completions it trains on again next step):
+    # state_dict() on every rank (it may gather), the same global value on each; load_state_dict(). None: nothing.
+    objective: object = None
 
 
 def _trainable_state(model: nn.Module, optimizer) -> dict:
@@ -67,6 +70,7 @@ def save_checkpoint(out: Path, state: TrainState, meta: dict, *, world, keep: in
     if world.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
     trainable = _trainable_state(state.model, state.optimizer)
+    objective = state.objective.state_dict() if state.objective is not None else None  # every rank: it may gather
 
     def shards():  # every rank's part
         dcp.save(trainable, checkpoint_id=str(tmp))  # a failure on any rank is raised on every rank
@@ -76,7 +80,7 @@ def save_checkpoint(out: Path, state: TrainState, meta: dict, *, world, keep: in
 
     def complete():  # the main rank's, once every shard is on disk: the checkpoint becomes visible
         time.sleep(env.fault_save_delay())
-        torch.save({"scheduler": state.scheduler.state_dict()}, tmp / "train_state.pt")
+        torch.save({"scheduler": state.scheduler.state_dict(), "objective": objective}, tmp / "train_state.pt")
         files = {**shared_sums, **checksums(tmp, skip=tuple(shared_sums))}  # and train_state.pt
         about = {**meta, "world_size": world.world_size, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                  "files": dict(sorted(files.items()))}
@@ -153,7 +157,10 @@ def _load(path: Path, state: TrainState, world) -> dict:
         raise
     set_state_dict(state.model, state.optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optim"],
                    options=StateDictOptions(strict=False))
-    state.scheduler.load_state_dict(load_data(path / "train_state.pt")["scheduler"])
+    train_state = load_data(path / "train_state.pt")
+    state.scheduler.load_state_dict(train_state["scheduler"])
+    if state.objective is not None:
+        state.objective.load_state_dict(train_state.get("objective"))
     rng = path / f"rng-rank{world.rank}.pt"
     if rng.exists():  # a rank the saving run did not have keeps its own seed
         states = load_data(rng)

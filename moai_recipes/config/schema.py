@@ -244,6 +244,8 @@ class PlanConfig:
                                                         "stream (null: the planner decides)")
     tiled_mlp: Optional[bool] = setting(None, "each MLP computed over tiles of the sequence, its intermediate never "
                                               "whole, at the cost of its forward once more (null: the planner decides)")
+    generation_batch: Optional[int] = setting(None, "recipes.grpo: completions a device samples at once (its KV cache's "
+                                                    "rows; null: the planner decides)")
     optimizer_in_backward: Optional[bool] = setting(None, "each weight updated by AdamW as soon as its gradient of the "
                                                           "step is complete, the gradient freed at once: no step holds "
                                                           "all the gradients; needs optimizer.max_grad_norm=null (null: "

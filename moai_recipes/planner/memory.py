@@ -224,6 +224,9 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
                         dtype=dtype, lora=lora).peak / T if share.head else 0
     # The last layer stays gathered from its forward (parallel.shard_model); in the backward each layer
     # is gathered with the next one (prefetch), but the first has no next.
+    from moai_recipes.planner.rollouts import rollout_bytes  # it counts in DTYPE_BYTES, from here
+
+    rollout = rollout_bytes(plan, work) if work.rollout is not None and plan.generation_batch else None
     phases = {
         "loss backward": dict(gathered=root_gathered + layers_gathered(1) + output_grad, grads=earlier_grads,
                               activations=retained, logits=logits),
@@ -237,12 +240,16 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
         "optimizer step": dict(gathered=0, grads=sharded_grads, logits=0,
                                activations=0 if cpu_offload else trainable * OPTIMIZER_TEMPORARY[device_kind] / n)
         if not plan.optimizer_in_backward else dict(gathered=0, grads=0, logits=0, activations=0),
+        # recipes.grpo's sampling (planner/rollouts.py): the chunk's KV cache and logits, the layers gathered as in a
+        # forward, no gradient yet.
+        **({"generation": dict(gathered=root_gathered + layers_gathered(2), grads=0, activations=rollout[0],
+                               logits=rollout[1])} if rollout else {}),
         # A replica sums its gradients over the processes through one flat copy of them (train/parallel.py).
         "gradients all-reduced": dict(gathered=0, grads=sharded_grads * 2 if plan.replicate else 0, logits=0,
                                       activations=0),
     }
     for name, parts in phases.items():
-        if name != "optimizer step":  # its temporaries are counted, not traced
+        if name not in ("optimizer step", "generation"):  # their bytes are counted, not traced
             parts["activations"] *= traced_scale
             parts["logits"] *= traced_scale
     phase, peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))

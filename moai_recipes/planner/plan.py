@@ -10,6 +10,18 @@ from moai_recipes.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
+class Rollout:
+    """recipes.grpo's generation phase, which the planner prices beside training: each step's completions sampled
+    (once every `num_iterations` steps), up to `completion_length` tokens after their prompts (the data's lengths are
+    a prompt and completion_length each), then `extra_passes` forwards over them (the sampling policy's
+    log-probabilities when num_iterations > 1, the reference's when beta > 0)."""
+
+    completion_length: int
+    extra_passes: int = 0
+    num_iterations: int = 1
+
+
+@dataclass(frozen=True)
 class Workload:
     """A model (with its LoRA adapters, if any) trained on global batches of `batch_size` sequences of up to
     `seq_len` tokens, in the compute dtype the user asked for (auto: bf16 on GPUs, fp32 on the CPU)."""
@@ -27,6 +39,7 @@ class Workload:
     # each step; "cached", its log-probabilities computed in a first pass over the data; "none" (fine-tuning).
     reference: str = "none"
     clips: bool = True  # gradients clipped to a total norm (optimizer.max_grad_norm): then no optimizer in the backward
+    rollout: Rollout | None = None  # recipes.grpo: the completions sampled before training on them
 
     @cached_property
     def sizes(self):
@@ -116,6 +129,8 @@ class Plan:
     # at once (train/optimizer_in_backward.py): no clipping, and every gradient on this device's own model (no
     # pipeline, replicas or offloaded state).
     optimizer_in_backward: bool = False
+    # recipes.grpo: completions a device samples at once (its KV cache's rows); 0: no generation phase.
+    generation_batch: int = 0
 
     def __post_init__(self):
         assert self.num_devices % (self.tensor_parallel * self.pipeline_stages) == 0, self
@@ -254,7 +269,8 @@ class Plan:
                 f"{'compiled' if self.compile else 'eager'} layers"
                 + (", activations offloaded to the host" if self.offload_activations else "")
                 + (f", MLP in {self.tiled_mlp} tiles" if self.tiled_mlp else "")
-                + (", optimizer in the backward" if self.optimizer_in_backward else ""))
+                + (", optimizer in the backward" if self.optimizer_in_backward else "")
+                + (f", {self.generation_batch} completions sampled at once" if self.generation_batch else ""))
 
     def layout(self) -> str:
         """The reference's words for the mesh: `num_stages : 2 (1f1b), TP 2, DP 4` (and `EP 2` where the experts are

@@ -20,6 +20,7 @@ from moai_recipes.models.tiled_mlp import mlp_tiles
 from moai_recipes.planner.activations import FEWEST_TILES
 from moai_recipes.planner.layouts import layouts, why_not_tiled_mlp
 from moai_recipes.planner.plan import Plan, Workload
+from moai_recipes.planner.rollouts import rollout_bytes
 from moai_recipes.planner.flops import ModelFlops
 from moai_recipes.planner.timing import TimeEstimate, device_speed, predict_time
 
@@ -41,10 +42,12 @@ class Candidate:
     fits: bool  # on the devices and in the host memory of a node
     host: HostMemory | None = None  # GPU flavors: a node's host memory (the CPU's is its device memory)
     mfu: float = 0.0  # predicted: a mean step's model FLOPs over its predicted time at the devices' peak
+    kv_cache: int = 0  # recipes.grpo: bytes of the KV cache a device samples with (planner/rollouts.py)
 
     def as_dict(self) -> dict:
         host = {"predicted_host_bytes_per_node": self.host.total, "host": self.host.as_dict()} if self.host else {}
         return {**self.plan.as_dict(), "fits": self.fits, "predicted_peak_bytes": self.memory.total,
+                "predicted_kv_cache_bytes": self.kv_cache,
                 "predicted_step_s": self.time.total_s, "predicted_mfu": self.mfu, "memory": self.memory.as_dict(), "time": self.time.as_dict(),
                 **host}
 
@@ -348,18 +351,36 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
                     param_dtype=compute, master_dtype=master, optimizer_states=states,
                     attention_length=work.spec.attention_length,
                     row_sizes=ROW_SIZES_PER_DOUBLING.get((flavor.device.kind, compute), 0), **o)
+        if work.rollout is not None:
+            plan = _generation_batch(plan, work, flavor, budget, forced)
         memory = predict_memory(plan, work, flavor.device.kind, traced_scale=scales.get(calibration.MEMORY, 1.0))
         time = predict_time(plan, work, flavor.device, scales=scales)
         host = predict_host_memory(plan, work, flavor.processes_per_node) if flavor.device.kind == "gpu" else None
         fits = memory.total <= budget and (host is None or host.total <= host_budget)
         mfu, _ = flops.of_totals(tokens, pairs, recompute=plan.recompute).utilisation(
             time.total_s, peak, n)
-        candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=fits, host=host, mfu=mfu))
+        kv = rollout_bytes(plan, work)[0] if plan.generation_batch else 0
+        candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=fits, host=host, mfu=mfu, kv_cache=kv))
         if not o["tiled_mlp"]:
             whole_mlp[_twin(o)] = candidates[-1]
         if until_fit and fits:
             break
     return candidates, budget
+
+
+def _generation_batch(plan: Plan, work: Workload, flavor: Flavor, budget: int, forced: dict) -> Plan:
+    """recipes.grpo: the plan sampling as many completions at once as fit beside its training (fewer chunks: each
+    decode step reads the weights once for all its rows), a power of two up to a device's completions; the forced
+    one (plan.generation_batch), else at least one."""
+    most = plan.batch_per_device
+    if forced.get("generation_batch"):
+        return replace(plan, generation_batch=min(forced["generation_batch"], most))
+    sizes = sorted({min(2**k, most) for k in range(most.bit_length() + 1)}, reverse=True)
+    for size in sizes:
+        candidate = replace(plan, generation_batch=size)
+        if predict_memory(candidate, work, flavor.device.kind).total <= budget:
+            return candidate
+    return replace(plan, generation_batch=1)
 
 
 def _twin(option: dict) -> tuple:

@@ -23,6 +23,7 @@ from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
 from moai_recipes.planner.layouts import device_shares, stage_costs
 from moai_recipes.planner.memory import DTYPE_BYTES, STATE_BYTES
 from moai_recipes.planner.plan import Plan, Workload
+from moai_recipes.planner.rollouts import Speed, rollout_seconds
 
 # Share of the peak FLOP/s that large micro-batches reach, and the micro-batch (tokens) at which half of
 # that is reached. GPU figures are typical of FSDP training; the CPU's fitted with bench/planner_accuracy.py.
@@ -94,7 +95,7 @@ NF4_VALUE_S = {"cpu": 5e-9, "gpu": 2e-11}
 # The parts of a step the model adds up, each in seconds under the constants above. A machine's calibration
 # (planner/calibration.py, `moai calibrate`) scales each by what its own runs measured.
 TERMS = ("matmul", "memory", "dispatch", "parameters", "dequantize", "collectives", "transfer", "offload", "tensor",
-         "pipeline", "experts", "context", "activations")
+         "pipeline", "experts", "context", "activations", "rollout")
 # Tensor parallelism's collectives sit on the compute's path (a layer waits for its input's all-gather): never
 # hidden. Per collective a fixed cost beside its bytes: on a GPU a launch and NCCL's latency inside a node, on the
 # CPU gloo's round trip and DTensor's dispatch (estimates; bench/layouts.py measures them).
@@ -166,7 +167,8 @@ def combine(terms: dict, kind: str, scales: dict | None = None, maximum=max) -> 
     exposed = maximum(comm - overlap * compute, comm * (1 - overlap))
     # Tensor-parallel collectives, the pipeline's bubble and sends, the experts' and the context's exchanges wait on
     # the compute's path: all exposed.
-    blocking = t["tensor"] + t["pipeline"] + t["experts"] + t["context"]
+    # recipes.grpo's sampling (planner/rollouts.py) runs before the training phase: in turn.
+    blocking = t["tensor"] + t["pipeline"] + t["experts"] + t["context"] + t["rollout"]
     # Offloaded activations travel on their own stream while the layers compute: what takes longer than the compute.
     offload = t["offload"] + maximum(t["activations"] - compute, 0 * compute)
     return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": exposed, "offload_s": offload,
@@ -378,4 +380,11 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
                 terms[k] += v
         else:
             once_s += combine(forward, kind, scales)["total_s"] * len(work.lengths or (0,)) / work.batch_size
+    if work.rollout is not None and plan.generation_batch:
+        # recipes.grpo: each round's sampling, and its forwards over the completions (the sampling policy's and the
+        # reference's log-probabilities: a third of a training step's compute each), spread over num_iterations.
+        speed = Speed(kind, peak, memory_speed, lambda m: top * m / (m + half), PER_OP_S[kind])
+        terms["rollout"] = rollout_seconds(plan, work, speed)
+        passes = work.rollout.extra_passes / work.rollout.num_iterations
+        terms["rollout"] += passes * (terms["matmul"] + terms["memory"] + terms["dispatch"]) / 3
     return TimeEstimate(terms=terms, kind=kind, scales=dict(scales or {}), once_s=once_s)

@@ -26,6 +26,7 @@ from moai_recipes.models.hf_format import save_weights
 from moai_recipes.models.lora import gather_adapters, merge_into, save_adapter
 from moai_recipes.models.sources import base_model_name
 from moai_recipes.planner.search import choose_plan
+from moai_recipes.train.answers import Answers
 from moai_recipes.train.grpo_step import GRPOObjective
 from moai_recipes.train.loop import LoopSettings, train_loop
 from moai_recipes.train.metrics_log import MetricsLog
@@ -81,20 +82,33 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     elif loss.beta:
         reference.model = build_policy(inputs, plan, world, lora=None, seed=cfg.seed, frozen=True).eval()
 
-    # 5. The optimizer over what trains, then the loop with the GRPO objective.
-    optimizer = build_optimizer(trainable, cfg.optimizer, plan)
-    state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.optimizer, total_steps=inputs.total_steps))
-    process = prepare_process(plan, work, flavor, world)
-    log = MetricsLog.start(cfg, inputs, choice) if world.is_main else None
+    # 5. The optimizer over what trains, then the loop with the GRPO objective (its kept completions are part of a
+    #    step checkpoint: a run resumed mid-round trains on what it sampled).
     objective = GRPOObjective(loss=loss, sampling=sampling, rewards=rewards, num_generations=cfg.num_generations,
                               num_iterations=cfg.num_iterations, scale_rewards=str(cfg.scale_rewards),
                               mask_truncated_completions=cfg.mask_truncated_completions, seed=cfg.seed,
                               tokenizer=inputs.tokenizer, reference=reference, max_length=cfg.max_seq_len,
                               completions_hook=_test_completions())
+    optimizer = build_optimizer(trainable, cfg.optimizer, plan)
+    state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.optimizer, total_steps=inputs.total_steps),
+                       objective=objective)
+    process = prepare_process(plan, work, flavor, world)
+    log = MetricsLog.start(cfg, inputs, choice) if world.is_main else None
+    answers = Answers.for_run(cfg, inputs.tokenizer, plan=plan, device=world.device)
+    answers.take_before(model)
     result = train_loop(state, inputs, choice, LoopSettings.from_config(cfg, process, objective), world, log)
     if log and result.measured:
         report_accuracy(result.choice, result.measured, work=work, model_name=inputs.model_name,
                         device_kind=flavor.device.kind, log=log)
+    # A round's sampling and scoring against planner/rollouts.py's (which spreads it over the round's steps); on the
+    # CPU the first two steps follow their tensors (train/peak_memory.py), slower: the later rounds, where there are.
+    say("\n".join(answers.report_after(model)))
+    rounds = [s for step, s in objective.sampled_s if step > 2] or [s for _, s in objective.sampled_s]
+    if rounds:
+        predicted, measured = result.choice.chosen.time.terms["rollout"] * cfg.num_iterations, sorted(rounds)[len(rounds) // 2]
+        say(f"Sampling a round: predicted {predicted:.3g} s, measured {measured:.3g} s (the median of {len(rounds)} "
+            f"round(s), {100 * (predicted / measured - 1):+.1f}%); KV cache predicted {result.choice.chosen.kv_cache:,} "
+            "bytes")
 
     # 6. Saved as the fine-tuning recipes save: model/ (full); adapter/ and, with save_merged, model/ (LoRA).
     if log:

@@ -165,3 +165,8 @@ def _check_inputs(recipe: str, cfg) -> Iterator[str]:
     flavor = resolve_flavor(**cfg.flavor)
     yield f"Flavor {flavor.describe()}"
     yield from read_inputs(cfg, flavor, dry=True, output=recipe != "plan").describe(cfg)
+    if recipe == "grpo":  # the reward functions import as the run will import them
+        from moai_recipes.train.rewards import Rewards
+
+        rewards = Rewards.named(list(cfg.rewards), list(cfg.reward_weights) if cfg.reward_weights is not None else None)
+        yield f"Rewards: {', '.join(rewards.names)}"

@@ -14,15 +14,17 @@ rewards/<fn>/mean, frac_reward_zero_std, kl, entropy, clip_ratio/*, completions/
 """
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from moai_recipes.models.grpo_loss import GRPOLoss, advantages, loss_sum, nanstd, normaliser, token_terms
 from moai_recipes.models.loss import IGNORE_INDEX
 from moai_recipes.planner.plan import Plan
-from moai_recipes.train.micro_batches import model_inputs
+from moai_recipes.train.micro_batches import micro_batch_shapes, model_inputs
 from moai_recipes.train.mixed_precision import in_compute_dtype
 from moai_recipes.train.optim import clip_gradients
 from moai_recipes.train.parallel import all_reduce_gradients
@@ -64,17 +66,25 @@ class GRPOObjective:
     completions_hook: object = None  # tests: fn(prompt ids, seeds) -> completions, in place of sampling
     rollouts: Rollouts | None = None
     step_number: int = 0  # the step about to run (1 first; set by the loop)
+    restored: dict | None = None  # a checkpoint's round of completions, every rank's (load_state_dict)
+    sampled_s: list = field(default_factory=list)  # (step, seconds to sample and score) of each generating step
 
     def step(self, state, micro_batches: list[list[dict] | None], *, plan: Plan, world: World, settings, pad_id: int):
         from moai_recipes.train.loop import StepResult, _all_reduce
 
         step = self.step_number
         round_ = (step - 1) // self.num_iterations
+        clock = {"generate": 0.0, "score": 0.0}
         if self.rollouts is None or self.rollouts.round != round_:
             prompts = [s for micro in micro_batches if micro for s in micro]
-            self.rollouts = self._generate(state.model, prompts, round_, plan=plan, world=world, pad_id=pad_id,
-                                           step=step)
+            if self.restored is not None and self.restored["round"] == round_:  # resumed mid-round: as saved
+                self.rollouts = _mine(self.restored, prompts)
+            else:
+                self.rollouts = self._generate(state.model, prompts, round_, plan=plan, world=world, pad_id=pad_id,
+                                               step=step, clock=clock)
+            self.restored = None
         r = self.rollouts
+        start = time.perf_counter()
         scale = plan.shards / normaliser(self.loss, completions=r.completions, tokens=r.loss_tokens)
         # Each rank runs as many micro-batches as the busiest (FSDP2's collectives).
         groups = plan.micro_batches([len(row["tokens"]) for row in r.rows]) if r.rows else []
@@ -108,7 +118,10 @@ class GRPOObjective:
             state.optimizer.step()
         state.optimizer.zero_grad(set_to_none=True)
         tokens = max(total[1], 1)
-        extra = {**r.metrics, "entropy": total[2] / tokens, "clip_ratio/low_mean": total[3] / tokens,
+        clock["train"] = time.perf_counter() - start
+        if clock["generate"]:
+            self.sampled_s.append((step, clock["generate"] + clock["score"]))
+        extra = {**r.metrics, **{f"time/{k}": v for k, v in clock.items()}, "entropy": total[2] / tokens, "clip_ratio/low_mean": total[3] / tokens,
                  "clip_ratio/high_mean": total[4] / tokens, "clip_ratio/region_mean": total[5] / tokens,
                  "clip_ratio/low_min": min(lows, default=0.0), "clip_ratio/high_max": max(highs, default=0.0)}
         if self.loss.beta != 0.0:
@@ -116,17 +129,50 @@ class GRPOObjective:
         return StepResult(loss=loss, tokens=int(r.metrics["tokens"]), target_tokens=int(total[1]),
                           grad_norm=grad_norm, finite=finite, extra=extra)
 
+    def micro_batch_shapes(self, plan: Plan, prompts: list[dict]) -> list[tuple[int, int, int]]:
+        """The shapes of the micro-batches a step trains (train/micro_batches.micro_batch_shapes), of its completions
+        at their longest (a prompt and max_completion_length tokens each): what its measured peak is compared at."""
+        rows = [{"tokens": [0] * (len(p["tokens"]) + self.sampling.max_completion_length)}
+                for p in prompts for _ in range(self.num_generations)]
+        return micro_batch_shapes(plan, rows)
+
+    def state_dict(self) -> dict | None:
+        """The round of completions being trained on, every rank's (a checkpoint resumes mid-round with them, on any
+        flavor: each rank then takes its prompts' rows). Every rank calls it (a gather)."""
+        if self.rollouts is None:
+            return None
+        r = self.rollouts
+        rows = [{**row, "advantage": float(r.advantages[i]), "old": r.old[i] if r.old is not None else None,
+                 "ref": r.ref[i] if r.ref is not None else None} for i, row in enumerate(r.rows)]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, rows)
+            rows = [row for part in everyone for row in part]
+        return {"round": r.round, "completions": r.completions, "loss_tokens": r.loss_tokens, "metrics": r.metrics,
+                "rows": rows}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.restored = state
+
     def _generate(self, model, prompts: list[dict], round_: int, *, plan: Plan, world: World, pad_id: int,
-                  step: int) -> Rollouts:
+                  step: int, clock: dict) -> Rollouts:
         """This rank's completions of its prompts, their rewards and advantages (from every rank's rewards)."""
         G = self.num_generations
+        start = time.perf_counter()
         ids = [p["tokens"] for p in prompts for _ in range(G)]
         seeds = [completion_seed(self.seed, round_, p["index"], g) for p in prompts for g in range(G)]
+        cache_bytes = 0
         if self.completions_hook is not None:
             completions = self.completions_hook(ids, seeds)
         else:
             sampler = Sampler(self.sampling, tuple(self.tokenizer.stop_ids), pad_id, plan, world.device, self.max_length)
-            completions = sampler.complete(model, ids, seeds)
+            # Outside the CPU's memory tracking (train/peak_memory.py, its first steps): it would follow each of the
+            # decode steps' thousands of small operators. The KV cache is checked against the plan instead.
+            with _disable_current_modes():
+                samples = sampler.complete(model, ids, seeds)
+            completions, cache_bytes = samples.completions, samples.kv_cache_bytes
+        clock["generate"] = time.perf_counter() - start
+        start = time.perf_counter()
         ends = set(self.tokenizer.stop_ids) | {pad_id}
         truncated = [not c or c[-1] not in ends for c in completions]
         texts = [self.tokenizer.decode(c) for c in completions]
@@ -152,11 +198,12 @@ class GRPOObjective:
         cut = torch.tensor([t for e in everyone for t in e[2]])
         prompt_tokens = sum(n for e in everyone for n in e[3])
         rows = []
-        for prompt_ids, completion, was_cut in zip(ids, completions, truncated):
+        owners = [p["index"] for p in prompts for _ in range(G)]
+        for prompt_ids, completion, was_cut, owner in zip(ids, completions, truncated, owners):
             masked = was_cut and self.mask_truncated_completions
             labels = [IGNORE_INDEX] * (len(prompt_ids) - 1) + ([IGNORE_INDEX] * len(completion) if masked
                                                               else list(completion)) + [IGNORE_INDEX]
-            rows.append({"tokens": list(prompt_ids) + list(completion), "labels": labels})
+            rows.append({"tokens": list(prompt_ids) + list(completion), "labels": labels, "prompt_index": owner})
         loss_tokens = int(sum(0 if (t and self.mask_truncated_completions) else n for n, t in
                               zip(lengths.long().tolist(), cut.tolist())))
         ended = lengths[~cut] if (~cut).any() else torch.zeros(1)
@@ -168,7 +215,7 @@ class GRPOObjective:
                    "completions/mean_terminated_length": float(ended.mean()),
                    "completions/min_terminated_length": float(ended.min()),
                    "completions/max_terminated_length": float(ended.max()),
-                   "tokens": float(lengths.sum()) + prompt_tokens}
+                   "tokens": float(lengths.sum()) + prompt_tokens, "generation/kv_cache_bytes": cache_bytes}
         for j, name in enumerate(self.rewards.names):
             metrics[f"rewards/{name}/mean"] = float(torch.nanmean(per_function[:, j]))
             metrics[f"rewards/{name}/std"] = float(nanstd(per_function[:, j]))
@@ -178,6 +225,7 @@ class GRPOObjective:
             out.old = self._logps(model, out.rows, plan=plan, world=world, pad_id=pad_id, reference=False)
         if self.loss.beta != 0.0:
             out.ref = self._logps(model, out.rows, plan=plan, world=world, pad_id=pad_id, reference=True)
+        clock["score"] = time.perf_counter() - start
         return out
 
     @torch.no_grad()
@@ -203,6 +251,20 @@ class GRPOObjective:
                 for j, i in enumerate(groups[k]):
                     out[i] = logps[row_of == j]
         return out
+
+
+def _mine(saved: dict, prompts: list[dict]) -> Rollouts:
+    """This rank's rows of a saved round: its prompts' completions, in its prompts' order."""
+    by_prompt: dict[int, list[dict]] = {}
+    for row in saved["rows"]:
+        by_prompt.setdefault(row["prompt_index"], []).append(row)
+    rows = [row for p in prompts for row in by_prompt.get(p["index"], [])]
+    old = [row["old"] for row in rows] if rows and rows[0]["old"] is not None else None
+    ref = [row["ref"] for row in rows] if rows and rows[0]["ref"] is not None else None
+    kept = [{k: row[k] for k in ("tokens", "labels", "prompt_index")} for row in rows]
+    return Rollouts(round=saved["round"], rows=kept, advantages=torch.tensor([row["advantage"] for row in rows]),
+                    completions=saved["completions"], loss_tokens=saved["loss_tokens"], metrics=saved["metrics"],
+                    old=old, ref=ref)
 
 
 class _nothing:

@@ -288,7 +288,10 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                 time.sleep(settings.fault_step_delay)
             samples = batches.samples(step)
             traced = meter.tracked and meter.counts and world.device.type == "cpu"
-            shapes = micro_batch_shapes(runner.plan, samples) if meter.tracked else None
+            shapes = None
+            if meter.tracked:  # what the step's micro-batches are (GRPO's: its completions, not its prompts)
+                shapes = (settings.objective.micro_batch_shapes(runner.plan, samples)
+                          if hasattr(settings.objective, "micro_batch_shapes") else micro_batch_shapes(runner.plan, samples))
             with profiler.step(done), StepTimer(world.device) as timer, \
                     meter.step(state.model, state.optimizer, shapes):
                 step_fn = train_step

@@ -20,7 +20,8 @@ from moai_recipes.files import room_for
 
 # What an objective measured that the step line shows beside the loss: DPO's margin and accuracy, GRPO's reward, its
 # spread, the KL to the reference and the completions' length (the rest: metrics.jsonl, W&B).
-LINE_METRICS = ("rewards/margins", "rewards/accuracies", "reward", "reward_std", "kl", "completions/mean_length")
+LINE_METRICS = ("rewards/margins", "rewards/accuracies", "reward", "reward_std", "kl", "completions/mean_length",
+                "time/generate", "time/score", "time/train")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ plan laid it out (FSDP2 shards included), each completion seeded by itself.
 A completion's random stream is seeded from (the run's seed, the generation round, the prompt's place in the
 dataset, which of its completions it is), never from the process: the same step samples the same completions on one
 process or eight (given the same weights), and a resumed run samples what the uninterrupted run sampled. Sampling
-is transformers' order: logits / temperature, then top-k, then top-p, then a draw.
+is transformers' order: logits / temperature, then top-k, then top-p, then a draw (inverse transform sampling, one
+uniform number a completion and token).
 
 Every rank runs the same number of forward passes (FSDP2's gathers are collectives): a rank whose completions have
 all ended keeps stepping with its rows masked until every rank's have ended or `max_completion_length` is reached.
@@ -71,9 +72,25 @@ class Sampler:
     max_length: int
 
     @torch.no_grad()
-    def complete(self, model: nn.Module, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+    def complete(self, model: nn.Module, prompts: list[list[int]], seeds: list[int]) -> "Samples":
         """One completion of each prompt (a prompt repeated G times gives G), each drawn from its own seeded stream;
-        a completion is cut after its first stop token (kept) or at max_completion_length tokens."""
+        a completion is cut after its first stop token (kept) or at max_completion_length tokens. In chunks of the
+        plan's generation_batch, as many on every rank."""
+        size = max(self.plan.generation_batch, 1)
+        chunks = -(-len(prompts) // size)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([chunks], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            chunks = int(t[0])
+        out, cache = [], 0
+        for k in range(max(chunks, 1)):
+            part = slice(k * size, (k + 1) * size)
+            completions, cache_bytes = self._chunk(model, prompts[part], seeds[part])
+            out += completions
+            cache = max(cache, cache_bytes)
+        return Samples(out, cache)
+
+    def _chunk(self, model: nn.Module, prompts: list[list[int]], seeds: list[int]) -> tuple[list[list[int]], int]:
         from torchtune.generation import get_causal_mask_from_padding_mask, get_position_ids_from_padding_mask
         from torchtune.modules.common_utils import local_kv_cache
 
@@ -102,6 +119,8 @@ class Sampler:
             with in_compute_dtype(model, self.plan), local_kv_cache(model, batch_size=tokens.size(0), device=device,
                                                                     dtype=getattr(torch, self.plan.param_dtype),
                                                                     decoder_max_seq_len=total):
+                cache_bytes = sum(b.numel() * b.element_size() for name, b in model.named_buffers()
+                                  if name.endswith(("kv_cache.k_cache", "kv_cache.v_cache")))
                 logits = _last(model(tokens, mask=masks, input_pos=positions[:, :width]))
                 for t in range(new):
                     nxt = _draw(filtered_logits(logits, settings), generators, rows)
@@ -118,7 +137,13 @@ class Sampler:
                     logits = _last(model(nxt.unsqueeze(1), mask=step_mask, input_pos=positions[:, pos:pos + 1]))
         finally:
             model.train(was_training)
-        return out
+        return out, cache_bytes
+
+
+@dataclass(frozen=True)
+class Samples:
+    completions: list[list[int]]
+    kv_cache_bytes: int  # the KV caches one chunk held (the largest chunk's): what the planner predicts
 
 
 def _last(logits) -> torch.Tensor:
@@ -127,12 +152,16 @@ def _last(logits) -> torch.Tensor:
 
 
 def _draw(z: torch.Tensor, generators: list[torch.Generator], rows: int) -> torch.Tensor:
-    """A token per row from softmax(z), each row from its own stream (an exponential race: argmax p / e)."""
-    probs = torch.softmax(z, dim=-1)
-    noise = torch.ones_like(probs)
+    """A token per row from softmax(z), each row from its own stream: one uniform number a row, through the row's
+    cumulative distribution (inverse transform sampling: exact, and a draw per row, not per vocabulary entry)."""
+    probs = torch.softmax(z, dim=-1, dtype=torch.float64)
+    u = torch.ones(probs.size(0), 1, dtype=torch.float64, device=probs.device)
     for i in range(rows):
-        noise[i].exponential_(1, generator=generators[i])
-    return (probs / noise).argmax(dim=-1)
+        u[i, 0] = torch.rand((), dtype=torch.float64, generator=generators[i], device=probs.device)
+    cdf = probs.cumsum(dim=-1)
+    chosen = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
+    # u * total < total, so a token is always found; a token of probability 0 is never the first whose cdf reaches it
+    return chosen.clamp(max=probs.size(-1) - 1)
 
 
 def _longest(longest: int, device: torch.device) -> int:

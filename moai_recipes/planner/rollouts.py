@@ -1,0 +1,89 @@
+"""recipes.grpo's generation phase, priced beside training: the KV cache a device holds while it samples
+`Plan.generation_batch` completions at once, the logits beside it, and the seconds of the prefill, the decode steps
+and the forwards over the completions that follow (the sampling policy's and the reference's log-probabilities).
+
+A decode step computes `generation_batch` tokens: its matmuls run at the efficiency of so few rows, and it reads every
+weight and the cache once more, so a step costs about max(FLOPs at that efficiency, bytes at the bandwidth) and its
+operators' dispatch, whatever the rows; a larger batch shares that cost, at the price of a larger cache (the planner
+takes the largest that fits: search._generation_batch). Every rank samples in chunks of the same count (FSDP2's
+gathers are collectives), each chunk to the longest prompt plus max_completion_length.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from moai_recipes.planner.memory import DTYPE_BYTES
+from moai_recipes.planner.plan import Plan, Workload
+
+# A decode step on the CPU (its forward with the KV cache, fp32, 2 threads, measured: SmolLM2-135M 39.0, 73.8 and
+# 148.4 ms for 1, 16 and 64 rows with 32 positions cached, 540.6 ms for 64 rows with 128): a fixed part, its weights
+# read once (at the bandwidth) and its operators dispatched (torchtune's attention with its cache: DECODE_OPS_PER_LAYER
+# a layer, HEAD_OPS for the norm, the output and the sampling), and per row its matmuls (at the training's efficiency
+# for that many rows) and its attention over the cache, which grows with the square of the cached positions on this
+# CPU (CACHE_SQUARED_S a layer: the four points within 2%; the tiny model's 3.6 and 16.1 ms for 64 rows at 32 and 128
+# positions: 0% and +80%). The GPUs' are estimates.
+DECODE_OPS_PER_LAYER = 200
+HEAD_OPS = 300
+CACHE_SQUARED_S = {"cpu": 13e-9, "gpu": 1e-11}
+# Per completion and decode step, the draw: a softmax and a cumulative sum over the vocabulary in fp64
+# (train/rollouts.py), and the sampler's Python for the row.
+DRAW_VALUE_S = {"cpu": 1.5e-9, "gpu": 2e-12}
+ROW_STEP_S = {"cpu": 10e-6, "gpu": 10e-6}
+
+
+def kv_cache_bytes(work: Workload, rows: int, tokens: int, dtype: str) -> int:
+    """torchtune's KV caches for `rows` sequences of `tokens` positions: keys and values of every layer."""
+    spec = work.spec
+    return 2 * spec.num_layers * rows * spec.num_kv_heads * spec.head_dim * tokens * DTYPE_BYTES[dtype]
+
+
+def longest_prompt(work: Workload) -> int:
+    """The prompts' longest (a chunk pads to it), from the data's rows (prompt + max_completion_length each)."""
+    r = work.rollout
+    return max(1, max(work.lengths or (work.seq_len,)) - r.completion_length)
+
+
+def rollout_bytes(plan: Plan, work: Workload) -> tuple[int, int]:
+    """(the KV cache, the logits) a device holds at once while it samples: the cache of a chunk of
+    generation_batch completions, and the prefill's logits over the chunk's prompts (the model's output at every
+    position) in the compute dtype, with the last position's in fp32 three times over (scaled, filtered, drawn)."""
+    spec, rows = work.spec, plan.generation_batch
+    width = longest_prompt(work)
+    total = min(width + work.rollout.completion_length, work.seq_len)
+    logits = rows * width * spec.vocab_size * DTYPE_BYTES[plan.param_dtype] + 3 * rows * spec.vocab_size * 4
+    return kv_cache_bytes(work, rows, total, plan.param_dtype), logits
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A device as predict_time sees it: its kind, peak FLOP/s and usable bytes/s, the matmuls' share of the peak at a
+    number of rows (`efficiency(rows)`), and an operator's dispatch."""
+
+    kind: str
+    peak: float
+    bandwidth: float
+    efficiency: Callable[[float], float]
+    per_op_s: float
+
+
+def rollout_seconds(plan: Plan, work: Workload, speed: Speed) -> float:
+    """Seconds a step spends sampling (a round's, spread over its num_iterations steps): each chunk's prefill (the
+    training's efficiency at its tokens, `efficiency(tokens)`) and its decode steps (above), every completion run to
+    max_completion_length."""
+    spec, r = work.spec, work.rollout
+    peak, efficiency, kind = speed.peak, speed.efficiency, speed.kind
+    rows = plan.batch_per_device  # completions a device samples in a round
+    chunks = math.ceil(rows / max(plan.generation_batch, 1))
+    batch = min(plan.generation_batch, rows)
+    width = longest_prompt(work)
+    embedding = spec.vocab_size * spec.embed_dim
+    # FLOPs a token's forward takes: its weights' products, the output projection's included, the lookup not.
+    matmul = 2 * (spec.num_params(active=True) - embedding * (1 if spec.tie_word_embeddings else 2) + embedding)
+    fixed = spec.num_params() * DTYPE_BYTES[plan.param_dtype] / speed.bandwidth + \
+        (spec.num_layers * DECODE_OPS_PER_LAYER + HEAD_OPS) * speed.per_op_s
+    prefill = matmul * batch * width / (peak * efficiency(batch * width)) + fixed
+    cached = min(width + r.completion_length, work.seq_len)  # the cache's positions (train/rollouts.py)
+    per_row = (matmul / (peak * efficiency(batch)) + spec.num_layers * cached ** 2 * CACHE_SQUARED_S[kind]
+               + spec.vocab_size * DRAW_VALUE_S[kind] + ROW_STEP_S[kind])
+    return chunks * (prefill + r.completion_length * (fixed + batch * per_row)) / r.num_iterations
