@@ -36,6 +36,10 @@ REWARDS = ["tests.grpo_helpers.length_reward", "tests.grpo_helpers.column_reward
 WEIGHTS = [1.0, 0.5]
 
 
+def _chat(prompt: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo")
@@ -44,6 +48,14 @@ def setup(tmp_path_factory):
     data = root / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "target": t}) + "\n" for p, t in zip(PROMPTS, TARGETS)))
     return model, data
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> Path:
+    """The prompts as TRL's conversational rows: one user turn each, the chat template applied by both."""
+    data = tmp_path_factory.mktemp("grpo-chat") / "chats.jsonl"
+    data.write_text("".join(json.dumps({"prompt": _chat(p), "target": t}) + "\n" for p, t in zip(PROMPTS, TARGETS)))
+    return data
 
 
 def _ours(tmp_path: Path, name: str, model: Path, data: Path, case: dict, *extra, lr: float = LR) -> list[dict]:
@@ -62,7 +74,7 @@ def _ours(tmp_path: Path, name: str, model: Path, data: Path, case: dict, *extra
     return rows
 
 
-def _trl(tmp_path: Path, model, tokenizer_dir: Path, case: dict, *, lr: float = LR) -> list[dict]:
+def _trl(tmp_path: Path, model, tokenizer_dir: Path, case: dict, *, lr: float = LR, chat: bool = False) -> list[dict]:
     import trl.trainer.grpo_trainer as grpo_trainer
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -76,7 +88,8 @@ def _trl(tmp_path: Path, model, tokenizer_dir: Path, case: dict, *, lr: float = 
                       gradient_checkpointing=False, reward_weights=WEIGHTS, **case)
     rewards = [helpers.length_reward, helpers.column_reward]
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, processing_class=AutoTokenizer.from_pretrained(
-        tokenizer_dir), train_dataset=Dataset.from_dict({"prompt": PROMPTS, "target": TARGETS}))
+        tokenizer_dir), train_dataset=Dataset.from_dict({"prompt": [_chat(p) for p in PROMPTS] if chat else PROMPTS,
+                                                         "target": TARGETS}))
     # The same completions as ours (in place of sampling); the generation batch kept in its order (TRL shuffles it
     # with the global RNG: the micro-batch is the whole batch here, so only summation order would change).
     trainer._generate_single_turn = lambda prompt_ids, *a, **k: (fixed(prompt_ids), None)
@@ -228,3 +241,15 @@ def test_qlora_grpo_runs_the_same_on_one_process_and_two(setup, tmp_path):
         for key in ("loss", "grad_norm", "kl", "reward"):
             assert abs(one[key] - two[key]) <= 1e-4 * abs(one[key]) + 1e-6, (one["step"], key, one[key], two[key])
     assert (tmp_path / "qlora-cpu-2" / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_conversational_prompts_equal_trl_with_the_chat_template_applied(setup, chats, tmp_path):
+    import transformers
+
+    model, _ = setup
+    case = dict(loss_type="grpo", beta=0.04, num_iterations=1)
+    ours = _ours(tmp_path, "chat", model, chats, case)
+    theirs = _trl(tmp_path, transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), model, case,
+                  chat=True)
+    _same(ours, theirs, KEYS + ("kl",))

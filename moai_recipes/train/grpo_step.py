@@ -183,14 +183,13 @@ class GRPOObjective:
         scores = self.rewards.score(prompts=[p["prompt"] for p in prompts for _ in range(G)], completions=shown,
                                     completion_ids=completions, columns=columns, step=step - 1) if prompts else \
             torch.zeros((0, len(self.rewards.functions)))
-        # Every rank's rewards, lengths and truncation, in rank order: the global batch's groups are whole.
+        # Every rank's rewards, lengths and truncation, in rank order: the global batch's groups are whole. (A GRPO
+        # plan is data-parallel only: recipes/grpo.py keeps pipeline, tensor and context degrees at 1.)
         mine = (scores, [len(c) for c in completions], truncated, [len(p["tokens"]) for p in prompts for _ in range(G)])
         everyone = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
-            everyone = everyone[::max(1, dist.get_world_size() // world.size("data"))] if world.size("data") < \
-                dist.get_world_size() else everyone
         first = sum(len(e[1]) for e in everyone[:world.data_rank])
         per_function = torch.cat([e[0] for e in everyone])
         found = advantages(per_function, self.rewards.weights, group=G, scale=self.scale_rewards)
@@ -206,19 +205,8 @@ class GRPOObjective:
             rows.append({"tokens": list(prompt_ids) + list(completion), "labels": labels, "prompt_index": owner})
         loss_tokens = int(sum(0 if (t and self.mask_truncated_completions) else n for n, t in
                               zip(lengths.long().tolist(), cut.tolist())))
-        ended = lengths[~cut] if (~cut).any() else torch.zeros(1)
-        weighted = found.rewards
-        metrics = {"reward": float(torch.nanmean(weighted)), "reward_std": float(nanstd(weighted)),
-                   "frac_reward_zero_std": float(found.zero_std.float().mean()),
-                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-                   "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(cut.float().mean()),
-                   "completions/mean_terminated_length": float(ended.mean()),
-                   "completions/min_terminated_length": float(ended.min()),
-                   "completions/max_terminated_length": float(ended.max()),
-                   "tokens": float(lengths.sum()) + prompt_tokens, "generation/kv_cache_bytes": cache_bytes}
-        for j, name in enumerate(self.rewards.names):
-            metrics[f"rewards/{name}/mean"] = float(torch.nanmean(per_function[:, j]))
-            metrics[f"rewards/{name}/std"] = float(nanstd(per_function[:, j]))
+        metrics = _generation_metrics(found, per_function, lengths, cut, names=self.rewards.names)
+        metrics.update({"tokens": float(lengths.sum()) + prompt_tokens, "generation/kv_cache_bytes": cache_bytes})
         out = Rollouts(round=round_, rows=rows, advantages=found.values[first:first + len(rows)],
                        completions=len(lengths), loss_tokens=loss_tokens, metrics=metrics)
         if self.num_iterations > 1:
@@ -251,6 +239,24 @@ class GRPOObjective:
                 for j, i in enumerate(groups[k]):
                     out[i] = logps[row_of == j]
         return out
+
+
+def _generation_metrics(found, per_function: torch.Tensor, lengths: torch.Tensor, cut: torch.Tensor, *,
+                        names: tuple[str, ...]) -> dict:
+    """What TRL logs of a generation, over the global batch: the weighted reward's mean and spread, the share of
+    groups with nothing to learn, each function's rewards, the completions' lengths and how many were cut."""
+    ended = lengths[~cut] if (~cut).any() else torch.zeros(1)
+    metrics = {"reward": float(torch.nanmean(found.rewards)), "reward_std": float(nanstd(found.rewards)),
+               "frac_reward_zero_std": float(found.zero_std.float().mean()),
+               "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+               "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(cut.float().mean()),
+               "completions/mean_terminated_length": float(ended.mean()),
+               "completions/min_terminated_length": float(ended.min()),
+               "completions/max_terminated_length": float(ended.max())}
+    for j, name in enumerate(names):
+        metrics[f"rewards/{name}/mean"] = float(torch.nanmean(per_function[:, j]))
+        metrics[f"rewards/{name}/std"] = float(nanstd(per_function[:, j]))
+    return metrics
 
 
 def _mine(saved: dict, prompts: list[dict]) -> Rollouts:
