@@ -7,7 +7,7 @@
 # make demo-grpo: online RL (GRPO with LoRA) of the same model on additions, rewarded for the right sum and for the
 # number alone (204 s for its 24 steps on this 2-core machine).
 # make test: install with the test extras (about 7 minutes once, llama.cpp's build most of it), then run the test
-# suite (494 passed and 3 skipped in 11:48 on a fresh clone of a slower day's two cores; 9:48 to 10:11 for 479 on a
+# suite (514 passed and 3 skipped in 12:05 on a fresh clone on two cores, 2026-11-26; 9:48 to 10:11 for 479 on a
 # faster one; about 17 to 19 minutes in all).
 PYTHON ?= python3
 VENV ?= .venv

@@ -12,13 +12,16 @@ A step's completions, rewards, loss and gradients are those of its global batch,
 GRPOConfig names, so a TRL config reads across.
 """
 
+import importlib
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from moai_recipes import env
 from moai_recipes.checkpoint.steps import TrainState
+from moai_recipes.errors import UserError
 from moai_recipes.flavors import Flavor
 from moai_recipes.inputs import read_inputs
 from moai_recipes.models.grpo_loss import GRPOLoss
@@ -39,6 +42,7 @@ from moai_recipes.train.process import prepare_process
 from moai_recipes.train.rewards import Rewards
 from moai_recipes.train.rollouts import SamplingSettings
 from moai_recipes.train.world import World, decided_by_main
+
 
 def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     torch.manual_seed(cfg.seed)
@@ -129,10 +133,6 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
 
 def _test_completions():
     """MOAI_TEST_COMPLETIONS (env.py): tests give TRL and this recipe the same completions (tests/test_grpo.py)."""
-    import importlib
-
-    from moai_recipes import env
-
     path = env.test_completions()
     if not path:
         return None
@@ -142,8 +142,6 @@ def _test_completions():
 
 def _check(cfg: DictConfig) -> None:
     """The sampling settings a run cannot start with, refused by name before anything is read."""
-    from moai_recipes.errors import UserError
-
     if not cfg.temperature > 0:
         raise UserError(f"temperature={cfg.temperature} must be above 0: the log-probabilities trained on are "
                         "divided by it (as TRL's)")
