@@ -17,15 +17,17 @@ from moai_recipes.planner.memory import DTYPE_BYTES
 from moai_recipes.planner.plan import Plan, Workload
 
 # A decode step on the CPU (its forward with the KV cache, fp32, 2 threads, measured: SmolLM2-135M 39.0, 73.8 and
-# 148.4 ms for 1, 16 and 64 rows with 32 positions cached, 540.6 ms for 64 rows with 128): a fixed part, its weights
-# read once (at the bandwidth) and its operators dispatched (torchtune's attention with its cache: DECODE_OPS_PER_LAYER
-# a layer, HEAD_OPS for the norm, the output and the sampling), and per row its matmuls (at the training's efficiency
-# for that many rows) and its attention over the cache, which grows with the square of the cached positions on this
-# CPU (CACHE_SQUARED_S a layer: the four points within 2%; the tiny model's 3.6 and 16.1 ms for 64 rows at 32 and 128
-# positions: 0% and +80%). The GPUs' are estimates.
+# 148.4 ms for 1, 16 and 64 rows with 32 positions cached, 540.6 ms for 64 rows with 128; the tiny model 1.4, 3.6 and
+# 16.1 ms for 1 and 64 rows with 32 and 128): a fixed part, its weights read once (at the bandwidth) and its
+# operators dispatched (torchtune's attention with its cache: DECODE_OPS_PER_LAYER a layer, HEAD_OPS for the norm,
+# the output and the sampling), and per row its matmuls (at the training's efficiency for that many rows) and its
+# attention over the cache, which on this CPU grows with the square of the cached positions: per layer, a part of its
+# own and a part per query dimension (CACHE_SQUARED_S, CACHE_SQUARED_QUERY_S: fitted on the two models' 128-position
+# forwards, SmolLM2's 576 query dimensions and the tiny model's 128). The GPUs' are estimates.
 DECODE_OPS_PER_LAYER = 200
 HEAD_OPS = 300
-CACHE_SQUARED_S = {"cpu": 13e-9, "gpu": 1e-11}
+CACHE_SQUARED_S = {"cpu": 0.72e-9, "gpu": 1e-12}
+CACHE_SQUARED_QUERY_S = {"cpu": 2.13e-11, "gpu": 2e-14}
 # Per completion and decode step, the draw: a softmax and a cumulative sum over the vocabulary in fp64
 # (train/rollouts.py), and the sampler's Python for the row.
 DRAW_VALUE_S = {"cpu": 1.5e-9, "gpu": 2e-12}
@@ -84,6 +86,7 @@ def rollout_seconds(plan: Plan, work: Workload, speed: Speed) -> float:
         (spec.num_layers * DECODE_OPS_PER_LAYER + HEAD_OPS) * speed.per_op_s
     prefill = matmul * batch * width / (peak * efficiency(batch * width)) + fixed
     cached = min(width + r.completion_length, work.seq_len)  # the cache's positions (train/rollouts.py)
-    per_row = (matmul / (peak * efficiency(batch)) + spec.num_layers * cached ** 2 * CACHE_SQUARED_S[kind]
-               + spec.vocab_size * DRAW_VALUE_S[kind] + ROW_STEP_S[kind])
+    attention = cached ** 2 * (CACHE_SQUARED_S[kind] + spec.num_heads * spec.head_dim * CACHE_SQUARED_QUERY_S[kind])
+    per_row = (matmul / (peak * efficiency(batch)) + spec.num_layers * attention + spec.vocab_size * DRAW_VALUE_S[kind]
+               + ROW_STEP_S[kind])
     return chunks * (prefill + r.completion_length * (fixed + batch * per_row)) / r.num_iterations
