@@ -37,3 +37,8 @@ def column_reward(prompts, completions, completion_ids, target, **kwargs) -> lis
 def broken_reward(prompts, completions, **kwargs) -> list[float]:
     """Returns one value too few: recipes.grpo names it and the prompt."""
     return [0.0] * (len(completions) - 1)
+
+
+def raising_reward(prompts, completions, **kwargs) -> list[float]:
+    """Fails as a user's function may: recipes.grpo names it, the prompt and the error."""
+    raise KeyError("answer")

@@ -208,8 +208,8 @@ def test_what_cannot_run_is_refused_by_name(setup, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "hi"}) + "\n")
     common = [f"model.checkpoint_dir={model}", "dataset=prompt", "max_steps=1", "logger=stdout", "max_seq_len=32",
-              "max_completion_length=4", f"output_dir={tmp_path / 'out'}"]
-    for args, words in [((f"dataset.path={data}", "batch_size=6", "num_generations=4"),
+              "max_completion_length=4"]
+    for case, (args, words) in enumerate([((f"dataset.path={data}", "batch_size=6", "num_generations=4"),
                          "batch_size=6 (completions a step) is not a multiple of num_generations=4"),
                         ((f"dataset.path={data}", "num_generations=1", "batch_size=4"), "num_generations=1"),
                         ((f"dataset.path={bad}", "batch_size=8", "num_generations=4"), "no 'prompt' column"),
@@ -220,8 +220,10 @@ def test_what_cannot_run_is_refused_by_name(setup, tmp_path):
                          "temperature=0.0 must be above 0"),
                         ((f"dataset.path={data}", "batch_size=8", "num_generations=4",
                           "rewards=[tests.grpo_helpers.broken_reward]"), "reward function broken_reward on the batch "
-                                                                        "starting with prompt")]:
-        r = run_recipe(*common, *args, module="recipes.grpo")
+                                                                        "starting with prompt"),
+                        ((f"dataset.path={data}", "batch_size=8", "num_generations=4",
+                          "rewards=[tests.grpo_helpers.raising_reward]"), "raised KeyError: 'answer'")]):
+        r = run_recipe(*common, *args, f"output_dir={tmp_path / str(case)}", module="recipes.grpo")
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (words, r.stderr[-2000:])
 
 
