@@ -13,6 +13,7 @@ gradients are the same on any flavor. The step line and metrics.jsonl carry TRL'
 rewards/<fn>/mean, frac_reward_zero_std, kl, entropy, clip_ratio/*, completions/*.
 """
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -228,7 +229,7 @@ class GRPOObjective:
         out: list[torch.Tensor | None] = [None] * len(rows)
         use = self.reference.model if reference and self.reference.model is not None else model
         off = reference and self.reference.adapters_off
-        with in_compute_dtype(model, plan), (_adapters_off(model) if off else _nothing()):
+        with in_compute_dtype(model, plan), (_adapters_off(model) if off else contextlib.nullcontext()):
             for k in range(count):
                 if k >= len(groups):
                     _logits(use, torch.full((1, 1), pad_id, dtype=torch.long))
@@ -271,14 +272,6 @@ def _mine(saved: dict, prompts: list[dict]) -> Rollouts:
     return Rollouts(round=saved["round"], rows=kept, advantages=torch.tensor([row["advantage"] for row in rows]),
                     completions=saved["completions"], loss_tokens=saved["loss_tokens"], metrics=saved["metrics"],
                     old=old, ref=ref)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def completion_logps(model, batch: dict, temperature: float, *, entropy: bool = True):
