@@ -399,3 +399,18 @@ def model_of(folder, lora=None, max_seq_len: int = 128):
                 if ".lora_b." in name:
                     p.normal_(0, 0.2)
     return model, hf.spec
+
+
+def start_adapter(model: Path, folder: Path, seed: int) -> Path:
+    """Our LoRA start (rank 4 on q_proj and v_proj, A as init_adapters draws it with `seed`, B zero) as a PEFT
+    adapter in `folder`: what TRL starts from in the tests that compare a LoRA run with it."""
+    from moai_recipes.models.build import build_model
+    from moai_recipes.models.lora import gather_adapters, init_adapters, lora_options, save_adapter
+    from moai_recipes.models.spec import read_spec
+
+    opts = lora_options({"attn_modules": ["q_proj", "v_proj"], "apply_to_mlp": False, "apply_to_output": False,
+                         "rank": 4, "alpha": 8.0, "dropout": 0.0, "quantize_base": False}, spec=read_spec(model))
+    start = build_model(read_spec(model), max_seq_len=128, lora=opts.builder_kwargs())
+    init_adapters(start, seed=seed)
+    save_adapter(gather_adapters(start), opts=opts, out_dir=folder, base_model=str(model))
+    return folder

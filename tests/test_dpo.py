@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FSDP, layout, make_hf_checkpoint, metrics, run_recipe
+from tests.helpers import FSDP, layout, make_hf_checkpoint, metrics, run_recipe, start_adapter
 
 pytest.importorskip("trl")
 
@@ -110,20 +110,12 @@ def test_lora_dpo_equals_trl_with_the_adapters_off_as_reference_and_on_four_proc
     import transformers
     from peft import PeftModel
 
-    from moai_recipes.models.build import build_model
-    from moai_recipes.models.lora import gather_adapters, init_adapters, lora_options, save_adapter
-    from moai_recipes.models.spec import read_spec
-
     model, files = setup
     lora = ["method=lora", "lora.rank=4", "lora.alpha=8", "lora.attn_modules=[q_proj,v_proj]"]
     ours = _ours(tmp_path, "cpu", model, files[False], *lora, "reference=copy", lr=LORA_LR)
     # TRL starts from our adapters (A as init_adapters draws it, B zero): a PeftModel with that adapter, whose
     # reference TRL takes as a frozen copy of it, which with B zero is the base.
-    opts = lora_options({"attn_modules": ["q_proj", "v_proj"], "apply_to_mlp": False, "apply_to_output": False,
-                         "rank": 4, "alpha": 8.0, "dropout": 0.0, "quantize_base": False}, spec=read_spec(model))
-    start = build_model(read_spec(model), max_seq_len=128, lora=opts.builder_kwargs())
-    init_adapters(start, seed=SEED)
-    save_adapter(gather_adapters(start), opts=opts, out_dir=tmp_path / "start", base_model=str(model))
+    start_adapter(model, tmp_path / "start", SEED)
     base = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     theirs = _trl(tmp_path, PeftModel.from_pretrained(base, tmp_path / "start", is_trainable=True), _rows(False), model,
                   lr=LORA_LR)

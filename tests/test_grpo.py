@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.grpo_helpers import EOS, GROUP, LONGEST, fixed
-from tests.helpers import make_hf_checkpoint, metrics, plan_of, run_recipe
+from tests.helpers import make_hf_checkpoint, metrics, plan_of, run_recipe, start_adapter
 
 pytest.importorskip("trl")
 
@@ -127,20 +127,12 @@ def test_lora_grpo_equals_trl_with_the_adapters_off_as_reference(setup, tmp_path
     import transformers
     from peft import PeftModel
 
-    from moai_recipes.models.build import build_model
-    from moai_recipes.models.lora import gather_adapters, init_adapters, lora_options, save_adapter
-    from moai_recipes.models.spec import read_spec
-
     model, data = setup
     case = dict(loss_type="dapo", beta=0.04, num_iterations=2, epsilon_high=0.28)
     lora = ["method=lora", "lora.rank=4", "lora.alpha=8", "lora.attn_modules=[q_proj,v_proj]"]
     ours = _ours(tmp_path, "lora", model, data, case, *lora, lr=LORA_LR)
     # TRL starts from our adapters (A as init_adapters draws it, B zero), its reference the adapters switched off.
-    opts = lora_options({"attn_modules": ["q_proj", "v_proj"], "apply_to_mlp": False, "apply_to_output": False,
-                         "rank": 4, "alpha": 8.0, "dropout": 0.0, "quantize_base": False}, spec=read_spec(model))
-    start = build_model(read_spec(model), max_seq_len=128, lora=opts.builder_kwargs())
-    init_adapters(start, seed=SEED)
-    save_adapter(gather_adapters(start), opts=opts, out_dir=tmp_path / "start", base_model=str(model))
+    start_adapter(model, tmp_path / "start", SEED)
     base = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     theirs = _trl(tmp_path, PeftModel.from_pretrained(base, tmp_path / "start", is_trainable=True), model, case,
                   lr=LORA_LR)

@@ -57,28 +57,32 @@ def _val_origin(d: DictConfig) -> str:
     return f"{d.val_split:g} of the data held out"
 
 
+# The data kinds one recipe trains on, and only it: kind -> (the key only its config has, the recipe, what it trains
+# on, what the rows hold, what it logs instead of a validation loss).
+RECIPE_KINDS = {
+    "preference": ("reference", "recipes.dpo", "preference pairs", "columns prompt, chosen, rejected",
+                   "each step's rewards on its pairs"),
+    "prompt": ("num_generations", "recipes.grpo", "prompts", "a prompt column, and the columns your rewards read",
+               "each step's rewards"),
+}
+
+
 def read_data(cfg: DictConfig, tokenizer: Tokenizer, *, dry: bool, progress: bool) -> RunData:
     """Read and tokenise (or map from the cache) the training and validation data; the global batches.
     `dry`: write no cache (a plan or a validation reads only)."""
     d = cfg.dataset
     source = _source(d, d.path, d.split)
     start = time.perf_counter()
-    preference = d.kind == "preference"
-    if preference != ("reference" in cfg):  # recipes.dpo's config is the one with a reference
-        raise UserError("dataset=preference (prompt, chosen, rejected) is what recipes.dpo trains on" if preference
-                        else f"recipes.dpo trains on preference pairs: dataset=preference dataset.path=FILE (columns "
-                             f"prompt, chosen, rejected), not dataset={d.kind}")
-    if preference and (d.streaming or d.val_path or d.val_split is not None):
-        raise UserError("dataset.streaming, dataset.val_split and dataset.val_path are not offered for preference data "
-                        "yet: recipes.dpo logs each step's rewards on its training pairs")
-    prompts = d.kind == "prompt"
-    if prompts != ("num_generations" in cfg):  # recipes.grpo's config is the one with num_generations
-        raise UserError("dataset=prompt (a prompt column) is what recipes.grpo trains on" if prompts
-                        else f"recipes.grpo trains on prompts: dataset=prompt dataset.path=FILE (a prompt column, "
-                             f"and the columns your rewards read), not dataset={d.kind}")
-    if prompts and (d.streaming or d.val_path or d.val_split is not None):
-        raise UserError("dataset.streaming, dataset.val_split and dataset.val_path are not offered for prompts yet: "
-                        "recipes.grpo logs each step's rewards")
+    for kind, (key, recipe, rows, what, logs) in RECIPE_KINDS.items():
+        ours = d.kind == kind
+        if ours != (key in cfg):
+            raise UserError(f"dataset={kind} ({what}) is what {recipe} trains on" if ours else
+                            f"{recipe} trains on {rows}: dataset={kind} dataset.path=FILE ({what}), not "
+                            f"dataset={d.kind}")
+        if ours and (d.streaming or d.val_path or d.val_split is not None):
+            raise UserError(f"dataset.streaming, dataset.val_split and dataset.val_path are not offered for "
+                            f"dataset={kind} yet: {recipe} logs {logs}")
+    preference, prompts = d.kind == "preference", d.kind == "prompt"
     if preference:
         load = lambda s: load_pairs(s, tokenizer, max_seq_len=cfg.max_seq_len, progress=progress)  # noqa: E731
     elif prompts:

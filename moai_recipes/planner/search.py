@@ -351,9 +351,11 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
                     param_dtype=compute, master_dtype=master, optimizer_states=states,
                     attention_length=work.spec.attention_length,
                     row_sizes=ROW_SIZES_PER_DOUBLING.get((flavor.device.kind, compute), 0), **o)
+        traced = scales.get(calibration.MEMORY, 1.0)
         if work.rollout is not None:
-            plan = _generation_batch(plan, work, flavor, budget, forced)
-        memory = predict_memory(plan, work, flavor.device.kind, traced_scale=scales.get(calibration.MEMORY, 1.0))
+            plan, memory = _generation_batch(plan, work, flavor, budget, forced, traced)
+        else:
+            memory = predict_memory(plan, work, flavor.device.kind, traced_scale=traced)
         time = predict_time(plan, work, flavor.device, scales=scales)
         host = predict_host_memory(plan, work, flavor.processes_per_node) if flavor.device.kind == "gpu" else None
         fits = memory.total <= budget and (host is None or host.total <= host_budget)
@@ -368,19 +370,21 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
     return candidates, budget
 
 
-def _generation_batch(plan: Plan, work: Workload, flavor: Flavor, budget: int, forced: dict) -> Plan:
+def _generation_batch(plan: Plan, work: Workload, flavor: Flavor, budget: int, forced: dict,
+                      traced: float) -> tuple[Plan, MemoryBreakdown]:
     """recipes.grpo: the plan sampling as many completions at once as fit beside its training (fewer chunks: each
     decode step reads the weights once for all its rows), a power of two up to a device's completions; the forced
-    one (plan.generation_batch), else at least one."""
+    one (plan.generation_batch), else at least one. With its predicted memory (`traced`: the calibration's scale)."""
     most = plan.batch_per_device
     if forced.get("generation_batch"):
-        return replace(plan, generation_batch=min(forced["generation_batch"], most))
-    sizes = sorted({min(2**k, most) for k in range(most.bit_length() + 1)}, reverse=True)
+        sizes = [min(forced["generation_batch"], most)]
+    else:
+        sizes = sorted({min(2**k, most) for k in range(most.bit_length() + 1)}, reverse=True)
     for size in sizes:
         candidate = replace(plan, generation_batch=size)
-        if predict_memory(candidate, work, flavor.device.kind).total <= budget:
-            return candidate
-    return replace(plan, generation_batch=1)
+        memory = predict_memory(candidate, work, flavor.device.kind, traced_scale=traced)
+        if memory.total <= budget or size == sizes[-1]:  # the smallest is the plan's even where it does not fit
+            return candidate, memory
 
 
 def _twin(option: dict) -> tuple:

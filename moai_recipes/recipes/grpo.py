@@ -25,9 +25,6 @@ from moai_recipes.errors import UserError
 from moai_recipes.flavors import Flavor
 from moai_recipes.inputs import read_inputs
 from moai_recipes.models.grpo_loss import GRPOLoss
-from moai_recipes.models.hf_format import save_weights
-from moai_recipes.models.lora import gather_adapters, merge_into, save_adapter
-from moai_recipes.models.sources import base_model_name
 from moai_recipes.planner.search import choose_plan
 from moai_recipes.train.answers import Answers
 from moai_recipes.train.grpo_step import GRPOObjective
@@ -36,7 +33,7 @@ from moai_recipes.train.metrics_log import MetricsLog
 from moai_recipes.train.optim import build_optimizer, build_scheduler
 from moai_recipes.train.out_of_memory import forced_plan
 from moai_recipes.train.plan_accuracy import report_accuracy
-from moai_recipes.train.policy import build_policy
+from moai_recipes.train.policy import build_policy, save_policy
 from moai_recipes.train.preference_step import Reference
 from moai_recipes.train.process import prepare_process
 from moai_recipes.train.rewards import Rewards
@@ -117,17 +114,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     # 6. Saved as the fine-tuning recipes save: model/ (full); adapter/ and, with save_merged, model/ (LoRA).
     if log:
         log.close()
-    if lora is None:
-        save_weights(model, inputs.hf, inputs.out / "model", rank=world.rank)
-        say(f"Model saved in {inputs.out / 'model'}")
-    else:
-        adapters = gather_adapters(model)
-        save_adapter(adapters, opts=lora, out_dir=inputs.out / "adapter",
-                     base_model=base_model_name(inputs.hf.folder, cfg.model.hf_repo), rank=world.rank)
-        if cfg.save_merged:
-            save_weights(model, inputs.hf, inputs.out / "model", rank=world.rank,
-                         transform=merge_into(adapters, lora.scale))
-        say(f"Adapter saved in {inputs.out / 'adapter'}")
+    say(save_policy(model, inputs, cfg, world, lora=lora))
     dist.barrier()
 
 

@@ -1,11 +1,12 @@
 """The model a preference or RL recipe trains (recipes.dpo, recipes.grpo), built as the plan lays it out: the
-policy (LoRA: adapters on its frozen base), or a frozen copy of it for a reference."""
+policy (LoRA: adapters on its frozen base), or a frozen copy of it for a reference; and saved at the end."""
 
 import torch
 
 from moai_recipes.models.build import build_model
-from moai_recipes.models.hf_format import load_weights
-from moai_recipes.models.lora import freeze_base, init_adapters
+from moai_recipes.models.hf_format import load_weights, save_weights
+from moai_recipes.models.lora import freeze_base, gather_adapters, init_adapters, merge_into, save_adapter
+from moai_recipes.models.sources import base_model_name
 from moai_recipes.planner.plan import Plan
 from moai_recipes.train.mixed_precision import stored_as_planned
 from moai_recipes.train.parallel import parallelize
@@ -27,3 +28,17 @@ def build_policy(inputs, plan: Plan, world: World, *, lora, seed: int, frozen: b
     if lora:
         init_adapters(model, seed=seed)
     return model
+
+
+def save_policy(model: torch.nn.Module, inputs, cfg, world: World, *, lora) -> str:
+    """The trained policy as the fine-tuning recipes save theirs: model/ (full); adapter/ (PEFT) and, with
+    save_merged, model/ with the adapters merged (LoRA). Every rank calls it; returns what was saved, to say."""
+    if lora is None:
+        save_weights(model, inputs.hf, inputs.out / "model", rank=world.rank)
+        return f"Model saved in {inputs.out / 'model'}"
+    adapters = gather_adapters(model)
+    save_adapter(adapters, opts=lora, out_dir=inputs.out / "adapter",
+                 base_model=base_model_name(inputs.hf.folder, cfg.model.hf_repo), rank=world.rank)
+    if cfg.save_merged:
+        save_weights(model, inputs.hf, inputs.out / "model", rank=world.rank, transform=merge_into(adapters, lora.scale))
+    return f"Adapter saved in {inputs.out / 'adapter'}"
