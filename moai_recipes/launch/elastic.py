@@ -69,6 +69,8 @@ def start_workers(flavor: Flavor, job_file: Path, recipe: str) -> int:
     # It logs a failed worker as a traceback of its own process pool: the worker printed what went wrong already
     # (worker.forked), and this process says which exit code ended the group.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # Nor the pids it stops once one worker has failed: this process says why the group ended.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     from moai_recipes.launch import worker
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=flavor.num_devices,
@@ -87,7 +89,10 @@ def start_workers(flavor: Flavor, job_file: Path, recipe: str) -> int:
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
         if EXIT_USER_ERROR in codes:
-            return EXIT_USER_ERROR  # the worker already printed the message
+            said = worker.user_error_file(job_file)
+            if said.exists():  # the first worker that met the mistake left its message
+                print(f"error: {said.read_text()}", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
         if EXIT_OUT_OF_MEMORY in codes:  # a rank left a smaller plan; the others were stopped waiting for it
             return EXIT_OUT_OF_MEMORY
         if codes == [EXIT_STOPPED]:  # every worker saved and stopped on a signal (a scheduler's preemption)

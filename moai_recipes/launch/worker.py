@@ -25,8 +25,10 @@ from moai_recipes.errors import (
     EXIT_FAILURE,
     EXIT_OUT_OF_MEMORY,
     EXIT_STOPPED,
+    EXIT_USER_ERROR,
     RestartSmaller,
     Stopped,
+    UserError,
     exit_on_user_error,
 )
 from moai_recipes.files import write_json
@@ -80,13 +82,37 @@ def run(job: Job, given: env.GivenWorld | None) -> int:
     return 0
 
 
+def user_error_file(job_file: Path) -> Path:
+    """Where the first worker of a launched group that meets a user's mistake leaves its message for the
+    launcher, which prints it (launch/elastic.start_workers)."""
+    return Path(job_file).with_suffix(".error")
+
+
+def leave_user_error(job_file: Path, error: UserError) -> None:
+    """Leave `error`'s message for the launcher, unless another worker left one first. Printing it here would race:
+    the rank that fails first ends the group, and the launcher stops the others, rank 0 among them, before they
+    print what they found (seen: a malformed dataset row refused on cpu-2 with nothing said)."""
+    try:
+        fd = os.open(user_error_file(job_file), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(str(error))
+
+
 @exit_on_user_error
 def main(argv: list[str]) -> int:
     (path,) = argv
     job = Job.read(Path(path))
     shared_by_worker(job.cfg.output_dir)  # the folder stays held while this worker lives, its launcher gone or not
     with registered(job.flavor, job_id=job.job_id, launcher=job.launcher):
-        return run(job, env.given_world())
+        try:
+            return run(job, env.given_world())
+        except UserError as e:
+            if job.launcher is None:  # torchrun's or SLURM's process: rank 0 says it (errors.exit_on_user_error)
+                raise
+            leave_user_error(Path(path), e)
+            return EXIT_USER_ERROR
 
 
 def forked(job_file: str) -> None:
