@@ -236,7 +236,11 @@ def test_the_dry_run_plans_70b_on_any_flavor_and_says_when_nothing_fits(tmp_path
     assert ok.returncode == 0, ok.stderr
     assert "The number of candidates is" in ok.stdout and "<- chosen" in ok.stdout and "384 device(s)" in ok.stdout
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["chosen"]["fits"] and len(plan["candidates"]) > 10
+    assert plan["chosen"]["fits"] and len(plan["candidates"]) == 200 < plan["candidates_considered"]
+    chosen, *listed = plan["candidates"]  # the chosen one, then those that fit, fastest first
+    assert chosen == plan["chosen"] and all(c["fits"] for c in listed)
+    assert [c["predicted_step_s"] for c in listed] == sorted(c["predicted_step_s"] for c in listed)
+    assert "more, slower or further from fitting" in ok.stdout
     bad = run("flavor=small", "model=llama3_70b", "batch_size=64", "max_seq_len=8192", "plan.cpu_offload=false")
     assert bad.returncode == 2 and "nothing fits Small.64GB" in bad.stderr and "Traceback" not in bad.stderr
     assert "smallest flavor that fits is" in bad.stderr, bad.stderr

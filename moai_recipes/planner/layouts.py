@@ -260,19 +260,27 @@ def device_shares(plan, spec: ModelSpec) -> list[DeviceShare]:
     (all micro-batches); 1F1B holds at most P - d on device d (its warm-up forwards); interleaved 1F1B's device d
     warms up with 2(P - d - 1) + (v - 1)P + 1 stage passes of its v stages (torch's schedule), each a 1/v of its
     layers."""
-    if plan.pipeline_stages == 1:
-        return [DeviceShare(layers=spec.num_layers, embedding=True, head=True, in_flight=1.0)]
-    P, v, M = plan.pipeline_stages, plan.stages_per_device, plan.accumulation_steps
-    last = len(plan.stage_layers) - 1
+    # Many plans share a pipeline (a search prices 100,000 of them): computed once for each.
+    return list(_device_shares(spec.num_layers, plan.pipeline_stages, plan.pipeline_schedule,
+                               plan.accumulation_steps, plan.stage_layers))
+
+
+@functools.lru_cache(maxsize=4096)
+def _device_shares(num_layers: int, P: int, schedule: str, M: int,
+                   stage_layers: tuple[int, ...]) -> tuple[DeviceShare, ...]:
+    if P == 1:
+        return (DeviceShare(layers=num_layers, embedding=True, head=True, in_flight=1.0),)
+    v = stages_per_device(schedule)
+    last = len(stage_layers) - 1
     shares = []
     for d in range(P):
         mine = list(range(d, P * v, P))
-        if plan.pipeline_schedule == "gpipe":
+        if schedule == "gpipe":
             flight = float(M)
-        elif plan.pipeline_schedule == "1f1b":
+        elif schedule == "1f1b":
             flight = float(min(M, P - d))
         else:
             flight = min(v * M, 2 * (P - d - 1) + (v - 1) * P + 1) / v
-        shares.append(DeviceShare(layers=sum(plan.stage_layers[s] for s in mine), embedding=0 in mine,
+        shares.append(DeviceShare(layers=sum(stage_layers[s] for s in mine), embedding=0 in mine,
                                   head=last in mine, in_flight=flight))
-    return shares
+    return tuple(shares)

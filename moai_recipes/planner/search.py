@@ -2,6 +2,7 @@
 the per-device budget, pick the fastest. Forced fields (plan.micro_batch_size=2) are honoured when
 they fit and refused with the predicted memory when they do not."""
 
+import heapq
 import math
 from dataclasses import dataclass, replace
 
@@ -86,9 +87,20 @@ class PlanChoice:
                 f"({self.chosen.time.total_s:,.0f} s a step); a larger flavor or a shorter max_seq_len would shorten it "
                 "(recipes.plan compares flavors)"]
 
-    def as_dict(self) -> dict:
-        return {"flavor": self.flavor, "device": self.device, "budget_bytes": self.budget_bytes, "chosen": self.chosen.as_dict(),
-                "candidates": [c.as_dict() for c in self.candidates]}
+    def ranked(self, limit: int) -> list[Candidate]:
+        """The `limit` best candidates: the chosen one, then the others that fit, fastest first, then those that do
+        not, the closest to fitting first. A large flavor weighs tens of thousands (70B on 48xlarge: 48,641), and all
+        of them in plan.json made a file of 128 MB that took 10 s to write; the runners-up are what says why the
+        chosen plan won. (The chosen one can be a little slower a step than some: compiling pays once, and rows are
+        split over devices only where that is clearly faster; choose_plan.)"""
+        others = (c for c in self.candidates if c is not self.chosen)
+        return [self.chosen, *heapq.nsmallest(limit - 1, others, key=lambda c: (not c.fits, c.time.total_s if c.fits
+                                                                                 else c.memory.total))]
+
+    def as_dict(self, limit: int = 200) -> dict:
+        return {"flavor": self.flavor, "device": self.device, "budget_bytes": self.budget_bytes,
+                "candidates_considered": len(self.candidates), "candidates_fitting": sum(c.fits for c in self.candidates),
+                "chosen": self.chosen.as_dict(), "candidates": [c.as_dict() for c in self.ranked(limit)]}
 
 
 def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: Workload, compute: str) -> list[dict]:

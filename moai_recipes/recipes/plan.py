@@ -22,6 +22,9 @@ from moai_recipes.planner.search import GiB, choose_plan, longest_row
 from moai_recipes.inputs import read_inputs
 
 
+SHOWN = 30  # rows of the candidates' table: those that fit, fastest first, then the closest to fitting
+
+
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -43,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'PP':>3} {'schedule':>16} {'TP':>3} {'DP':>4} {'EP':>3} {'CP':>3} {'mbs':>4} {'accum':>5} {'packed':>6} "
           f"{'recompute':>9} {'replica':>7} {'reshard':>7} {'offload':>7} "
           f"{'chunked':>7} {'compile':>7} {'peak GiB':>9} {'s/step':>9} {'MFU':>5}  fits")
-    for c in sorted(choice.candidates, key=lambda c: (not c.fits, c.time.total_s)):
+    shown = choice.ranked(SHOWN)
+    for c in shown:
         p = c.plan
         mark = " <- chosen" if c is choice.chosen else ""
         print(f"{p.pipeline_stages:>3} {p.pipeline_schedule:>16} {p.tensor_parallel:>3} {p.data_parallel:>4} "
@@ -52,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{str(p.replicate):>7} {str(p.reshard_after_forward):>7} {str(p.cpu_offload):>7} {str(p.chunked_loss):>7} "
               f"{str(p.compile):>7} {c.memory.total / GiB:>9.2f} {c.time.total_s:>9.3g} {100 * c.mfu:>4.0f}%  "
               f"{'yes' if c.fits else 'no'}{mark}")
+    if len(choice.candidates) > len(shown):
+        print(f"... and {len(choice.candidates) - len(shown):,} more, slower or further from fitting "
+              f"({'plan.json lists the best 200' if cfg.output_dir != '-' else 'output_dir=DIR writes the best 200 to DIR/plan.json'})")
     print("\n".join(choice.report()))
     print(f"Configuration for parallelism is selected: {choice.chosen.plan.describe()}")
     print(f"Planned in {time.perf_counter() - start:.2f} s")
