@@ -1,0 +1,75 @@
+"""A process that imports the training stack once and forks a child for each multi-process command the suite runs.
+
+`python -m recipes.full_finetune flavor=cpu-2 ...` spends 5.3 s of CPU importing torch, torchao (which imports
+dynamo and inductor), torchtune and the recipe before its launcher forks the workers; the suite runs about a
+hundred such commands. Each pytest worker starts one of these (tests/helpers.run_recipe), which imports all that
+once and then, for each command, forks a child that is what `python -m` would have become by then: the repository
+first on sys.path, cwd the repository, the command's environment, its argv, stdin empty, stdout and stderr to
+files, the module run as __main__, its exit code (or the signal that killed it) reported back. The child is a real
+process: its launcher, its workers, their signals and exit codes are the ones under test.
+
+It imports nothing else and starts no thread and no OpenMP team (the launcher forks its workers under the same
+condition: launch/elastic.prepare_workers). A variable a library reads as it is imported cannot be changed for one
+command here: helpers.run_recipe starts a process of its own for a command that changes any but the runtime ones
+(RUNTIME_VARIABLES).
+
+Protocol on stdin and stdout, a JSON line each way: {"module", "args", "env", "stdout", "stderr"} in, {"pid"}
+out once forked, then {"code"} once the child has ended.
+"""
+
+import json
+import os
+import runpy
+import sys
+
+# Read when a run reads them, not when a module is imported: a command may change them for itself.
+RUNTIME_PREFIXES = ("MOAI_", "WANDB_")
+RUNTIME_VARIABLES = ("HOME", "NETRC", "TERM")
+PRELOADED = ("moai_recipes.launch.entry", "moai_recipes.recipes.full_finetune", "moai_recipes.recipes.lora_finetune",
+             "moai_recipes.recipes.dpo", "moai_recipes.recipes.grpo")
+
+
+def runtime_only(changes: dict) -> bool:
+    """Whether a command that changes the environment by `changes` can be forked from here."""
+    return all(k.startswith(RUNTIME_PREFIXES) or k in RUNTIME_VARIABLES for k in changes)
+
+
+def _child(request: dict) -> None:
+    """Become `python -m module args` and exit as it would (SystemExit unwinds the serving loop too)."""
+    os.chdir(request["cwd"])
+    for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                           (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        opened = os.open(path, mode, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = [request["module"], *request["args"]]
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    raise SystemExit(0)
+
+
+def serve() -> None:
+    import importlib
+
+    for name in PRELOADED:
+        importlib.import_module(name)
+    protocol_in, protocol_out = sys.stdin, os.fdopen(os.dup(1), "w")
+    for line in protocol_in:
+        request = json.loads(line)
+        protocol_out.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            protocol_out.close()  # the child, and the workers it forks, must not hold the protocol's pipe
+            _child(request)
+        protocol_out.write(json.dumps({"pid": pid}) + "\n")
+        protocol_out.flush()
+        _, status = os.waitpid(pid, 0)
+        protocol_out.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
+        protocol_out.flush()
+
+
+if __name__ == "__main__":
+    serve()
