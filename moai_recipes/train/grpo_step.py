@@ -66,14 +66,14 @@ class GRPOObjective:
     max_length: int  # the model's longest row (max_seq_len)
     completions_hook: object = None  # tests: fn(prompt ids, seeds) -> completions, in place of sampling
     rollouts: Rollouts | None = None
-    step_number: int = 0  # the step about to run (1 first; set by the loop)
     restored: dict | None = None  # a checkpoint's round of completions, every rank's (load_state_dict)
     sampled_s: list = field(default_factory=list)  # (step, seconds to sample and score) of each generating step
 
-    def step(self, state, micro_batches: list[list[dict] | None], *, plan: Plan, world: World, settings, pad_id: int):
+    def step(self, state, micro_batches: list[list[dict] | None], *, number: int, plan: Plan, world: World, settings,
+             pad_id: int):
         from moai_recipes.train.loop import StepResult, _all_reduce
 
-        step = self.step_number
+        step = number
         round_ = (step - 1) // self.num_iterations
         clock = {"generate": 0.0, "score": 0.0}
         if self.rollouts is None or self.rollouts.round != round_:

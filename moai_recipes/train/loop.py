@@ -10,6 +10,7 @@ import math
 import signal
 import time
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -63,9 +64,7 @@ class LoopSettings:
     fault_oom_tokens: int | None = None  # micro-batches of more tokens fail as out of memory (tests; ProcessSettings)
     fault_step_delay: float = 0.0  # seconds each step waits first (tests; ProcessSettings)
     fault_memory_headroom: int | None = None  # a real address-space limit after the first step (tests; ProcessSettings)
-    # What a step optimises: None, the token loss; train/preference_step's for DPO, train/grpo_step's for GRPO: its
-    # step(state, micro_batches, plan=, world=, settings=, pad_id=), told the step's number in `step_number` first.
-    objective: object = None
+    objective: "Objective" = field(default_factory=lambda: TokenLoss())  # what a step optimises
     peak_flops: float = 0.0  # one device's, in the compute dtype (ProcessSettings): MFU's denominator
     profile_steps: tuple[int, ...] = ()  # steps measured by torch.profiler (train/profiling.py)
     measure_memory: bool = True  # the peak tensor memory measured (train/peak_memory.py)
@@ -77,8 +76,33 @@ class LoopSettings:
                    checkpoint_keep=cfg.checkpoint_keep, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
                    eval_every=cfg.eval_every, fault_oom_tokens=process.fault_oom_tokens,
                    fault_step_delay=process.fault_step_delay, fault_memory_headroom=process.fault_memory_headroom,
-                   peak_flops=process.peak_flops, objective=objective,
+                   peak_flops=process.peak_flops, objective=objective or TokenLoss(),
                    profile_steps=tuple(cfg.profile_steps), measure_memory=cfg.measure_memory)
+
+
+class Objective(Protocol):
+    """What a step optimises: the next-token loss (TokenLoss), recipes.dpo's preference loss
+    (train/preference_step.PreferenceObjective) or recipes.grpo's generate, score and train
+    (train/grpo_step.GRPOObjective)."""
+
+    def step(self, state: TrainState, micro_batches: list[list[dict] | None], *, number: int, plan: Plan,
+             world: World, settings: LoopSettings, pad_id: int) -> "StepResult":
+        """Step `number` (1 first) on this rank's micro-batches of the step's samples (rank_micro_batches): its
+        forward, backward and optimizer step. Out of memory before anything is applied: StepOutOfMemory."""
+
+    def micro_batch_shapes(self, plan: Plan, samples: list[dict]) -> list[tuple[int, int, int]]:
+        """The micro-batches the step computes on (micro_batches.micro_batch_shapes): what its measured peak is
+        compared at (train/peak_memory.py)."""
+
+
+class TokenLoss:
+    """The next-token loss over the target tokens of the global batch (recipes.full_finetune, lora_finetune)."""
+
+    def step(self, state, micro_batches, *, number, plan, world, settings, pad_id):
+        return train_step(state, micro_batches, plan=plan, world=world, settings=settings, pad_id=pad_id)
+
+    def micro_batch_shapes(self, plan, samples):
+        return micro_batch_shapes(plan, samples)
 
 
 @dataclass
@@ -288,19 +312,13 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                 time.sleep(settings.fault_step_delay)
             samples = batches.samples(step)
             traced = meter.tracked and meter.counts and world.device.type == "cpu"
-            shapes = None
-            if meter.tracked:  # what the step's micro-batches are (GRPO's: its completions, not its prompts)
-                shapes = (settings.objective.micro_batch_shapes(runner.plan, samples)
-                          if hasattr(settings.objective, "micro_batch_shapes") else micro_batch_shapes(runner.plan, samples))
+            # What the step's micro-batches are (GRPO's: its completions, not its prompts).
+            shapes = settings.objective.micro_batch_shapes(runner.plan, samples) if meter.tracked else None
             with profiler.step(done), StepTimer(world.device) as timer, \
                     meter.step(state.model, state.optimizer, shapes):
-                step_fn = train_step
-                if settings.objective is not None:  # DPO's, GRPO's step; GRPO generates every num_iterations steps
-                    settings.objective.step_number = done
-                    step_fn = settings.objective.step
-                result = runner.run(lambda plan: step_fn(state, rank_micro_batches(plan, samples, world), plan=plan,
-                                                         world=world, settings=settings, pad_id=pad_id),
-                                    step=done, optimizer=state.optimizer)
+                result = runner.run(lambda plan: settings.objective.step(
+                    state, rank_micro_batches(plan, samples, world), number=done, plan=plan, world=world,
+                    settings=settings, pad_id=pad_id), step=done, optimizer=state.optimizer)
                 lr = float(state.scheduler.get_last_lr()[0])  # torchao keeps it as a tensor
                 state.scheduler.step()
             profiled = profiler.profiled(done)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from moai_recipes.data.preferences import collate_pairs, completion_logps
 from moai_recipes.models.preference_loss import PairScores, PreferenceLoss, pair_losses
 from moai_recipes.planner.plan import Plan
+from moai_recipes.train.micro_batches import micro_batch_shapes
 from moai_recipes.train.mixed_precision import in_compute_dtype
 from moai_recipes.train.optim import clip_gradients
 from moai_recipes.train.parallel import all_reduce_gradients
@@ -107,9 +108,12 @@ class PreferenceObjective:
 
     loss: PreferenceLoss
     reference: Reference
-    step_number: int = 0  # the step about to run (set by the loop)
 
-    def step(self, state, micro_batches: list[list[dict] | None], *, plan: Plan, world: World, settings,
+    def micro_batch_shapes(self, plan: Plan, pairs: list[dict]) -> list[tuple[int, int, int]]:
+        # A pair as the planner prices it (its Workload's lengths): one sample of its two sequences' tokens.
+        return micro_batch_shapes(plan, pairs)
+
+    def step(self, state, micro_batches: list[list[dict] | None], *, number: int, plan: Plan, world: World, settings,
              pad_id: int):
         from moai_recipes.train.loop import StepResult, _all_reduce
 
