@@ -151,12 +151,19 @@ def test_the_same_completions_and_numbers_on_two_and_four_processes(setup, tmp_p
               "temperature=0.9", "top_p=0.95", "top_k=50", "rewards=[tests.grpo_helpers.length_reward]",
               "logger=stdout"]
     runs = {}
+    # Layers resharded after each forward: two processes gather each at every decode step, four gather it once for
+    # the round (train/parallel.gathered).
+    gathers = {"cpu": [], "cpu-2": ["plan.reshard_after_forward=true", "plan.gather_for_generation=false"],
+               "cpu-4": ["plan.reshard_after_forward=true", "plan.gather_for_generation=true"]}
     for flavor in ("cpu", "cpu-2", "cpu-4"):
         out = tmp_path / flavor
-        r = run_recipe(*common, f"flavor={flavor}", "plan.replicate=false", f"output_dir={out}", module="recipes.grpo")
+        r = run_recipe(*common, f"flavor={flavor}", "plan.replicate=false", *gathers[flavor], f"output_dir={out}",
+                       module="recipes.grpo")
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         runs[flavor] = metrics(out)
     assert plan_of(tmp_path / "cpu-2")["sharded"] and plan_of(tmp_path / "cpu-2")["data_parallel"] == 2
+    assert not plan_of(tmp_path / "cpu-2")["gather_for_generation"] and plan_of(tmp_path / "cpu-4")["gather_for_generation"]
+    assert plan_of(tmp_path / "cpu-2")["reshard_after_forward"] and plan_of(tmp_path / "cpu-4")["reshard_after_forward"]
     for flavor, rows in runs.items():  # the KV cache the planner priced is the one each process held
         assert rows[0]["generation/kv_cache_bytes"] == plan_of(tmp_path / flavor)["predicted_kv_cache_bytes"] > 0
     assert plan_of(tmp_path / "cpu-4")["sharded"] and plan_of(tmp_path / "cpu-4")["data_parallel"] == 4
@@ -214,9 +221,42 @@ def test_what_cannot_run_is_refused_by_name(setup, tmp_path):
                           "rewards=[tests.grpo_helpers.broken_reward]"), "reward function broken_reward on the batch "
                                                                         "starting with prompt"),
                         ((f"dataset.path={data}", "batch_size=8", "num_generations=4",
-                          "rewards=[tests.grpo_helpers.raising_reward]"), "raised KeyError: 'answer'")]):
+                          "rewards=[tests.grpo_helpers.raising_reward]"), "raised KeyError: 'answer'"),
+                        # One fp32 process holds a plain module: nothing to gather.
+                        ((f"dataset.path={data}", "batch_size=8", "num_generations=4", "dtype=fp32",
+                          "plan.gather_for_generation=true"), "hold a plain module (one process, or replicas)")]):
         r = run_recipe(*common, *args, f"output_dir={tmp_path / str(case)}", module="recipes.grpo")
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (words, r.stderr[-2000:])
+    # How recipes.grpo samples is no option of a recipe that samples nothing.
+    r = run_recipe("max_steps=1", "plan.gather_for_generation=false", f"output_dir={tmp_path / 'sft'}")
+    assert r.returncode == 2 and "plan.gather_for_generation: how recipes.grpo samples" in r.stderr, r.stderr
+
+
+def test_the_planner_keeps_the_weights_gathered_for_sampling_where_they_fit():
+    """Layers resharded after their forward (to fit training) would be gathered again at every decode step on GPUs
+    (Llama-3-8B's 15 GiB a token generated on 8 A100s): where the whole model fits beside the KV cache it is gathered
+    once for the round, which the planner predicts faster; where it does not (70B), each layer is gathered at every
+    step, as FSDP2 does."""
+    from moai_recipes.inputs import read_inputs
+    from moai_recipes.planner.search import choose_plan
+    from tests.helpers import setup as compose
+
+    runs = {}
+    for model in ("llama3_8b", "llama3_70b"):
+        cfg, _, flavor = compose(f"model={model}", "flavor=xlarge", "flavor.device=a100", "flavor.memory_gb=640", "batch_size=64",
+                                 "max_seq_len=1024", "max_completion_length=512", "method=lora", recipe="grpo")
+        work = read_inputs(cfg, flavor, dry=True, output=False).workload
+        forced = {"tensor_parallel": 1, "pipeline_stages": 1, "reshard_after_forward": True}
+        choice = choose_plan(work, flavor, forced=forced)
+        each = choose_plan(work, flavor, forced={**forced, "gather_for_generation": False})
+        runs[model] = choice, each
+    gathered, each = runs["llama3_8b"]
+    assert gathered.chosen.plan.gather_for_generation and gathered.chosen.plan.sharded
+    # Each decode step's gather: 8B's bf16 weights, 7/8 of them over 300 GB/s, 512 steps a round.
+    saved = each.chosen.time.terms["rollout"] - gathered.chosen.time.terms["rollout"]
+    assert 512 * 16e9 * 7 / 8 / 300e9 * 0.9 < saved < 512 * 16e9 * 7 / 8 / 300e9 * 1.2, saved
+    big, _ = runs["llama3_70b"]
+    assert big.chosen.plan.sharded and not big.chosen.plan.gather_for_generation
 
 
 @pytest.mark.slow

@@ -246,6 +246,10 @@ class PlanConfig:
                                               "whole, at the cost of its forward once more (null: the planner decides)")
     generation_batch: Optional[int] = setting(None, "recipes.grpo: completions a device samples at once (its KV cache's "
                                                     "rows; null: the planner decides)")
+    gather_for_generation: Optional[bool] = setting(None, "recipes.grpo on FSDP2 shards: the weights gathered once "
+                                                          "for a round of completions and kept while it is sampled, "
+                                                          "rather than each layer gathered again at every decode step "
+                                                          "(null: the planner decides)")
     optimizer_in_backward: Optional[bool] = setting(None, "each weight updated by AdamW as soon as its gradient of the "
                                                           "step is complete, the gradient freed at once: no step holds "
                                                           "all the gradients; needs optimizer.max_grad_norm=null (null: "

@@ -241,9 +241,10 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
                                activations=0 if cpu_offload else trainable * OPTIMIZER_TEMPORARY[device_kind] / n)
         if not plan.optimizer_in_backward else dict(gathered=0, grads=0, logits=0, activations=0),
         # recipes.grpo's sampling (planner/rollouts.py): the chunk's KV cache and logits, the layers gathered as in a
-        # forward, no gradient yet.
-        **({"generation": dict(gathered=root_gathered + layers_gathered(2), grads=0, activations=rollout[0],
-                               logits=rollout[1])} if rollout else {}),
+        # forward (or all of them, kept for the round: plan.gather_for_generation), no gradient yet.
+        **({"generation": dict(gathered=root_gathered + (L * layer_c if plan.gather_for_generation
+                                                         else layers_gathered(2)),
+                               grads=0, activations=rollout[0], logits=rollout[1])} if rollout else {}),
         # A replica sums its gradients over the processes through one flat copy of them (train/parallel.py).
         "gradients all-reduced": dict(gathered=0, grads=sharded_grads * 2 if plan.replicate else 0, logits=0,
                                       activations=0),

@@ -131,6 +131,9 @@ class Plan:
     optimizer_in_backward: bool = False
     # recipes.grpo: completions a device samples at once (its KV cache's rows); 0: no generation phase.
     generation_batch: int = 0
+    # recipes.grpo on FSDP2 shards: each layer gathered at its first forward of a round's sampling and kept until the
+    # round's completions are all sampled (train/parallel.gathered), rather than gathered again for every decode step.
+    gather_for_generation: bool = False
 
     def __post_init__(self):
         assert self.num_devices % (self.tensor_parallel * self.pipeline_stages) == 0, self
@@ -270,7 +273,8 @@ class Plan:
                 + (", activations offloaded to the host" if self.offload_activations else "")
                 + (f", MLP in {self.tiled_mlp} tiles" if self.tiled_mlp else "")
                 + (", optimizer in the backward" if self.optimizer_in_backward else "")
-                + (f", {self.generation_batch} completions sampled at once" if self.generation_batch else ""))
+                + (f", {self.generation_batch} completions sampled at once" if self.generation_batch else "")
+                + (" on weights gathered once" if self.gather_for_generation else ""))
 
     def layout(self) -> str:
         """The reference's words for the mesh: `num_stages : 2 (1f1b), TP 2, DP 4` (and `EP 2` where the experts are

@@ -60,19 +60,22 @@ def rollout_bytes(plan: Plan, work: Workload) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Speed:
     """A device as predict_time sees it: its kind, peak FLOP/s and usable bytes/s, the matmuls' share of the peak at a
-    number of rows (`efficiency(rows)`), and an operator's dispatch."""
+    number of rows (`efficiency(rows)`), an operator's dispatch, and the seconds FSDP2 takes to gather the weights
+    for one forward (0: a plain module, whole already)."""
 
     kind: str
     peak: float
     bandwidth: float
     efficiency: Callable[[float], float]
     per_op_s: float
+    gather_s: float = 0.0
 
 
 def rollout_seconds(plan: Plan, work: Workload, speed: Speed) -> float:
     """Seconds a step spends sampling (a round's, spread over its num_iterations steps): each chunk's prefill (the
     training's efficiency at its tokens, `efficiency(tokens)`) and its decode steps (above), every completion run to
-    max_completion_length."""
+    max_completion_length; on FSDP2 shards, the weights gathered for each of those forwards, or once for the round
+    (plan.gather_for_generation)."""
     spec, r = work.spec, work.rollout
     peak, efficiency, kind = speed.peak, speed.efficiency, speed.kind
     rows = plan.batch_per_device  # completions a device samples in a round
@@ -89,4 +92,6 @@ def rollout_seconds(plan: Plan, work: Workload, speed: Speed) -> float:
     attention = cached ** 2 * (CACHE_SQUARED_S[kind] + spec.num_heads * spec.head_dim * CACHE_SQUARED_QUERY_S[kind])
     per_row = (matmul / (peak * efficiency(batch)) + spec.num_layers * attention + spec.vocab_size * DRAW_VALUE_S[kind]
                + ROW_STEP_S[kind])
-    return chunks * (prefill + r.completion_length * (fixed + batch * per_row)) / r.num_iterations
+    gathers = 1 if plan.gather_for_generation else chunks * (1 + r.completion_length)
+    return (chunks * (prefill + r.completion_length * (fixed + batch * per_row)) + gathers * speed.gather_s) \
+        / r.num_iterations

@@ -208,6 +208,15 @@ def _impossible(forced: dict, flavor: Flavor, work: Workload) -> str:
                f"fields ({', '.join(f'plan.{k}={v}' for k, v in forced.items() if k != 'optimizer_in_backward')}) "
                "ask for pipeline stages, replicas or CPU offload: drop them")
         return f"plan.optimizer_in_backward=true: {why}"
+    if forced.get("gather_for_generation") is not None:
+        others = [f"plan.{k}={v}" for k, v in forced.items() if k != "gather_for_generation"]
+        with_them = f"with {', '.join(others)} " if others else ""
+        if forced["gather_for_generation"]:
+            return ("plan.gather_for_generation=true gathers FSDP2's shards for sampling, and this flavor's plans "
+                    f"{with_them}hold a plain module (one process, or replicas), whose weights are whole already: drop it")
+        return (f"plan.gather_for_generation=false: this flavor's plans {with_them}keep their layers gathered after a "
+                "forward (plan.reshard_after_forward=false), through the sampling too: force plan.reshard_after_forward="
+                "true as well, or drop it")
     if forced.get("cpu_offload"):
         return (f"plan.cpu_offload=true: {flavor.name} has no device memory to offload from (it runs on the CPU); "
                 "drop plan.cpu_offload or pick a GPU flavor")
@@ -236,6 +245,10 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
     """Plan `work` on `flavor`, honouring the `forced` plan fields (plan.* overrides; None: the planner
     decides); a UserError when nothing fits, naming a flavor or the settings that would."""
     forced = {k: v for k, v in dict(forced or {}).items() if v is not None}
+    sampling = [k for k in ("generation_batch", "gather_for_generation") if k in forced]
+    if sampling and work.rollout is None:
+        raise UserError(f"{', '.join(f'plan.{k}' for k in sampling)}: how recipes.grpo samples its completions, and "
+                        "this recipe samples none; drop it")
     candidates, budget = _candidates(work, flavor, forced)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
@@ -365,7 +378,10 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
                     row_sizes=ROW_SIZES_PER_DOUBLING.get((flavor.device.kind, compute), 0), **o)
         traced = scales.get(calibration.MEMORY, 1.0)
         if work.rollout is not None:
-            plan, memory = _generation_batch(plan, work, flavor, budget, forced, traced)
+            if forced.get("gather_for_generation") is not None and \
+                    forced["gather_for_generation"] not in _generation_gathers(plan):
+                continue
+            plan, memory = _generation_batch(plan, work, flavor, budget, forced, scales)
         else:
             memory = predict_memory(plan, work, flavor.device.kind, traced_scale=traced)
         time = predict_time(plan, work, flavor.device, scales=scales)
@@ -379,24 +395,49 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
             whole_mlp[_twin(o)] = candidates[-1]
         if until_fit and fits:
             break
+    if not candidates:
+        raise UserError(_impossible(forced, flavor, work))
     return candidates, budget
 
 
 def _generation_batch(plan: Plan, work: Workload, flavor: Flavor, budget: int, forced: dict,
-                      traced: float) -> tuple[Plan, MemoryBreakdown]:
-    """recipes.grpo: the plan sampling as many completions at once as fit beside its training (fewer chunks: each
-    decode step reads the weights once for all its rows), a power of two up to a device's completions; the forced
-    one (plan.generation_batch), else at least one. With its predicted memory (`traced`: the calibration's scale)."""
-    most = plan.batch_per_device
+                      scales: dict) -> tuple[Plan, MemoryBreakdown]:
+    """recipes.grpo: how the plan samples, the fastest way that fits beside its training: how many completions at
+    once (a power of two up to a device's completions: fewer chunks, each decode step reading the weights once for
+    all its rows, against a larger KV cache) and, on FSDP2 shards, whether each layer is gathered once for the
+    round's sampling or again at every decode step (the whole model held in the compute dtype while sampling, against a gather of
+    every layer per token generated). The forced ones (plan.generation_batch, plan.gather_for_generation); where
+    nothing fits, the smallest. With its predicted memory (`scales`: the machine's calibration)."""
+    most, traced = plan.batch_per_device, scales.get(calibration.MEMORY, 1.0)
     if forced.get("generation_batch"):
         sizes = [min(forced["generation_batch"], most)]
     else:
         sizes = sorted({min(2**k, most) for k in range(most.bit_length() + 1)}, reverse=True)
+    gathers = [forced["gather_for_generation"]] if forced.get("gather_for_generation") is not None else \
+        _generation_gathers(plan)
+    fitting, smallest = [], None
     for size in sizes:
-        candidate = replace(plan, generation_batch=size)
-        memory = predict_memory(candidate, work, flavor.device.kind, traced_scale=traced)
-        if memory.total <= budget or size == sizes[-1]:  # the smallest is the plan's even where it does not fit
-            return candidate, memory
+        for gather in gathers:
+            candidate = replace(plan, generation_batch=size, gather_for_generation=gather)
+            memory = predict_memory(candidate, work, flavor.device.kind, traced_scale=traced)
+            if memory.total <= budget:
+                fitting.append((candidate, memory))
+            elif smallest is None or memory.total < smallest[1].total:
+                smallest = (candidate, memory)
+    if not fitting:
+        return smallest
+    if len(fitting) == 1:
+        return fitting[0]
+    return min(fitting, key=lambda f: (predict_time(f[0], work, flavor.device, scales=scales).total_s, f[1].total))
+
+
+def _generation_gathers(plan: Plan) -> list[bool]:
+    """What plan.gather_for_generation can be for `plan`: a plain module (one fp32 process, replicas) holds its weights
+    whole, nothing to gather; FSDP2 layers that stay gathered after their forward (reshard_after_forward=false) keep
+    them through the round's sampling anyway (no backward reshards them); only resharding layers have the choice."""
+    if not plan.sharded:
+        return [False]
+    return [True, False] if plan.reshard_after_forward else [True]
 
 
 def _twin(option: dict) -> tuple:

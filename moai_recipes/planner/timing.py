@@ -299,6 +299,7 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     # over the data x context ones.
     D = plan.data_parallel * C
     link = device.intra_node_gbps if D * T <= device.per_node or kind == "cpu" else device.inter_node_gbps
+    forward_gather_s = 0.0  # a plain module holds its weights whole
     if plan.replicate:  # one all-reduce of the fp32 gradients a step (ring: twice the data over the link)
         terms["transfer"] = 2 * trainable * 4 * (n - 1) / n / (link * 1e9)
         terms["collectives"] = 2 * LATENCY_S[kind]
@@ -317,14 +318,22 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
         per_micro = (gathers * dense * c + root * c + (trainable - experts / T) * 4) * (D - 1) / D
         if ep > 1:
             per_micro += (gathers * sizes.experts_per_layer * L * c + experts * 4) / ep * (R - 1) / R
-        else:
-            per_micro += (gathers * sizes.experts_per_layer * L * c + experts * 4) * (1 - 1 / T) * (D - 1) / D
+        else:  # whole on each tensor device (not cut by it), sharded over the data devices with the rest
+            per_micro += (gathers * sizes.experts_per_layer * L * c + experts * 4) * (D - 1) / D
         collectives = L * (gathers + 1) * (2 if ep > 1 else 1) + 2
         terms["transfer"] = micro * per_micro / (link * 1e9)
-        terms["collectives"] = micro * collectives * (LATENCY_S[kind] if D > 1 else LOCAL_COLLECTIVE_S[kind])
+        latency = LATENCY_S[kind] if D > 1 else LOCAL_COLLECTIVE_S[kind]
+        terms["collectives"] = micro * collectives * latency
         if D == 1 and not plan.cpu_offload:  # one device: each gather casts a layer into a new buffer, each
             cast = gathers * (total - root) + root  # reduce-scatter copies the gradients out in fp32
             terms["memory"] += micro * (cast * (4 + c) + trainable * (c + 4 + 8)) / memory_speed
+        # One forward's gathers, every layer's and the root's: what recipes.grpo's sampling pays for each forward
+        # (a decode step's), or once a round of completions where it keeps them (plan.gather_for_generation).
+        experts_bytes = sizes.experts_per_layer * L * c * ((R - 1) / R / ep if ep > 1 else (D - 1) / D)
+        forward_gather_s = (((dense + root) * c * (D - 1) / D + experts_bytes) / (link * 1e9)
+                            + (L * (2 if ep > 1 else 1) + 1) * latency
+                            + (total * (4 + c) / memory_speed if D == 1 and not plan.cpu_offload else 0.0)
+                            + (sizes.total / n * c / (PCIE_GBPS * 1e9) if plan.cpu_offload else 0.0))
     if n > 1:  # the step's scalars summed over the processes: its tokens, its loss, the gradient norm
         terms["collectives"] += 3 * SCALAR_LATENCY_S[kind]
     mb_bytes = tokens / micro * spec.embed_dim * DTYPE_BYTES[compute_dtype]  # a micro-batch's hidden states
@@ -383,8 +392,9 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     if work.rollout is not None and plan.generation_batch:
         # recipes.grpo: each round's sampling, and its forwards over the completions (the sampling policy's and the
         # reference's log-probabilities: a third of a training step's compute each), spread over num_iterations.
-        speed = Speed(kind, peak, memory_speed, lambda m: top * m / (m + half), PER_OP_S[kind])
+        speed = Speed(kind, peak, memory_speed, lambda m: top * m / (m + half), PER_OP_S[kind], forward_gather_s)
         terms["rollout"] = rollout_seconds(plan, work, speed)
         passes = work.rollout.extra_passes / work.rollout.num_iterations
-        terms["rollout"] += passes * (terms["matmul"] + terms["memory"] + terms["dispatch"]) / 3
+        terms["rollout"] += passes * ((terms["matmul"] + terms["memory"] + terms["dispatch"]) / 3
+                                      + micro * forward_gather_s)
     return TimeEstimate(terms=terms, kind=kind, scales=dict(scales or {}), once_s=once_s)

@@ -8,12 +8,14 @@ layer's parameters are all-gathered just in time.
 FSDP2 is applied only where it does something (Plan.sharded): one fp32 process keeps a plain module.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from moai_recipes.train.world import World
@@ -113,6 +115,36 @@ def shard_model(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype,
     # the largest group again at the start of every backward.
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=None,
                 ignored_params=ignored)
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module, keep: bool = True):
+    """Inside, each of the model's FSDP2 layers that reshards after its forward stays gathered from its first forward
+    until the end, when they are sharded again: recipes.grpo's sampling gathers each layer once for a round of
+    completions (plan.gather_for_generation), not again at every decode step. The root, and the layers of a plan that
+    does not reshard after the forward, stay gathered from their forward anyway (no backward comes to reshard them).
+    `keep=False`, or a plain module: nothing changes.
+
+    FSDP2's own switch (set_reshard_after_forward, made for evaluation) would restore a layer to a plain true or
+    false; the state it changes is put back as it was (the groups' post-forward mesh, the automatic choice)."""
+    layers = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model
+              and any(group.post_forward_mesh_info is not None for group in m._get_fsdp_state()._fsdp_param_groups)
+              ] if keep else []
+    before = []
+    for layer in layers:
+        state = layer._get_fsdp_state()
+        before.append((state, state._auto_reshard_after_forward,
+                       [(group, group.post_forward_mesh_info) for group in state._fsdp_param_groups]))
+        layer.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for state, auto, groups in before:
+            state._auto_reshard_after_forward = auto
+            for group, mesh_info in groups:
+                group.post_forward_mesh_info = mesh_info
+        for layer in layers:
+            layer.reshard()
 
 
 def materialize(model: nn.Module, *, device: torch.device, cpu_offload: bool) -> None:

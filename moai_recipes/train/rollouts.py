@@ -21,6 +21,7 @@ from torch import nn
 
 from moai_recipes.planner.plan import Plan
 from moai_recipes.train.mixed_precision import in_compute_dtype
+from moai_recipes.train.parallel import gathered
 
 _MIX = 0x9E3779B97F4A7C15  # splitmix64's increment: seeds of nearby (round, prompt, completion) far apart
 
@@ -83,11 +84,12 @@ class Sampler:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             chunks = int(t[0])
         out, cache = [], 0
-        for k in range(max(chunks, 1)):
-            part = slice(k * size, (k + 1) * size)
-            completions, cache_bytes = self._chunk(model, prompts[part], seeds[part])
-            out += completions
-            cache = max(cache, cache_bytes)
+        with gathered(model, keep=self.plan.gather_for_generation):
+            for k in range(max(chunks, 1)):
+                part = slice(k * size, (k + 1) * size)
+                completions, cache_bytes = self._chunk(model, prompts[part], seeds[part])
+                out += completions
+                cache = max(cache, cache_bytes)
         return Samples(out, cache)
 
     def _chunk(self, model: nn.Module, prompts: list[list[int]], seeds: list[int]) -> tuple[list[list[int]], int]:
