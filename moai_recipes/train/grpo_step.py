@@ -69,11 +69,10 @@ class GRPOObjective:
     restored: dict | None = None  # a checkpoint's round of completions, every rank's (load_state_dict)
     sampled_s: list = field(default_factory=list)  # (step, seconds to sample and score) of each generating step
 
-    def step(self, state, micro_batches: list[list[dict] | None], *, number: int, plan: Plan, world: World, settings,
-             pad_id: int):
+    def step(self, state, micro_batches: list[list[dict] | None], context):
         from moai_recipes.train.loop import StepResult, _all_reduce
 
-        step = number
+        step, plan, world, settings, pad_id = context.number, context.plan, context.world, context.settings, context.pad_id
         round_ = (step - 1) // self.num_iterations
         clock = {"generate": 0.0, "score": 0.0}
         if self.rollouts is None or self.rollouts.round != round_:

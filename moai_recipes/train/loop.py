@@ -80,15 +80,26 @@ class LoopSettings:
                    profile_steps=tuple(cfg.profile_steps), measure_memory=cfg.measure_memory)
 
 
+@dataclass(frozen=True)
+class StepContext:
+    """What a step is given besides the state and its micro-batches: which step it is (1 first), the plan it runs
+    (a smaller one after an out-of-memory step), the world, the loop's settings and the padding token."""
+
+    number: int
+    plan: Plan
+    world: World
+    settings: LoopSettings
+    pad_id: int
+
+
 class Objective(Protocol):
     """What a step optimises: the next-token loss (TokenLoss), recipes.dpo's preference loss
     (train/preference_step.PreferenceObjective) or recipes.grpo's generate, score and train
     (train/grpo_step.GRPOObjective)."""
 
-    def step(self, state: TrainState, micro_batches: list[list[dict] | None], *, number: int, plan: Plan,
-             world: World, settings: LoopSettings, pad_id: int) -> "StepResult":
-        """Step `number` (1 first) on this rank's micro-batches of the step's samples (rank_micro_batches): its
-        forward, backward and optimizer step. Out of memory before anything is applied: StepOutOfMemory."""
+    def step(self, state: TrainState, micro_batches: list[list[dict] | None], context: StepContext) -> "StepResult":
+        """A step on this rank's micro-batches of the step's samples (rank_micro_batches): its forward, backward and
+        optimizer step. Out of memory before anything is applied: StepOutOfMemory."""
 
     def micro_batch_shapes(self, plan: Plan, samples: list[dict]) -> list[tuple[int, int, int]]:
         """The micro-batches the step computes on (micro_batches.micro_batch_shapes): what its measured peak is
@@ -98,8 +109,9 @@ class Objective(Protocol):
 class TokenLoss:
     """The next-token loss over the target tokens of the global batch (recipes.full_finetune, lora_finetune)."""
 
-    def step(self, state, micro_batches, *, number, plan, world, settings, pad_id):
-        return train_step(state, micro_batches, plan=plan, world=world, settings=settings, pad_id=pad_id)
+    def step(self, state, micro_batches, context):
+        return train_step(state, micro_batches, plan=context.plan, world=context.world, settings=context.settings,
+                          pad_id=context.pad_id)
 
     def micro_batch_shapes(self, plan, samples):
         return micro_batch_shapes(plan, samples)
@@ -317,8 +329,8 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             with profiler.step(done), StepTimer(world.device) as timer, \
                     meter.step(state.model, state.optimizer, shapes):
                 result = runner.run(lambda plan: settings.objective.step(
-                    state, rank_micro_batches(plan, samples, world), number=done, plan=plan, world=world,
-                    settings=settings, pad_id=pad_id), step=done, optimizer=state.optimizer)
+                    state, rank_micro_batches(plan, samples, world), StepContext(done, plan, world, settings, pad_id)),
+                    step=done, optimizer=state.optimizer)
                 lr = float(state.scheduler.get_last_lr()[0])  # torchao keeps it as a tensor
                 state.scheduler.step()
             profiled = profiler.profiled(done)

@@ -113,9 +113,10 @@ class PreferenceObjective:
         # A pair as the planner prices it (its Workload's lengths): one sample of its two sequences' tokens.
         return micro_batch_shapes(plan, pairs)
 
-    def step(self, state, micro_batches: list[list[dict] | None], *, number: int, plan: Plan, world: World, settings,
-             pad_id: int):
+    def step(self, state, micro_batches: list[list[dict] | None], context):
         from moai_recipes.train.loop import StepResult, _all_reduce
+
+        plan, world, settings, pad_id = context.plan, context.world, context.settings, context.pad_id
 
         pairs_here = sum(len(m) for m in micro_batches if m)
         tokens_here = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for m in micro_batches if m
