@@ -23,7 +23,7 @@ TARGETS = [3, 5, 7, 11]
 BATCH, STEPS, LR, LORA_LR, SEED = len(PROMPTS) * GROUP, 2, 3e-2, 1e-1, 0
 KEYS = ("loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "entropy", "clip_ratio/low_mean",
         "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
-        "completions/mean_length", "completions/clipped_ratio")
+        "completions/mean_length", "completions/clipped_ratio", "num_tokens")
 CASES = {  # name -> settings (TRL's names, both sides)
     "dapo, beta 0.04, two rewards": dict(loss_type="dapo", beta=0.04, num_iterations=1),
     "grpo, num_iterations 2, clip higher": dict(loss_type="grpo", beta=0.0, num_iterations=2, epsilon_high=0.28,
@@ -103,6 +103,7 @@ def _trl(tmp_path: Path, model, tokenizer_dir: Path, case: dict, *, lr: float = 
 
 def _same(ours: list[dict], theirs: list[dict], keys=KEYS) -> None:
     assert len(ours) == len(theirs) == STEPS, (len(ours), len(theirs))
+    assert "num_tokens" in theirs[0] and "loss" in theirs[0], theirs[0]  # TRL logs them each step it samples
     for mine, trl in zip(ours, theirs):
         for key in keys:
             if key not in trl:
@@ -198,6 +199,7 @@ def test_a_run_resumed_mid_round_on_another_flavor_trains_on_what_it_sampled(set
     assert [row["step"] for row in after] == [2, 3, 4]
     for one, two in zip(before[1:], after, strict=True):
         assert one["reward"] == two["reward"] and one["completions/mean_length"] == two["completions/mean_length"]
+        assert one["num_tokens"] == two["num_tokens"]  # counted from step 1's round, which the checkpoint carries
         for key in ("loss", "grad_norm", "kl"):
             assert abs(one[key] - two[key]) <= 1e-4 * abs(one[key]) + 1e-6, (one["step"], key, one[key], two[key])
 

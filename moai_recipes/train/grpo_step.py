@@ -68,6 +68,7 @@ class GRPOObjective:
     rollouts: Rollouts | None = None
     restored: dict | None = None  # a checkpoint's round of completions, every rank's (load_state_dict)
     sampled_s: list = field(default_factory=list)  # (step, seconds to sample and score) of each generating step
+    tokens_seen: float = 0.0  # prompt and completion tokens of every round sampled so far (TRL's num_tokens)
 
     def step(self, state, micro_batches: list[list[dict] | None], context):
         from moai_recipes.train.loop import StepResult, _all_reduce
@@ -82,6 +83,7 @@ class GRPOObjective:
             else:
                 self.rollouts = self._generate(state.model, prompts, round_, plan=plan, world=world, pad_id=pad_id,
                                                step=step, clock=clock)
+                self.tokens_seen += self.rollouts.metrics["tokens"]
             self.restored = None
         r = self.rollouts
         start = time.perf_counter()
@@ -123,7 +125,8 @@ class GRPOObjective:
             self.sampled_s.append((step, clock["generate"] + clock["score"]))
         extra = {**r.metrics, **{f"time/{k}": v for k, v in clock.items()}, "entropy": total[2] / tokens, "clip_ratio/low_mean": total[3] / tokens,
                  "clip_ratio/high_mean": total[4] / tokens, "clip_ratio/region_mean": total[5] / tokens,
-                 "clip_ratio/low_min": min(lows, default=0.0), "clip_ratio/high_max": max(highs, default=0.0)}
+                 "clip_ratio/low_min": min(lows, default=0.0), "clip_ratio/high_max": max(highs, default=0.0),
+                 "num_tokens": self.tokens_seen}
         if self.loss.beta != 0.0:
             extra["kl"] = total[6] / tokens
         return StepResult(loss=loss, tokens=int(r.metrics["tokens"]), target_tokens=int(total[1]),
@@ -149,10 +152,11 @@ class GRPOObjective:
             dist.all_gather_object(everyone, rows)
             rows = [row for part in everyone for row in part]
         return {"round": r.round, "completions": r.completions, "loss_tokens": r.loss_tokens, "metrics": r.metrics,
-                "rows": rows}
+                "rows": rows, "tokens_seen": self.tokens_seen}
 
     def load_state_dict(self, state: dict | None) -> None:
         self.restored = state
+        self.tokens_seen = (state or {}).get("tokens_seen", 0.0)
 
     def _generate(self, model, prompts: list[dict], round_: int, *, plan: Plan, world: World, pad_id: int,
                   step: int, clock: dict) -> Rollouts:
