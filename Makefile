@@ -7,8 +7,8 @@
 # make demo-grpo: online RL (GRPO with LoRA) of the same model on additions, rewarded for the right sum and for the
 # number alone (204 s for its 24 steps on this 2-core machine).
 # make test: install with the test extras (about 7 minutes once, llama.cpp's build most of it), then run the test
-# suite (514 passed and 3 skipped in 12:05 on a fresh clone on two cores, 2026-11-26; 9:48 to 10:11 for 479 on a
-# faster one; about 17 to 19 minutes in all).
+# suite (515 passed and 3 skipped in 10:16 on a fresh clone on two cores with a cold inductor cache, 2026-11-26; 9:14
+# warm; about 17 minutes in all).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
