@@ -84,7 +84,9 @@ def _forked(args: list[str], *, module: str, env: dict | None, timeout: int):
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
         server.stdin.write(json.dumps({"module": module, "args": args, "env": command_env(env), "cwd": str(ROOT),
                                        "stdout": str(out), "stderr": str(err)}).encode() + b"\n")
-        pid = json.loads(server.stdout.readline())["pid"]
+        pid = json.loads(server.stdout.readline() or b'{"pid": null}')["pid"]
+        if pid is None:
+            raise RuntimeError(f"tests/zygote.py ended (exit code {server.wait()}) before forking {module} {args}")
         ready, _, _ = select.select([server.stdout], [], [], timeout)
         if not ready:  # as subprocess.run's timeout: the command's process killed, its output given
             os.kill(pid, signal.SIGKILL)
