@@ -99,7 +99,8 @@ class PlanChoice:
 
     def as_dict(self, limit: int = 200) -> dict:
         return {"flavor": self.flavor, "device": self.device, "budget_bytes": self.budget_bytes,
-                "candidates_considered": len(self.candidates), "candidates_fitting": sum(c.fits for c in self.candidates),
+                "candidates_considered": len(self.candidates),
+                "candidates_fitting": sum(c.fits for c in self.candidates),
                 "chosen": self.chosen.as_dict(), "candidates": [c.as_dict() for c in self.ranked(limit)]}
 
 
@@ -213,10 +214,11 @@ def _impossible(forced: dict, flavor: Flavor, work: Workload) -> str:
         with_them = f"with {', '.join(others)} " if others else ""
         if forced["gather_for_generation"]:
             return ("plan.gather_for_generation=true gathers FSDP2's shards for sampling, and this flavor's plans "
-                    f"{with_them}hold a plain module (one process, or replicas), whose weights are whole already: drop it")
+                    f"{with_them}hold a plain module (one process, or replicas), whose weights are whole already: "
+                    "drop it")
         return (f"plan.gather_for_generation=false: this flavor's plans {with_them}keep their layers gathered after a "
-                "forward (plan.reshard_after_forward=false), through the sampling too: force plan.reshard_after_forward="
-                "true as well, or drop it")
+                "forward (plan.reshard_after_forward=false), through the sampling too: force "
+                "plan.reshard_after_forward=true as well, or drop it")
     if forced.get("cpu_offload"):
         return (f"plan.cpu_offload=true: {flavor.name} has no device memory to offload from (it runs on the CPU); "
                 "drop plan.cpu_offload or pick a GPU flavor")
@@ -405,9 +407,10 @@ def _generation_batch(plan: Plan, work: Workload, flavor: Flavor, budget: int, f
     """recipes.grpo: how the plan samples, the fastest way that fits beside its training: how many completions at
     once (a power of two up to a device's completions: fewer chunks, each decode step reading the weights once for
     all its rows, against a larger KV cache) and, on FSDP2 shards, whether each layer is gathered once for the
-    round's sampling or again at every decode step (the whole model held in the compute dtype while sampling, against a gather of
-    every layer per token generated). The forced ones (plan.generation_batch, plan.gather_for_generation); where
-    nothing fits, the smallest. With its predicted memory (`scales`: the machine's calibration)."""
+    round's sampling or again at every decode step (the whole model held in the compute dtype while sampling, against
+    a gather of every layer per token generated). The forced ones (plan.generation_batch,
+    plan.gather_for_generation); where nothing fits, the smallest. With its predicted memory (`scales`: the machine's
+    calibration)."""
     most, traced = plan.batch_per_device, scales.get(calibration.MEMORY, 1.0)
     if forced.get("generation_batch"):
         sizes = [min(forced["generation_batch"], most)]

@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{str(p.compile):>7} {c.memory.total / GiB:>9.2f} {c.time.total_s:>9.3g} {100 * c.mfu:>4.0f}%  "
               f"{'yes' if c.fits else 'no'}{mark}")
     if len(choice.candidates) > len(shown):
-        print(f"... and {len(choice.candidates) - len(shown):,} more, slower or further from fitting "
-              f"({'plan.json lists the best 200' if cfg.output_dir != '-' else 'output_dir=DIR writes the best 200 to DIR/plan.json'})")
+        where = ("plan.json lists the best 200" if cfg.output_dir != "-"
+                 else "output_dir=DIR writes the best 200 to DIR/plan.json")
+        print(f"... and {len(choice.candidates) - len(shown):,} more, slower or further from fitting ({where})")
     print("\n".join(choice.report()))
     print(f"Configuration for parallelism is selected: {choice.chosen.plan.describe()}")
     print(f"Planned in {time.perf_counter() - start:.2f} s")

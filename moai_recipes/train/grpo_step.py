@@ -73,7 +73,8 @@ class GRPOObjective:
     def step(self, state, micro_batches: list[list[dict] | None], context):
         from moai_recipes.train.loop import StepResult, _all_reduce
 
-        step, plan, world, settings, pad_id = context.number, context.plan, context.world, context.settings, context.pad_id
+        step, plan, world, settings = context.number, context.plan, context.world, context.settings
+        pad_id = context.pad_id
         round_ = (step - 1) // self.num_iterations
         clock = {"generate": 0.0, "score": 0.0}
         if self.rollouts is None or self.rollouts.round != round_:
