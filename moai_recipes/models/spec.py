@@ -5,6 +5,7 @@ Test: `python -m pytest tests/test_models.py -q`.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -57,23 +58,25 @@ class ModelSpec:
 
     def mlp_params(self, layer: int, *, active: bool = False) -> int:
         """Weights of a layer's MLP: dense, or its router and experts (`active`: the top-k experts a token uses)."""
-        d = self.embed_dim
-        if layer not in self.moe_layers:
-            return 3 * d * self.intermediate_dim
+        return self._sparse_mlp_params(active) if layer in self.moe_layers else 3 * self.embed_dim * self.intermediate_dim
+
+    def _sparse_mlp_params(self, active: bool) -> int:
         experts = self.experts_per_token if active else self.num_experts
-        return d * self.num_experts + experts * 3 * d * self.expert_dim
+        return self.embed_dim * self.num_experts + experts * 3 * self.embed_dim * self.expert_dim
 
     def mean_mlp_params(self, *, active: bool = False) -> float:
-        """A layer's MLP weights, averaged over the layers (dense and sparse alike)."""
-        # Counted by kind rather than layer by layer: the planner asks for each of its candidates (70B on 48xlarge:
-        # 98,000 times over 80 layers, 2 s of its 12).
-        sparse = sum(1 for i in set(self.moe_layers) if 0 <= i < self.num_layers)
+        """A layer's MLP weights, averaged over the layers (dense and sparse alike). Counted by kind of layer, not
+        layer by layer: the planner asks for each of its candidates (70B on 48xlarge: 98,000 times over 80 layers)."""
+        sparse = len({i for i in self.moe_layers if 0 <= i < self.num_layers})
         dense = self.num_layers - sparse
-        first_sparse = next((i for i in self.moe_layers if 0 <= i < self.num_layers), None)
-        total = dense * 3 * self.embed_dim * self.intermediate_dim
-        if first_sparse is not None:
-            total += sparse * self.mlp_params(first_sparse, active=active)
-        return total / self.num_layers
+        return (dense * 3 * self.embed_dim * self.intermediate_dim
+                + sparse * self._sparse_mlp_params(active)) / self.num_layers
+
+    @functools.cached_property
+    def key(self) -> str:
+        """The spec written out (repr), once: what the planner's traces are keyed by (planner/activations.py), asked
+        for hundreds of thousands of times in a large search. Not a hash: rope_scaling is a dict."""
+        return repr(self)
 
     def num_params(self, *, active: bool = False) -> int:
         """Exact parameter count; tied embeddings counted once. `active`: those one token computes with (a

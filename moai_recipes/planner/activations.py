@@ -159,23 +159,11 @@ def _extrapolated(lo: HeadTrace, hi: HeadTrace, *, steps: int, more: int) -> Hea
                      traffic=int(hi.traffic + more * per(lambda t: t.traffic)), ops=int(hi.ops + more * per(lambda t: t.ops)))
 
 
-_SPEC_REPRS: dict[int, tuple[ModelSpec, str]] = {}  # id -> the spec (held, so that its id is not reused), its repr
-
-
-def _spec_repr(spec: ModelSpec) -> str:
-    """repr(spec), once a spec: a search asks for hundreds of thousands of traces (70B on 48xlarge: 336,000, 2 s of
-    its 12 spent writing the spec out for their keys). Not hashable (rope_scaling is a dict), so kept by id."""
-    held = _SPEC_REPRS.get(id(spec))
-    if held is None or held[0] is not spec:
-        held = _SPEC_REPRS[id(spec)] = (spec, repr(spec))
-    return held[1]
-
-
 def _cached(cls, key_parts: tuple, trace):
     """A trace takes a fraction of a second (thousands of dispatched fake ops) after torchtune's import;
     it is kept in memory and on disk, keyed by everything it depends on, so that planning a model
     again is instant."""
-    parts = tuple(_spec_repr(k) if isinstance(k, ModelSpec) else k for k in key_parts)
+    parts = tuple(k.key if isinstance(k, ModelSpec) else k for k in key_parts)
     found = _CACHE.get(parts)  # in memory by the parts themselves: hashed, never written out (1.3 s of a search)
     if found is None:
         key = repr((_VERSION, *parts, torch.__version__, _torchtune_version()))

@@ -380,10 +380,10 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
                     row_sizes=ROW_SIZES_PER_DOUBLING.get((flavor.device.kind, compute), 0), **o)
         traced = scales.get(calibration.MEMORY, 1.0)
         if work.rollout is not None:
-            if forced.get("gather_for_generation") is not None and \
-                    forced["gather_for_generation"] not in _generation_gathers(plan):
+            sampled = _generation_batch(plan, work, flavor, budget, forced, scales)
+            if sampled is None:  # the forced plan.gather_for_generation does not apply to this plan
                 continue
-            plan, memory = _generation_batch(plan, work, flavor, budget, forced, scales)
+            plan, memory = sampled
         else:
             memory = predict_memory(plan, work, flavor.device.kind, traced_scale=traced)
         time = predict_time(plan, work, flavor.device, scales=scales)
@@ -403,21 +403,22 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
 
 
 def _generation_batch(plan: Plan, work: Workload, flavor: Flavor, budget: int, forced: dict,
-                      scales: dict) -> tuple[Plan, MemoryBreakdown]:
+                      scales: dict) -> tuple[Plan, MemoryBreakdown] | None:
     """recipes.grpo: how the plan samples, the fastest way that fits beside its training: how many completions at
     once (a power of two up to a device's completions: fewer chunks, each decode step reading the weights once for
     all its rows, against a larger KV cache) and, on FSDP2 shards, whether each layer is gathered once for the
     round's sampling or again at every decode step (the whole model held in the compute dtype while sampling, against
     a gather of every layer per token generated). The forced ones (plan.generation_batch,
-    plan.gather_for_generation); where nothing fits, the smallest. With its predicted memory (`scales`: the machine's
-    calibration)."""
+    plan.gather_for_generation); where nothing fits, the smallest; None where the forced gathering does not apply to
+    `plan`. With its predicted memory (`scales`: the machine's calibration)."""
     most, traced = plan.batch_per_device, scales.get(calibration.MEMORY, 1.0)
     if forced.get("generation_batch"):
         sizes = [min(forced["generation_batch"], most)]
     else:
         sizes = sorted({min(2**k, most) for k in range(most.bit_length() + 1)}, reverse=True)
-    gathers = [forced["gather_for_generation"]] if forced.get("gather_for_generation") is not None else \
-        _generation_gathers(plan)
+    gathers = [g for g in _generation_gathers(plan) if forced.get("gather_for_generation") in (None, g)]
+    if not gathers:
+        return None
     fitting, smallest = [], None
     for size in sizes:
         for gather in gathers:
