@@ -86,11 +86,13 @@ class RunInputs:
                     "checks a local copy)")]
         if self.lora:
             o = self.lora
-            targets = [*o.attn_modules, *(["the MLP"] if o.apply_to_mlp else []),
+            targets = [*(o.target_modules or o.attn_modules), *(["the MLP"] if o.apply_to_mlp else []),
                        *(["every expert's projections"] if o.apply_to_experts else []),
                        *(["the output"] if o.apply_to_output else [])]
+            small = (f", but for {len(o.unquantized)} linear weights too small for whole NF4 blocks (kept in the "
+                     "compute dtype)") if o.unquantized else ""
             lines.append(f"LoRA: rank {o.rank} on {', '.join(targets)}, alpha {o.alpha:g}; "
-                         + ("the base frozen in NF4 (QLoRA)" if o.quantize_base else "the base frozen"))
+                         + (f"the base frozen in NF4 (QLoRA){small}" if o.quantize_base else "the base frozen"))
         if self.data is not None:
             lines += self.data.describe(cfg)
         if self.out is not None:
@@ -118,9 +120,9 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
             out, resume_from = check_output_dir(cfg, restarting=not dry and restarting)
     m = cfg.model
     folder = resolve_model_dir(**model_source(cfg), download=not dry)
-    hf = HFFolder.open(folder) if folder else None
-    spec = spec_for(architecture=m.architecture, checkpoint_dir=hf.folder if hf else None,
-                    any_family=m.name == DEFAULT_MODEL)
+    spec = spec_for(architecture=m.architecture, checkpoint_dir=folder, any_family=m.name == DEFAULT_MODEL,
+                    implementation=m.implementation, trust_remote_code=m.trust_remote_code, longest=cfg.max_seq_len)
+    hf = HFFolder.open(folder, spec=spec) if folder else None
     spec = with_aux_loss_coef(spec, m.get("router_aux_loss_coef"))
     check_context(spec, cfg.max_seq_len, what=f"max_seq_len={cfg.max_seq_len}",
                   fix=f"use max_seq_len={spec.sliding_window} or less")
@@ -217,7 +219,8 @@ def model_and_adapter(cfg: DictConfig, *, dry: bool = False) -> tuple[HFFolder |
         folder = resolve_model_dir(**model_source(cfg), download=not dry)
     if folder is None:
         return None, adapter
-    hf = HFFolder.open(folder)
+    hf = HFFolder.open(folder, implementation=cfg.model.get("implementation", "auto"),
+                       trust_remote_code=cfg.model.get("trust_remote_code", False))
     if adapter:
         adapter.check_base(hf)
     return hf, adapter

@@ -119,7 +119,8 @@ def test_init_buffers_after_to_empty_restores_rope_caches():
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"),
+    ({"model_type": "gpt2"}, "our own layers build llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, not model_type "
+                             "'gpt2'; leave model.implementation=auto"),
     (hf_config("llama", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type 'yarn'"),
     (hf_config("qwen2", rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}), "'dynamic'"),
     ({**hf_config("llama"), "rope_parameters": {"rope_theta": 1e4, "rope_type": "llama3", "factor": 8.0}},
@@ -129,13 +130,38 @@ def test_init_buffers_after_to_empty_restores_rope_caches():
     (hf_config("llama", num_key_value_heads=3), "not a multiple of num_key_value_heads=3"),
     ({"model_type": "llama", "hidden_size": 64}, "missing"),
 ])
-def test_unsupported_configs_are_user_errors(config, message):
+def test_what_our_own_layers_cannot_build_is_refused_by_name_when_forced(config, message):
+    with pytest.raises(UserError, match=message):
+        spec_from_hf_config(config, implementation="native")
+
+
+@pytest.mark.parametrize("config", [
+    hf_config("llama", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+    hf_config("qwen2", rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}),
+    hf_config("llama", hidden_act="gelu"), hf_config("llama", partial_rotary_factor=0.5),
+], ids=["yarn", "dynamic", "gelu", "partial-rope"])
+def test_what_our_own_layers_cannot_build_builds_with_transformers_modules(config):
+    spec = spec_from_hf_config(config)
+    assert spec.implementation == "transformers" and spec.num_params() == sum(
+        p.numel() for p in transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**config)).parameters())
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "gpt-17"}, r"model_type 'gpt-17' is not known to the installed transformers 5\.\d+"),
+    ({"model_type": "my_model", "auto_map": {"AutoConfig": "x.MyConfig"}}, "model.trust_remote_code=true"),
+    ({"model_type": "llama", "hidden_size": "wide"}, "not one transformers .* accepts"),
+    ({**hf_config("llama"), "model_type": "t5"}, "no causal language model in transformers"),
+])
+def test_what_transformers_cannot_build_is_refused_by_name(config, message):
     with pytest.raises(UserError, match=message):
         spec_from_hf_config(config)
 
 
-def test_a_sliding_window_is_refused_only_past_it():
-    mistral = spec_from_hf_config(hf_config("mistral", sliding_window=64))
+def test_a_sliding_window_is_refused_only_past_it_and_computed_by_transformers_modules_there():
+    assert spec_from_hf_config(hf_config("mistral", sliding_window=64), longest=64).native
+    assert spec_from_hf_config(hf_config("mistral", sliding_window=64), longest=65).implementation == "transformers"
+    mistral = spec_from_hf_config(hf_config("mistral", sliding_window=64), implementation="native", longest=65)
     check_context(mistral, 64, what="max_seq_len=64", fix="")
     with pytest.raises(UserError, match=r"max_seq_len=65 \(65 tokens\) is longer than .* sliding window \(64 tokens"):
         check_context(mistral, 65, what="max_seq_len=65", fix="")

@@ -299,13 +299,14 @@ BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 @pytest.mark.parametrize("config,named", [
     ({**BASE, "model_type": "mixtral", "router_jitter_noise": 0.01}, "router_jitter_noise"),
-    ({**BASE, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 64}, "shared experts"),
+    ({**BASE, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 64}, "not model_type 'qwen2_moe'"),
     ({**BASE, "model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_experts_per_tok": 6},
      "num_experts_per_tok=6"),
 ])
-def test_what_cannot_be_built_is_refused_by_name(config, named):
+def test_what_our_own_layers_cannot_build_is_refused_by_name_or_built_by_transformers(config, named):
     with pytest.raises(UserError, match=named):
-        spec_from_hf_config(config)
+        spec_from_hf_config(config, implementation="native")
+    assert spec_from_hf_config(config).implementation == "transformers"
 
 
 def test_lora_settings_the_experts_cannot_take_are_refused_by_name(checkpoint):

@@ -197,7 +197,8 @@ def test_rope_is_read_from_config_json_as_transformers_reads_it(family, rope):
 
 
 def test_a_scaling_we_cannot_build_is_refused_in_either_layout():
-    """YaRN beside a plain rope_parameters is YaRN for transformers: refused by name, never trained as plain RoPE."""
+    """YaRN beside a plain rope_parameters is YaRN for transformers: our own layers refuse it by name (never trained as
+    plain RoPE), and model.implementation=auto trains it with transformers' modules, YaRN and all."""
     from moai_recipes.errors import UserError
     from moai_recipes.models.spec import spec_from_hf_config
 
@@ -207,4 +208,5 @@ def test_a_scaling_we_cannot_build_is_refused_in_either_layout():
               "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}, "rope_scaling": yarn}
     assert transformers.AutoConfig.for_model(**json.loads(json.dumps(config))).rope_parameters["rope_type"] == "yarn"
     with pytest.raises(UserError, match="rope_type 'yarn'"):
-        spec_from_hf_config(config)
+        spec_from_hf_config(config, implementation="native")
+    assert spec_from_hf_config(config).implementation == "transformers"

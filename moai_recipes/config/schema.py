@@ -150,6 +150,10 @@ class ModelConfig:
     checkpoint_dir: Optional[str] = setting(None, "a Hugging Face folder (config.json, *.safetensors, tokenizer files); "
                                             "its config.json is the truth for the architecture")
     architecture: dict[str, Any] = setting({}, "config.json's fields, for planning without files")
+    implementation: str = setting("auto", "which code builds the model: auto (our own layers where they build it, "
+                                          "transformers' modules otherwise) | native | transformers")
+    trust_remote_code: bool = setting(False, "run the code a checkpoint brings (config.json's auto_map) to build a "
+                                             "model the installed transformers does not know")
     router_aux_loss_coef: Optional[float] = setting(None, "Mixture-of-Experts: the weight of the load-balancing loss "
                                                          "added to the token loss (null: config.json's "
                                                          "router_aux_loss_coef; 0: none)")
@@ -297,7 +301,12 @@ class RecipeConfig:
 
 @dataclass
 class LoraConfig:
-    attn_modules: list[str] = setting(["q_proj", "v_proj"], "any of q_proj, k_proj, v_proj, output_proj")
+    attn_modules: list[str] = setting(["q_proj", "v_proj"], "any of q_proj, k_proj, v_proj, output_proj: the "
+                                                            "attention's projections by their role, in any model")
+    target_modules: Optional[list[str]] = setting(None, "PEFT's target_modules: the linear modules to adapt by "
+                                                        "their own names in the model (q_proj, gate_proj, "
+                                                        "in_proj_qkv...), or [all-linear]; instead of attn_modules "
+                                                        "and apply_to_mlp")
     apply_to_mlp: bool = setting(False, "adapters on the MLP's three projections too")
     apply_to_output: bool = setting(False, "an adapter on the output projection (not with tied embeddings)")
     apply_to_experts: bool = setting(False, "a Mixture-of-Experts model: adapters on every expert's three projections "

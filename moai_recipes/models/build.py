@@ -43,6 +43,11 @@ def build_model(spec: ModelSpec, *, max_seq_len: int, lora: dict | None = None,
     linear weight of the layers in NF4, adapted or not (see nf4_weights); never the embeddings, norms or
     output.
     """
+    if not spec.native:  # transformers' own modules (models/transformers_model.py)
+        from moai_recipes.models.transformers_model import model_of
+
+        assert lora is not None or not quantize_base, "NF4 base weights come with LoRA only"
+        return model_of(spec, lora=lora, quantize_base=quantize_base)
     from torchtune.modules import RMSNorm, TiedLinear, TransformerDecoder
 
     check_supported(spec)
@@ -179,7 +184,13 @@ def head_skipped(model: torch.nn.Module):
 
 
 def init_buffers(model: torch.nn.Module, *, device: torch.device | str) -> None:
-    """Recompute the RoPE caches on `device` after `to_empty` (they are not in any checkpoint)."""
+    """Recompute the RoPE caches on `device` after `to_empty` (they are not in any checkpoint); transformers'
+    modules get back the buffers they computed when built."""
+    if hasattr(model, "_initial_buffers"):
+        from moai_recipes.models.transformers_model import restore_buffers
+
+        restore_buffers(model, device)
+        return
     # rope_init allocates on the default device, so it must run under the target one.
     with torch.device(device):
         for module in model.modules():

@@ -1,10 +1,17 @@
-"""Hugging Face checkpoint folders: describe one, load it into a torchtune model, save the model back alike.
+"""Hugging Face checkpoint folders: describe one, load it into our model, save the model back alike.
+
+The model is either implementation (models/spec.py): our native layers, whose parameter names differ from the
+checkpoint's (`NativeNames`: the one mapping between the two), or transformers' own modules, whose names are the
+checkpoint's up to transformers' conversion rules (models/transformers_weights.py). Both map each checkpoint tensor
+to the parameter it is (or is a part of: a stacked expert), make a parameter whole from its tensors and give them
+back; loading and saving here are the same for both.
 
 Test: `python -m pytest tests/test_hf_checkpoint.py -q`. The model may be plain or FSDP2-sharded
 (DTensor parameters sharded on dim 0). Loading reads one tensor at a time; saving holds one
 input file's tensors at a time, so a 70B model never has to fit whole in one process.
 """
 
+import functools
 import hashlib
 import json
 import math
@@ -48,9 +55,13 @@ class HFFolder:
     shapes: dict[str, tuple]
 
     @classmethod
-    def open(cls, folder: str | Path) -> "HFFolder":
+    def open(cls, folder: str | Path, *, spec: ModelSpec | None = None, implementation: str = "auto",
+             trust_remote_code: bool = False) -> "HFFolder":
+        """The folder described from its headers; `spec` (its config.json's, built as the run builds it) is read
+        from the folder when not given."""
         folder = Path(folder)
-        spec = read_spec(folder)  # also says when the folder or config.json is missing
+        # read_spec also says when the folder or config.json is missing
+        spec = spec or read_spec(folder, implementation=implementation, trust_remote_code=trust_remote_code)
         files, dtypes, shapes = _weight_map(folder), {}, {}
         for fname, names in files.items():
             with _open(folder / fname) as f:
@@ -65,8 +76,45 @@ class HFFolder:
                                         "checkpoints are supported (not quantized ones)")
                     dtypes[name], shapes[name] = _DTYPES[sl.get_dtype()], tuple(sl.get_shape())
         hf = cls(folder=folder, spec=spec, files=files, dtypes=dtypes, shapes=shapes)
-        tune_names(hf)  # a tensor no converter knows is a UserError now, not halfway through loading
+        hf.params  # a tensor no mapping knows is a UserError now, not halfway through loading
         return hf
+
+    @functools.cached_property
+    def names(self):
+        """How this checkpoint's tensors map to the model's parameters (NativeNames or TransformersNames)."""
+        if self.spec.native:
+            return NativeNames(self.spec)
+        from moai_recipes.models.transformers_model import causal_lm_of
+        from moai_recipes.models.transformers_weights import TransformersNames
+
+        return TransformersNames(causal_lm_of(self.spec))
+
+    @functools.cached_property
+    def params(self) -> dict[str, str | None]:
+        """Each tensor's parameter (None: not a weight of the model, e.g. rotary inv_freq: copied as it is)."""
+        out = {}
+        for names in self.files.values():
+            for name in names:
+                try:
+                    out[name] = self.names.param_of(name)
+                except KeyError:
+                    raise UserError(f"{self.folder}: tensor {name} is not part of a {self.spec.family} model; the "
+                                    "weights and config.json do not belong together") from None
+        return out
+
+    @functools.cached_property
+    def sources(self) -> dict[str, list[str]]:
+        """Each parameter's tensors in the checkpoint, in the files' order (a stacked one's in expert order)."""
+        out: dict[str, list[str]] = {}
+        for name, param in self.params.items():
+            if param is not None:
+                out.setdefault(param, []).append(name)
+        return {param: self.names.ordered(names) for param, names in out.items()}
+
+    def whole_shape(self, param: str) -> tuple:
+        """The shape a parameter has when made from its tensors (without reading them)."""
+        metas = {n: torch.empty(self.shapes[n], dtype=self.dtypes[n], device="meta") for n in self.sources[param]}
+        return tuple(self.names.gather(param, metas).shape)
 
     def tensors(self):
         """(Hugging Face name, tensor) for every weight, file by file, in the files' order: one in memory at a time."""
@@ -226,48 +274,100 @@ def hf_name(tune: str) -> str:
     raise KeyError(tune)
 
 
-def tune_names(hf: HFFolder) -> dict[str, str | None]:
-    """Hugging Face tensor name -> our parameter name (None: not a weight, e.g. rotary inv_freq)."""
-    names = {}
-    for hf_names in hf.files.values():
-        for hf_name in hf_names:
-            try:
-                names[hf_name] = tune_name(hf_name)
-            except KeyError:
-                raise UserError(f"{hf.folder}: tensor {hf_name} is not part of a {hf.spec.family} model; the weights "
-                                "and config.json do not belong together") from None
-    return names
+class NativeNames:
+    """Our native layers' parameter names for a checkpoint's (tune_name, hf_name): each tensor is a parameter, or one
+    expert's slice of a stacked one."""
+
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+        # A tied model's checkpoint may still hold lm_head.weight: the embedding is the output (read from its own name,
+        # written to both).
+        self.aliases = {_TIED_OUTPUT: "tok_embeddings.weight"} if spec.tie_word_embeddings else {}
+
+    def param_of(self, name: str) -> str | None:
+        return tune_name(name)
+
+    def ordered(self, names: list[str]) -> list[str]:
+        return sorted(names, key=lambda n: expert_index(n) or 0)
+
+    def gather(self, param: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        if len(tensors) == 1 and expert_index(next(iter(tensors))) is None:
+            return next(iter(tensors.values()))
+        return torch.stack([tensors[n] for n in self.ordered(list(tensors))])  # [E, out, in]
+
+    def stacked(self, param: str, whole: torch.Tensor) -> torch.Tensor:
+        """A stacked experts' weight as [E, out, in] (QLoRA holds it as [E x out, in]); any other as it is."""
+        return whole.view(self.spec.num_experts, -1, whole.shape[-1]) if ".mlp.experts." in param else whole
+
+    def scatter(self, param: str, whole: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+        if len(names) == 1 and expert_index(names[0]) is None:
+            return {names[0]: whole}
+        whole = self.stacked(param, whole)
+        return {n: whole[expert_index(n)] for n in names}
+
+    def check(self, hf: HFFolder, param: str, names: list[str]) -> None:
+        """A stacked weight's experts: each of config.json's, once."""
+        indices = [expert_index(n) for n in names]
+        if indices[0] is None:
+            return
+        count = self.spec.num_experts
+        beyond = [n for n, i in zip(names, indices) if i >= count]
+        if beyond:
+            raise UserError(f"{hf.folder}: tensor {beyond[0]} is of expert {expert_index(beyond[0])}, but its "
+                            f"config.json has {count} experts; the weights and config.json do not belong together")
+        missing = sorted(set(range(count)) - set(indices))
+        if missing:
+            raise UserError(f"{hf.folder} has no weights for {_expert_name(names[0], missing[0])} (experts "
+                            f"{missing[:4]} of that projection); the weights are incomplete or do not belong to its "
+                            "config.json")
+
+    def hf_names(self, param: str) -> str:
+        """How a checkpoint names one of our parameters (for what is missing)."""
+        try:
+            return hf_name(param)
+        except KeyError:
+            m = re.fullmatch(r"layers\.(\d+)\.mlp\.experts\.(w[123])", param)
+            if m:
+                projection = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}[m.group(2)]
+                return f"model.layers.{m.group(1)}.mlp.experts.*.{projection}.weight"
+            return param
 
 
-def _check_matches(model: torch.nn.Module, hf: HFFolder, names: dict[str, str | None],
-                   allow_missing: tuple[str, ...]) -> None:
-    """UserError unless the checkpoint has exactly the model's parameters, with their shapes (every expert of a
-    stacked weight, each its slice's shape)."""
-    params = dict(model.named_parameters())
-    experts: dict[str, set[int]] = {}
-    for hf_name, tune in names.items():
-        if tune is None or (tune == _TIED_OUTPUT and hf.spec.tie_word_embeddings):
+def _expert_name(name: str, expert: int) -> str:
+    m = _EXPERT.fullmatch(name)
+    return name[:m.start(2)] + str(expert) + name[m.end(2):]
+
+
+def _check_matches(model: torch.nn.Module, hf: HFFolder, allow_missing: tuple[str, ...]) -> None:
+    """UserError unless the checkpoint has exactly the model's parameters, with their shapes, each named as the
+    checkpoint names it."""
+    params = dict(model.named_parameters(remove_duplicate=False))  # transformers' tied output under its own name
+    buffers = dict(model.named_buffers())
+    aliases = getattr(hf.names, "aliases", {})
+    for param, names in hf.sources.items():
+        if param in aliases:
             continue
-        if tune not in params:
-            raise UserError(f"{hf.folder}: tensor {hf_name} has no place in the model its config.json describes; "
+        if param not in params and param not in buffers:
+            raise UserError(f"{hf.folder}: tensor {names[0]} has no place in the model its config.json describes; "
                             "the weights and config.json do not belong together")
-        index, shape = expert_index(hf_name), tuple(params[tune].shape)
-        if index is not None:
-            count = hf.spec.num_experts
-            if index >= count:
-                raise UserError(f"{hf.folder}: tensor {hf_name} is of expert {index}, but its config.json has "
-                                f"{count} experts; the weights and config.json do not belong together")
-            experts.setdefault(tune, set()).add(index)
-            # [E, out, in], or under QLoRA [E x out, in] (NF4 holds 2-D weights): one expert's slice either way.
-            shape = shape[1:] if len(shape) == 3 else (shape[0] // count, *shape[1:])
-        if hf.shapes[hf_name] != shape:
-            raise UserError(f"{hf.folder}: tensor {hf_name} has shape {list(hf.shapes[hf_name])} but its config.json "
-                            f"needs {list(shape)}; the weights and config.json do not belong together")
-    missing = set(params) - set(names.values()) - {p for p in params if any(s in p for s in allow_missing)}
-    missing |= {f"{tune} (experts {sorted(set(range(hf.spec.num_experts)) - have)[:4]})"
-                for tune, have in experts.items() if len(have) < hf.spec.num_experts}
+        if hasattr(hf.names, "check"):
+            hf.names.check(hf, param, names)
+        held = params[param] if param in params else buffers[param]
+        # What each of its tensors must be: the parameter's shape laid out as the checkpoint lays it out.
+        try:
+            needed = hf.names.scatter(param, torch.empty(held.shape, device="meta"), names)
+        except (RuntimeError, ValueError, AssertionError):  # not laid out by any rule: shown as a whole
+            needed = None
+        for name in names:
+            want = tuple(needed[name].shape) if needed is not None else tuple(held.shape)
+            if hf.shapes[name] != want and (needed is not None or len(names) == 1):
+                raise UserError(f"{hf.folder}: tensor {name} has shape {list(hf.shapes[name])} but its config.json "
+                                f"needs {list(want)}; the weights and config.json do not belong together")
+    missing = [p for p in dict(model.named_parameters()) if p not in hf.sources
+               and not any(s in p for s in allow_missing)]
     if missing:
-        raise UserError(f"{hf.folder} has no weights for {', '.join(sorted(missing)[:4])}; the weights are "
+        named = [hf.names.hf_names(p) if hasattr(hf.names, "hf_names") else p for p in missing]
+        raise UserError(f"{hf.folder} has no weights for {', '.join(sorted(named)[:4])}; the weights are "
                         "incomplete or do not belong to its config.json")
 
 
@@ -308,29 +408,31 @@ def load_weights(model: torch.nn.Module, hf: HFFolder, *, allow_missing: tuple[s
     """Copy the checkpoint into `model` (plain or FSDP2-sharded), one tensor at a time.
 
     Every rank reads the files. `allow_missing` names substrings of parameters the checkpoint cannot
-    hold (LoRA adapters: ("lora_a", "lora_b")); all other parameters must be in it.
+    hold (LoRA adapters: (".lora_a.", ".lora_b.")); all other parameters must be in it.
     """
-    names = tune_names(hf)
-    _check_matches(whole_model(model), hf, names, allow_missing)  # before reading any weight
-    params = dict(model.named_parameters())
-    stacks: dict[str, dict[int, torch.Tensor]] = {}  # a stacked experts' weight, its experts as they are read
-    for fname, hf_names in hf.files.items():
+    _check_matches(whole_model(model), hf, allow_missing)  # before reading any weight
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers())
+    aliases = getattr(hf.names, "aliases", {})
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # a parameter's tensors as they are read (a stacked one's experts)
+    for fname, names in hf.files.items():
         with _open(hf.folder / fname) as f:
-            for hf_name in hf_names:
-                tune = names[hf_name]
-                if tune not in params:  # rotary inv_freq, the tied lm_head, another pipeline stage's
+            for name in names:
+                param = hf.params[name]
+                # rotary inv_freq, another pipeline stage's, a tied output (read as the embedding)
+                if param in aliases or (param not in params and param not in buffers):
                     continue
-                index = expert_index(hf_name)
-                if index is None:
-                    copy_full_into(params[tune], f.get_tensor(hf_name))
+                parts = pending.setdefault(param, {})
+                parts[name] = f.get_tensor(name)
+                if len(parts) < len(hf.sources[param]):
                     continue
-                stack = stacks.setdefault(tune, {})
-                stack[index] = f.get_tensor(hf_name)
-                if len(stack) == hf.spec.num_experts:  # the last of its experts: the whole weight is here
-                    whole = torch.stack([stack[e] for e in range(len(stack))])
-                    copy_full_into(params[tune], whole.reshape(params[tune].shape))  # [E x out, in] in NF4
-                    del stacks[tune]
-    assert not stacks, sorted(stacks)  # _check_matches saw every expert
+                whole = hf.names.gather(param, pending.pop(param))
+                if param in buffers:  # a buffer the checkpoint holds (Gemma 4's layer scalars)
+                    with torch.no_grad():
+                        buffers[param].copy_(whole.to(buffers[param].dtype))
+                else:
+                    copy_full_into(params[param], whole.reshape(params[param].shape))  # [E x out, in] in NF4
+    assert not pending, sorted(pending)  # _check_matches saw every part
 
 
 def whole_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -379,7 +481,7 @@ def save_weights(model: torch.nn.Module, hf: HFFolder, out_dir: Path, *, rank: i
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists")
-    names, params = tune_names(hf), dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied output under its own name too
     # Rank 0 writes; a full disk there stops its writing but not its part in the gathers, and every rank learns of it
     # at the end (a collective), so none is left waiting in a gather that never comes.
     writes, tmp = Writes(), None
@@ -390,8 +492,8 @@ def save_weights(model: torch.nn.Module, hf: HFFolder, out_dir: Path, *, rank: i
             tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         writes.run(make_tmp)
     try:
-        export = _Export(model, params, hf, names, transform, rank)
-        total_size = sum(_save_file(export, hf, names, fname, tmp, writes) for fname in hf.files)
+        export = _Export(model, params, hf, transform, rank)
+        total_size = sum(_save_file(export, hf, fname, tmp, writes) for fname in hf.files)
         if rank == 0:
             writes.run(lambda: _write_index_and_extras(hf, tmp, total_size))
             time.sleep(env.fault_save_delay())
@@ -404,19 +506,19 @@ def save_weights(model: torch.nn.Module, hf: HFFolder, out_dir: Path, *, rank: i
         raise
 
 
-def _save_file(export, hf: HFFolder, names: dict, fname: str, tmp: Path | None, writes: Writes) -> int:
+def _save_file(export: "_Export", hf: HFFolder, fname: str, tmp: Path | None, writes: Writes) -> int:
     """Gather, convert and (if `tmp`, i.e. on rank 0) write one input file's tensors; returns its byte size."""
     tensors, size = {}, 0
     with _open(hf.folder / fname) as f:
-        for hf_name in hf.files[fname]:  # the same order on every rank: full_tensor() is a collective
-            # A tensor that is not a weight of the model (rotary inv_freq) is copied as it was.
-            tensor = f.get_tensor(hf_name) if names[hf_name] is None else export(names[hf_name], expert_index(hf_name))
-            size += math.prod(hf.shapes[hf_name]) * hf.dtypes[hf_name].itemsize
+        for name in hf.files[fname]:  # the same order on every rank: full_tensor() is a collective
+            # A tensor that is not a trained weight of the model (rotary inv_freq, a buffer) is copied as it was.
+            tensor = export(name) if export.exported(name) else f.get_tensor(name)
+            size += math.prod(hf.shapes[name]) * hf.dtypes[name].itemsize
             if tensor is None:  # held by another pipeline stage, sent to rank 0
                 continue
-            assert tuple(tensor.shape) == hf.shapes[hf_name], (hf_name, tensor.shape, hf.shapes[hf_name])
+            assert tuple(tensor.shape) == hf.shapes[name], (name, tensor.shape, hf.shapes[name])
             if tmp is not None:
-                tensors[hf_name] = tensor.to(hf.dtypes[hf_name]).contiguous()
+                tensors[name] = tensor.to(hf.dtypes[name]).contiguous()
             del tensor  # on every rank, before the next gather: only the file's kept tensors stay
         metadata = {**(f.metadata() or {}), "format": "pt"}
     if tmp is not None:
@@ -425,65 +527,65 @@ def _save_file(export, hf: HFFolder, names: dict, fname: str, tmp: Path | None, 
 
 
 class _Export:
-    """Whole weights gathered (a collective) and transformed, one at a time. A stacked experts' weight is kept while
-    its experts are written one by one (a file lists a layer's experts' projections in turn: gathering the whole
-    weight for each expert would take E collectives); its layer's three are kept, no more."""
+    """Checkpoint tensors from the model's whole weights, each weight gathered (a collective) and transformed once. A
+    stacked experts' weight is kept while its experts are written one by one (a file lists a layer's experts'
+    projections in turn: gathering the whole weight for each expert would take E collectives); its layer's three are
+    kept, no more."""
 
     KEPT = 3
 
-    def __init__(self, model, params: dict, hf: HFFolder, names: dict, transform, rank: int):
+    def __init__(self, model, params: dict, hf: HFFolder, transform, rank: int):
         self.model, self.params, self.hf, self.transform, self.rank = model, params, hf, transform, rank
-        self.kept: dict[str, torch.Tensor | None] = {}
-        # Where each of our weights is in the checkpoint: [(file, Hugging Face name)], a stacked experts' in expert order.
-        # `names`: tune_names(hf).
-        self.sources: dict[str, list[tuple[str, str]]] = {}
-        for fname, hf_names in hf.files.items():
-            for hf_name in hf_names:
-                if names[hf_name] is not None:
-                    self.sources.setdefault(names[hf_name], []).append((fname, hf_name))
-        for places in self.sources.values():
-            places.sort(key=lambda place: expert_index(place[1]) or 0)
+        self.kept: dict[str, dict[str, torch.Tensor] | None] = {}
+        self.aliases = getattr(hf.names, "aliases", {})
+        # The whole model's parameters (a pipeline device's stages hold some: the others are sent to rank 0).
+        self.whole = set(dict(whole_model(model).named_parameters(remove_duplicate=False)))
 
-    def __call__(self, tune: str, expert: int | None) -> torch.Tensor | None:
-        if expert is None:
-            return self._whole(tune)
-        if tune not in self.kept:
+    def exported(self, name: str) -> bool:
+        """Whether the tensor is written from the model (a parameter, or a part of one): not a buffer or rotary table.
+        The same answer on every rank (whole_parameter is a collective)."""
+        param = self.hf.params[name]
+        return param is not None and (param in self.whole or param in self.aliases)
+
+    def __call__(self, name: str) -> torch.Tensor | None:
+        param = self.hf.params[name]
+        if param not in self.kept:
             if len(self.kept) == self.KEPT:
                 del self.kept[next(iter(self.kept))]
-            self.kept[tune] = self._whole(tune, stacked=True)
-        whole = self.kept[tune]
-        return None if whole is None else whole[expert]
+            whole = self._whole(param)
+            self.kept[param] = None if whole is None else self.hf.names.scatter(param, whole, self.hf.sources[param])
+        tensors = self.kept[param]
+        return None if tensors is None else tensors[name]
 
-    def _whole(self, tune: str, stacked: bool = False) -> torch.Tensor | None:
-        """One whole weight, gathered and transformed; its intermediates die on return. `stacked`: an experts'
-        weight, [E, out, in] (QLoRA holds it as [E x out, in])."""
-        source = "tok_embeddings.weight" if tune == _TIED_OUTPUT and self.hf.spec.tie_word_embeddings else tune
+    def _whole(self, param: str) -> torch.Tensor | None:
+        """One whole weight, gathered and transformed; its intermediates die on return."""
+        source = self.aliases.get(param, param)
         whole = self._checkpoints(source) if self._narrowed(source) else whole_parameter(self.model, source, self.params)
-        if stacked and whole is not None and whole.dim() == 2:
-            whole = whole.view(self.hf.spec.num_experts, -1, whole.shape[-1])
+        if whole is not None and hasattr(self.hf.names, "stacked"):
+            whole = self.hf.names.stacked(source, whole)
         return whole if self.transform is None or whole is None else self.transform(source, whole)
 
-    def _narrowed(self, tune: str) -> bool:
+    def _narrowed(self, param: str) -> bool:
         """Whether the model holds this frozen weight in a narrower dtype than the checkpoint (LoRA's base stored in
         the bf16 it computes in, train/mixed_precision.py): then the checkpoint's own values are what it was, and what
         a merge adds the adapters to. Decided alike on every rank (no gather is skipped by some only). NF4 weights
         (QLoRA) are merged into as trained, dequantized, as torchtune merges them."""
-        param = self.params.get(tune)
-        if param is None or param.requires_grad or is_nf4(param) or tune not in self.sources:
+        p = self.params.get(param)
+        if p is None or p.requires_grad or is_nf4(p) or param not in self.hf.sources:
             return False
-        return param.dtype.itemsize < min(self.hf.dtypes[name].itemsize for _, name in self.sources[tune])
+        return p.dtype.itemsize < min(self.hf.dtypes[name].itemsize for name in self.hf.sources[param])
 
-    def _checkpoints(self, tune: str) -> torch.Tensor | None:
-        """The weight read from the checkpoint's files in fp32, on rank 0 (None elsewhere); a stacked experts' weight
-        [E, out, in] from its experts' tensors."""
+    def _checkpoints(self, param: str) -> torch.Tensor | None:
+        """The weight read from the checkpoint's files in fp32, on rank 0 (None elsewhere)."""
         if self.rank != 0:
             return None
-        places, parts = self.sources[tune], {}
-        for fname in dict.fromkeys(fname for fname, _ in places):  # each file opened once, in order
-            with _open(self.hf.folder / fname) as f:
-                parts.update({name: f.get_tensor(name).float() for file, name in places if file == fname})
-        parts = [parts[name] for _, name in places]
-        return parts[0] if len(parts) == 1 and expert_index(self.sources[tune][0][1]) is None else torch.stack(parts)
+        names, parts = self.hf.sources[param], {}
+        for fname, in_file in self.hf.files.items():  # each file opened once, in order
+            wanted = [n for n in in_file if n in names]
+            if wanted:
+                with _open(self.hf.folder / fname) as f:
+                    parts.update({n: f.get_tensor(n).float() for n in wanted})
+        return self.hf.names.gather(param, parts)
 
 
 def _write_index_and_extras(hf: HFFolder, tmp: Path, total_size: int) -> None:

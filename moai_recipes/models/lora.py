@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -50,6 +50,10 @@ class LoraOptions:
     dropout: float
     quantize_base: bool
     apply_to_experts: bool = False  # every expert's projections of a Mixture-of-Experts model (models/moe.py)
+    # transformers' modules: the linear modules adapted by their own names (PEFT's target_modules; "all-linear"),
+    # instead of attn_modules and apply_to_mlp; under QLoRA the linear weights NF4 cannot hold (lora_options)
+    target_modules: tuple[str, ...] | None = None
+    unquantized: tuple[str, ...] = ()
 
     @property
     def scale(self) -> float:
@@ -60,7 +64,17 @@ class LoraOptions:
         quantize_base on its own: the planner traces the layer's activations in full precision)."""
         return dict(lora_attn_modules=list(self.attn_modules), apply_lora_to_mlp=self.apply_to_mlp,
                     apply_lora_to_output=self.apply_to_output, lora_rank=self.rank, lora_alpha=self.alpha,
-                    lora_dropout=self.dropout, apply_lora_to_experts=self.apply_to_experts)
+                    lora_dropout=self.dropout, apply_lora_to_experts=self.apply_to_experts,
+                    **({"target_modules": list(self.target_modules)} if self.target_modules is not None else {}),
+                    **({"unquantized": list(self.unquantized)} if self.unquantized else {}))
+
+    @classmethod
+    def from_builder_kwargs(cls, kwargs: Mapping) -> "LoraOptions":
+        targets = kwargs.get("target_modules")
+        return cls(tuple(kwargs["lora_attn_modules"]), kwargs["apply_lora_to_mlp"], kwargs["apply_lora_to_output"],
+                   kwargs["lora_rank"], kwargs["lora_alpha"], kwargs["lora_dropout"], False,
+                   kwargs.get("apply_lora_to_experts", False), None if targets is None else tuple(targets),
+                   tuple(kwargs.get("unquantized", ())))
 
 
 def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> LoraOptions:
@@ -71,10 +85,25 @@ def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> 
     rank, alpha, dropout = s["rank"], s["alpha"], s["dropout"]
     apply_to_experts = bool(s.get("apply_to_experts", False))
     modules = tuple(s["attn_modules"])
+    targets = s.get("target_modules")
+    if targets is not None:
+        targets = tuple(targets)
+        if spec.native:  # PEFT's names, translated to our layers' (all of the MLP or none of it)
+            modules, apply_to_mlp = _native_targets(targets)
+            targets = None
+        else:
+            from moai_recipes.models.transformers_model import linear_names
+
+            known = linear_names(spec)
+            unknown = [t for t in targets if t not in known and t != "all-linear"]
+            if unknown or not targets:
+                raise UserError(f"lora.target_modules: {', '.join(unknown) or 'an empty list'} names no linear module "
+                                f"of this {spec.family} model's layers; its linear modules are {', '.join(known)}, or "
+                                "[all-linear]")
     bad = [m for m in modules if m not in ATTN_MODULES]
     if bad:
         raise UserError(f"lora.attn_modules: {', '.join(bad)} is not an attention module; valid: {', '.join(ATTN_MODULES)}")
-    if not modules and not apply_to_mlp and not apply_to_output and not apply_to_experts:
+    if not modules and not apply_to_mlp and not apply_to_output and not apply_to_experts and not targets:
         raise UserError("LoRA needs at least one target: set lora.attn_modules=[q_proj,v_proj] or lora.apply_to_mlp=true")
     if apply_to_experts and not spec.is_moe:
         raise UserError(f"lora.apply_to_experts=true adapts a Mixture-of-Experts model's experts, and this "
@@ -92,10 +121,45 @@ def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> 
         raise UserError("lora.apply_to_output=true is not possible for a model whose output shares the embedding "
                         "weights (tie_word_embeddings); leave it false")
     opts = LoraOptions(modules, apply_to_mlp, apply_to_output, rank, float(alpha), float(dropout), quantize_base,
-                       apply_to_experts)
-    if quantize_base:
+                       apply_to_experts, targets)
+    if quantize_base and spec.native:
         _check_nf4(spec, opts, world_size)
+    if quantize_base and not spec.native:
+        opts = replace(opts, unquantized=_unquantized(spec, world_size))
     return opts
+
+
+def _unquantized(spec: ModelSpec, world_size: int) -> tuple[str, ...]:
+    """transformers' modules under QLoRA: the linear weights of the layers that NF4 cannot hold (fewer values than
+    whole blocks of NF4_BLOCK, or a process's share of their rows not whole blocks), kept in the compute dtype, frozen
+    (bitsandbytes-style QLoRA quantizes every linear; torchao's NF4 needs whole blocks). Most models' are their
+    small projections (a linear attention's gates, a router), the rest in NF4."""
+    from moai_recipes.models.transformers_model import linear_shapes
+
+    return tuple(name for name, (rows, cols) in linear_shapes(spec).items()
+                 if rows % world_size or (rows // world_size * cols) % NF4_BLOCK)
+
+
+# PEFT's names of our native layers' linear modules (lora.target_modules on a native model).
+_NATIVE_TARGETS = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "output_proj",
+                   "output_proj": "output_proj"}
+_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _native_targets(targets: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
+    """(attn_modules, apply_to_mlp) of PEFT-style target_modules on our native layers."""
+    if "all-linear" in targets:
+        return ATTN_MODULES, True
+    unknown = [t for t in targets if t not in _NATIVE_TARGETS and t not in _MLP_TARGETS]
+    if unknown:
+        raise UserError(f"lora.target_modules: {', '.join(unknown)} names no linear module of this model's layers; "
+                        f"they are {', '.join([*_NATIVE_TARGETS][:4] + list(_MLP_TARGETS))}, or [all-linear]")
+    mlp = [t for t in _MLP_TARGETS if t in targets]
+    if mlp and len(mlp) < 3:
+        raise UserError(f"lora.target_modules: {', '.join(mlp)} without {', '.join(set(_MLP_TARGETS) - set(mlp))}: "
+                        "our own layers adapt the MLP's three projections together; name all three, or set "
+                        "model.implementation=transformers")
+    return tuple(dict.fromkeys(_NATIVE_TARGETS[t] for t in targets if t in _NATIVE_TARGETS)), bool(mlp)
 
 
 def _check_nf4(spec: ModelSpec, opts: LoraOptions, world_size: int) -> None:
@@ -215,10 +279,14 @@ def _write_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_
             experts.setdefault(layer, {})[leaf] = t
             continue
         stem, kind = name.rsplit(".lora_", 1)  # layers.0.attn.q_proj, a.weight
-        base = hf_name(f"{stem}.weight")
+        try:
+            base = hf_name(f"{stem}.weight")
+        except KeyError:  # transformers' modules: our names are the checkpoint's
+            base = f"{stem}.weight"
         peft = "base_model.model." + base.removesuffix(".weight") + (".lora_A.weight" if kind.startswith("a") else ".lora_B.weight")
         tensors[peft] = t.contiguous()
-        targets.add(_PEFT_TARGETS[stem.rsplit(".", 1)[-1]])
+        leaf = stem.rsplit(".", 1)[-1]
+        targets.add(_PEFT_TARGETS.get(leaf, leaf))
     for layer, stacked in experts.items():
         tensors.update(_peft_experts(f"base_model.model.model.{layer}.experts", stacked))
     config = {

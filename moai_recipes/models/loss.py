@@ -89,9 +89,12 @@ def _checkpointed_chunks(head, hidden: torch.Tensor, labels: torch.Tensor) -> to
 
 
 def output_weight(model: nn.Module) -> torch.Tensor | None:
-    """The output projection's weight (tied: the embedding's); None where the projection has adapters of its own."""
+    """The output projection's weight (tied: the embedding's); None where the projection has adapters of its own or
+    the model does more to its logits (soft-capping, a scale: models/transformers_model.py)."""
     from torchtune.modules import TiedLinear
 
+    if not getattr(model, "plain_head", True):
+        return None
     out = model.output
     if isinstance(out, TiedLinear):
         return out.tied_module.weight
@@ -112,11 +115,18 @@ def token_loss_sum(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
     return head_loss_sum(model, hidden, labels, chunked=True)
 
 
+def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The final norm and the output projection of the last layer's hidden states, and whatever the model does to
+    its logits after (transformers' modules: TransformersDecoder.logits)."""
+    normed = model.norm(hidden)
+    return model.logits(normed) if hasattr(model, "logits") else model.output(normed)
+
+
 def head_loss_sum(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, chunked: bool) -> torch.Tensor:
     """The final norm, the output projection and the loss on the last layer's hidden states: whole, or chunked."""
     if not chunked:
-        return cross_entropy_sum(model.output(model.norm(hidden)).float(), labels)
+        return cross_entropy_sum(head_logits(model, hidden).float(), labels)
     weight = output_weight(model)
     if weight is None:
-        return _checkpointed_chunks(lambda h: model.output(model.norm(h)), hidden, labels)
+        return _checkpointed_chunks(lambda h: head_logits(model, h), hidden, labels)
     return chunked_cross_entropy_sum(model.norm(hidden), weight, labels)

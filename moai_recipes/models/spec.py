@@ -1,6 +1,13 @@
-"""The architecture of a decoder as its Hugging Face config.json describes it, and what we can build of it.
+"""The architecture of a decoder as its Hugging Face config.json describes it, and which code builds it.
 
-Test: `python -m pytest tests/test_models.py -q`.
+Two implementations fill one interface (models/build.build_model): our native layers (models/build.py, torchtune's
+modules) for the Llama, Mistral and Qwen lineage, where they are measured faster, and transformers' own modules
+(models/transformers_model.py) for any other decoder-only causal LM the installed transformers builds. `auto` takes
+the native layers where they build the config exactly and transformers' otherwise. A spec of transformers' modules
+carries its config.json (what it is rebuilt from, in any process) and its exact parameter counts by part (`Parts`),
+counted on the model built on the meta device: what the planner needs of an architecture it has no formula for.
+
+Test: `python -m pytest tests/test_models.py tests/test_architectures.py -q`.
 """
 
 from __future__ import annotations
@@ -13,10 +20,31 @@ from pathlib import Path
 
 from moai_recipes.errors import UserError
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")  # our native layers build these
+IMPLEMENTATIONS = ("auto", "native", "transformers")
 MOE_FAMILIES = ("qwen3_moe", "mixtral")  # Mixture-of-Experts: some layers' MLP is routed experts (models/moe.py)
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A model's parameters counted where they are, exactly, on the model built on the meta device (transformers'
+    modules: the planner's memory and time models need them of architectures it has no formula for)."""
+
+    root: int  # outside the decoder layers: embeddings (per-layer ones too), the final norm, the output (once if tied)
+    layers: tuple[int, ...]  # each decoder layer's
+    active_layers: tuple[int, ...]  # what one token computes with of each layer (a sparse layer: its top-k experts)
+    kinds: tuple[str, ...]  # each layer's kind: its mixer, its MLP and its shapes (e.g. "full_attention, dense")
+    tensors: int  # parameter tensors in all (each costs the optimizer a call)
+    output: int  # the output projection's own (0 when tied to the embedding)
+    layer_tensors: tuple[int, ...] = ()  # each decoder layer's parameter tensors
+    # Why documents cannot share a row (a token mixer whose state would cross from one to the next); None: they can.
+    unpackable: str | None = None
+
+    def representative(self, kind: str) -> int:
+        """The first layer of a kind (the one the planner traces)."""
+        return self.kinds.index(kind)
 
 
 @dataclass(frozen=True)
@@ -51,10 +79,26 @@ class ModelSpec:
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
+    # Which code builds it (IMPLEMENTATIONS): "native" (models/build.py) or "transformers" (transformers' own modules,
+    # models/transformers_model.py), the latter with its config.json (canonical JSON: what every process rebuilds it
+    # from), the folder of its remote code where the user trusts it (model.trust_remote_code), its counts by part.
+    implementation: str = "native"
+    hf_config: str = ""
+    code_dir: str | None = None
+    parts: Parts | None = None
 
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
+
+    @property
+    def native(self) -> bool:
+        return self.implementation == "native"
+
+    @property
+    def why_not_packed(self) -> str | None:
+        """Why this model's rows cannot hold several documents (None: they can, each attending to itself)."""
+        return self.parts.unpackable if self.parts is not None else None
 
     def mlp_params(self, layer: int, *, active: bool = False) -> int:
         """Weights of a layer's MLP: dense, or its router and experts (`active`: the top-k experts a token uses)."""
@@ -81,6 +125,8 @@ class ModelSpec:
     def num_params(self, *, active: bool = False) -> int:
         """Exact parameter count; tied embeddings counted once. `active`: those one token computes with (a
         Mixture-of-Experts layer's top-k experts, not all of them)."""
+        if self.parts is not None:
+            return self.parts.root + sum(self.parts.active_layers if active else self.parts.layers)
         d, q, kv = self.embed_dim, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = d * q + 2 * d * kv + q * d + ((q + 2 * kv) if self.attention_bias else 0) + (d if self.output_bias else 0)
         layer = attn + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
@@ -95,7 +141,10 @@ class ModelSpec:
         query dimension (the scores and the weighted sum, forward and backward). A document of n tokens costs
         n x (1 + n / this)."""
         d, q, kv = self.embed_dim, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        weights = 2 * d * q + 2 * d * kv + self.mean_mlp_params(active=True)
+        if self.parts is not None:
+            weights = sum(self.parts.active_layers) / self.num_layers
+        else:
+            weights = 2 * d * q + 2 * d * kv + self.mean_mlp_params(active=True)
         return max(1, round(6 * weights / (12 * q)))
 
 
@@ -157,26 +206,52 @@ def check_context(spec: ModelSpec, tokens: int, *, what: str, fix: str) -> None:
                         f"not supported: {fix}")
 
 
-def spec_from_hf_config(config: Mapping) -> ModelSpec:
-    """A ModelSpec from the fields of a Hugging Face config.json (either transformers 4 or 5 layout); anything it
-    asks that we cannot build is a UserError naming the field."""
+def spec_from_hf_config(config: Mapping, *, implementation: str = "auto", trust_remote_code: bool = False,
+                        folder: str | Path | None = None, longest: int | None = None) -> ModelSpec:
+    """A ModelSpec from the fields of a Hugging Face config.json (either transformers 4 or 5 layout), built by
+    `implementation` (IMPLEMENTATIONS; auto: our native layers where they build it exactly, else transformers'
+    modules). `folder` holds the config (a model's remote code lives there); `longest`: the longest row a run will
+    have (a sliding window our layers do not compute matters only past it). What nothing here can build is a
+    UserError naming why."""
+    if implementation not in IMPLEMENTATIONS:
+        raise UserError(f"model.implementation={implementation!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    family = config.get("model_type")
+    if implementation != "transformers" and family in SUPPORTED_FAMILIES:
+        try:
+            spec = _native_spec(config)
+            # A sliding window our layers would compute as full attention, on rows longer than it: transformers'
+            # modules compute it (forced native, check_context refuses such rows).
+            window = spec.sliding_window
+            if implementation == "native" or window is None or longest is None or longest <= window:
+                return spec
+        except UserError:
+            if implementation == "native":
+                raise
+    elif implementation == "native":
+        raise UserError(f"model.implementation=native: our own layers build {', '.join(SUPPORTED_FAMILIES)}, not "
+                        f"model_type {family!r}; leave model.implementation=auto to train it with transformers' modules")
+    from moai_recipes.models.transformers_model import transformers_spec
+
+    return transformers_spec(config, trust_remote_code=trust_remote_code, folder=folder)
+
+
+def _native_spec(config: Mapping) -> ModelSpec:
+    """The spec of a config our native layers (models/build.py) build; anything they cannot is a UserError naming the
+    field."""
     family = config.get("model_type")
     if family in _SHARED_EXPERT_FAMILIES:
         raise UserError(f"model_type {family!r} has shared experts beside its routed ones "
-                        f"(shared_expert_intermediate_size / n_shared_experts), which are not supported; the "
-                        f"Mixture-of-Experts families supported are {', '.join(MOE_FAMILIES)}")
-    if family not in SUPPORTED_FAMILIES:
-        raise UserError(f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+                        f"(shared_expert_intermediate_size / n_shared_experts), which our own layers do not build")
     missing = [k for k in _REQUIRED_KEYS if k not in config]
     if missing:
         raise UserError(f"the {family} config is missing {', '.join(missing)}; is it a complete config.json?")
     if config.get("hidden_act", "silu") != "silu" or config.get("mlp_bias", False):
         raise UserError(f"this {family} config has hidden_act={config.get('hidden_act')!r}, "
-                        f"mlp_bias={config.get('mlp_bias')}; only SiLU MLPs without bias are supported")
+                        f"mlp_bias={config.get('mlp_bias')}; our own layers build SiLU MLPs without bias")
     partial = (config.get("rope_parameters") or {}).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        raise UserError(f"this {family} config has partial_rotary_factor={partial}; only RoPE over the whole head "
-                        "is supported")
+        raise UserError(f"this {family} config has partial_rotary_factor={partial}; our own layers rotate the whole "
+                        "head")
     heads, embed = config["num_attention_heads"], config["hidden_size"]
     theta, scaling = _rope(config)
     # Qwen2 has biases on q, k and v only; Llama, Mistral and Qwen3 put attention_bias on o_proj too.
@@ -257,8 +332,8 @@ def with_aux_loss_coef(spec: ModelSpec, coef: float | None) -> ModelSpec:
     return replace(spec, router_aux_loss_coef=float(coef))
 
 
-def read_spec(checkpoint_dir: str | Path) -> ModelSpec:
-    """The ModelSpec of a Hugging Face checkpoint folder, from its config.json."""
+def read_config(checkpoint_dir: str | Path) -> dict:
+    """A Hugging Face checkpoint folder's config.json."""
     path = Path(checkpoint_dir) / "config.json"
     if not Path(checkpoint_dir).is_dir():
         raise UserError(f"checkpoint folder {checkpoint_dir} does not exist; set model.checkpoint_dir "
@@ -272,26 +347,36 @@ def read_spec(checkpoint_dir: str | Path) -> ModelSpec:
         raise UserError(f"{path} is not valid JSON ({e}); download the checkpoint again") from None
     if not isinstance(config, dict):
         raise UserError(f"{path} is not a JSON object; download the checkpoint again")
-    return spec_from_hf_config(config)
+    return config
 
 
-def spec_for(*, architecture: Mapping, checkpoint_dir: str | Path | None, any_family: bool = False) -> ModelSpec:
+def read_spec(checkpoint_dir: str | Path, *, implementation: str = "auto", trust_remote_code: bool = False,
+              longest: int | None = None) -> ModelSpec:
+    """The ModelSpec of a Hugging Face checkpoint folder, from its config.json."""
+    return spec_from_hf_config(read_config(checkpoint_dir), implementation=implementation,
+                               trust_remote_code=trust_remote_code, folder=checkpoint_dir, longest=longest)
+
+
+def spec_for(*, architecture: Mapping, checkpoint_dir: str | Path | None, any_family: bool = False,
+             implementation: str = "auto", trust_remote_code: bool = False, longest: int | None = None) -> ModelSpec:
     """The spec of a `model` config entry: checkpoint_dir/config.json when given, else its `architecture`.
 
     Without files the planner can still plan a 70B run. With a folder, its config.json is the truth, but it must
     be of the family the model name promises; `any_family`: the name promises none (the default, the tiny demo
     model: a folder given without naming a model is taken for what its config.json says).
     """
-    named = spec_from_hf_config(architecture)
+    how = dict(implementation=implementation, trust_remote_code=trust_remote_code, longest=longest)
     if checkpoint_dir is None:
-        return named
-    spec = read_spec(checkpoint_dir)
-    return spec if any_family else same_family(spec, named, checkpoint_dir)
+        return spec_from_hf_config(architecture, **how)
+    config = read_config(checkpoint_dir)
+    if not any_family:
+        same_family(config.get("model_type"), architecture.get("model_type"), checkpoint_dir)
+    return spec_from_hf_config(config, folder=checkpoint_dir, **how)
 
 
-def same_family(spec: ModelSpec, named: ModelSpec, folder: str | Path) -> ModelSpec:
-    """`spec` (a checkpoint folder's), or a UserError when it is not of the family of the model name's `named`."""
-    if spec.family != named.family:
-        raise UserError(f"{folder} holds a {spec.family} model, but the chosen model config is {named.family}; "
-                        f"pick a {spec.family} model name (moai ls lists them)")
-    return spec
+def same_family(family: str | None, named: str | None, folder: str | Path) -> None:
+    """A UserError when a checkpoint folder's model_type is not the family of the model name's (a multimodal
+    config's language model, gemma3 against gemma3_text, is the same family)."""
+    if str(family).removesuffix("_text") != str(named).removesuffix("_text"):
+        raise UserError(f"{folder} holds a {family} model, but the chosen model config is {named}; "
+                        f"pick a {family} model name (moai ls lists them), or leave the model name out")

@@ -44,7 +44,7 @@ from moai_recipes.planner.live_storages import LiveStorages
 from moai_recipes.models.recompute import apply_recompute
 from moai_recipes.models.tiled_mlp import apply_tiled_mlp
 
-_VERSION = 9  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 10  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class LayerTrace:
     traffic: int  # bytes read and written by the other operators (norms, activations, RoPE...), per sequence
     ops: int  # operators dispatched (each costs a launch, whatever its size), per micro-batch
     attention_flops: int = 0  # the share of `flops` in attention kernels (the CPU's run at fp32 speed in bf16)
+    attention_square: int = 0  # those kernels' formulas over the whole square of scores (a causal one not halved)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,52 @@ def trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked:
     return _extrapolated(traced(a), traced(b), steps=b - a, more=micro_batch_size - b)
 
 
+@dataclass(frozen=True)
+class TracedFlops:
+    """A model's FLOPs as its traces count them (transformers' modules, for which no formula is written): per token
+    of its matmuls and per (query, key) pair of its attention's whole square, forward and backward, over the layers
+    and the head; and one forward of the layers' (what full recomputation does again)."""
+
+    per_token: float
+    per_pair: float
+    layer_forward: float
+    pair_forward: float
+
+
+# Rows the FLOPs are traced on: each layer's count is a x n + b x n^2 (matmuls and attention), two rows give a and b;
+# whole chunks of the linear attentions that pad rows to 64 tokens (Gated DeltaNet's).
+FLOP_ROWS = (64, 128)
+# A flash kernel's attention in units of one (query, key) product over a head's dimensions: its forward computes the
+# scores and the weighted sum (4), its backward recomputes the scores beside the four products the math takes (10):
+# PyTorch's formulas count 14 where the model's work (the math kernel's) is 12, and 4 for a forward.
+FLASH_UNITS, MODEL_UNITS, FORWARD_UNITS = 14, 12, 4
+
+
+def traced_flops(spec: ModelSpec, lora: tuple | None = None) -> TracedFlops:
+    """The FLOPs of a model of transformers' modules, counted on its layers of each kind and its head traced on two
+    rows (FLOP_ROWS): as FlopCounterMode counts the model computed with the math kernel of attention (its whole
+    square of scores, four products forward and eight backward)."""
+    def traced() -> TracedFlops:
+        terms = {}
+        for recompute in ("none", "full"):
+            counted = []
+            for n in FLOP_ROWS:
+                t = trace_layer(spec, seq_len=n, recompute=recompute, dtype=torch.float32, lora=lora)
+                flash = t.attention_square
+                passes = MODEL_UNITS + (FORWARD_UNITS if recompute == "full" else 0)
+                units = flash / (FLASH_UNITS + (FORWARD_UNITS if recompute == "full" else 0))
+                counted.append((t.flops - t.attention_flops + units * passes) * spec.num_layers)
+            (n1, n2), (f1, f2) = FLOP_ROWS, counted
+            b = (f2 / n2 - f1 / n1) / (n2 - n1)
+            terms[recompute] = (f1 / n1 - b * n1, b)
+        head = trace_head(spec, micro_batch_size=1, seq_len=FLOP_ROWS[0], chunked=False, dtype=torch.float32,
+                          lora=lora).flops / FLOP_ROWS[0]
+        (a, b), (a_full, b_full) = terms["none"], terms["full"]
+        return TracedFlops(per_token=a + head, per_pair=b, layer_forward=a_full - a, pair_forward=b_full - b)
+
+    return _cached(TracedFlops, ("flops", spec, lora, FLOP_ROWS), traced)
+
+
 def _extrapolated(lo: HeadTrace, hi: HeadTrace, *, steps: int, more: int) -> HeadTrace:
     """`hi` and `more` units beyond it, each unit costing (hi - lo) / steps."""
     per = lambda f: (f(hi) - f(lo)) / steps
@@ -198,6 +245,10 @@ def _store(path: Path, value: dict) -> None:
         pass
 
 
+def _is_causal(args, kwargs) -> bool:
+    return kwargs.get("is_causal", args[1] if len(args) > 1 and isinstance(args[1], bool) else False)
+
+
 def _causal(flops: int, is_causal: bool, queries: int, keys: int) -> int:
     """A causal kernel computes the blocks on and below the diagonal only (flash attention on GPUs and this CPU alike
     skips the rest): (keys + 1) / 2 of each query's keys where queries and keys are the same row. PyTorch's formulas
@@ -205,16 +256,23 @@ def _causal(flops: int, is_causal: bool, queries: int, keys: int) -> int:
     return flops * (keys + 1) // (2 * keys) if is_causal and queries == keys else flops
 
 
+def _sdpa_square(query, key, value, *args, out_val=None, **kwargs) -> int:
+    """The CPU's flash attention over the whole square of scores (as PyTorch's formula counts any SDPA)."""
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _sdpa_backward_square(grad_out, query, key, value, out, logsumexp, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
 def _sdpa_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
     """The CPU's flash attention and the GPUs' (flash, efficient, cuDNN): (query, key, value, ..., is_causal, ...)."""
-    is_causal = kwargs.get("is_causal", args[1] if len(args) > 1 and isinstance(args[1], bool) else False)
-    return _causal(sdpa_flop_count(query.shape, key.shape, value.shape), is_causal, query.shape[-2], key.shape[-2])
+    return _causal(_sdpa_square(query, key, value), _is_causal(args, kwargs), query.shape[-2], key.shape[-2])
 
 
 def _sdpa_backward_flops(grad_out, query, key, value, out, logsumexp, *args, out_val=None, **kwargs) -> int:
-    is_causal = kwargs.get("is_causal", args[1] if len(args) > 1 and isinstance(args[1], bool) else False)
-    flops = sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
-    return _causal(flops, is_causal, query.shape[-2], key.shape[-2])
+    flops = _sdpa_backward_square(grad_out, query, key, value, out, logsumexp)
+    return _causal(flops, _is_causal(args, kwargs), query.shape[-2], key.shape[-2])
 
 
 def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
@@ -227,12 +285,35 @@ def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
     return 2 * math.prod(out_val.shape) * a.shape[-1]  # batched: every group's whole product
 
 
+def _grouped_loop_flops(input, weight, offs, *args, out_val=None, **kwargs) -> int:
+    """transformers' loop over the experts (transformers::grouped_mm_fallback): each row of input [rows, in] times its
+    expert's [in, out] of weight [experts, in, out]."""
+    return 2 * input.shape[0] * input.shape[1] * weight.shape[2]
+
+
+def _grouped_loop_backward_flops(input, weight, offs, grad_output, *args, out_val=None, **kwargs) -> int:
+    return 2 * _grouped_loop_flops(input, weight, offs)  # the input's gradient and the weight's
+
+
 # PyTorch's formulas, and those it has none for: the CPU's flash attention (counted as the GPU kernels are, a causal
-# one's half), the experts' grouped product.
+# one's half), the experts' grouped product (ours and transformers' loop).
 _FLOP_FORMULAS = {**flop_registry,
                   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops,
                   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward_flops,
                   torch.ops.aten._grouped_mm: _grouped_mm_flops}
+
+
+# The attention kernels' formulas over the whole square, where the counted one halves a causal kernel's.
+_SQUARE = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_square,
+           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward_square}
+
+
+def _transformers_formulas() -> None:
+    """transformers' operators, once it is imported (a model of its modules is being traced)."""
+    ops = getattr(torch.ops, "transformers", None)
+    if ops is not None and hasattr(ops, "grouped_mm_fallback"):
+        _FLOP_FORMULAS[ops.grouped_mm_fallback] = _grouped_loop_flops
+        _FLOP_FORMULAS[ops.grouped_mm_fallback_backward] = _grouped_loop_backward_flops
 
 
 def _nbytes(tensors) -> int:
@@ -251,7 +332,7 @@ class OpCounter(TorchDispatchMode):
 
     def __init__(self, existing=()):
         super().__init__()
-        self.flops = self.attention_flops = self.traffic = self.ops = 0
+        self.flops = self.attention_flops = self.attention_square = self.traffic = self.ops = 0
         self.storages = LiveStorages(ignore=[t.untyped_storage() for t in existing], remember_peak=True)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -265,6 +346,7 @@ class OpCounter(TorchDispatchMode):
             self.flops += flops
             if "attention" in func._overloadpacket.__name__:
                 self.attention_flops += flops
+                self.attention_square += _SQUARE.get(func._overloadpacket, formula)(*args, **kwargs, out_val=out)
         elif self._moves_data(func, args, kwargs, outputs):
             self.traffic += _nbytes(tree_leaves((args, kwargs))) + _nbytes(outputs)
         for t in outputs:
@@ -290,14 +372,15 @@ class OpCounter(TorchDispatchMode):
 def _meta_model(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None,
                 tiles: int = 0):
     """A one-layer model as training runs it, on the meta device: in `dtype`, frozen as LoRA freezes it,
-    its MLP tiled and its layer recomputed as planned."""
+    its MLP tiled and its layer recomputed as planned. A model of transformers' modules is built whole (on meta:
+    nothing allocated), its layers of every kind there to be traced with what its forward gives them."""
     from moai_recipes.models.lora import freeze_base
 
     # The layer traced is of the kind most of the model's are: dense, or a Mixture-of-Experts layer.
     sparse = (0,) if 2 * len(spec.moe_layers) >= spec.num_layers else ()
     with torch.device("meta"):
-        model = build_model(replace(spec, num_layers=1, moe_layers=sparse), max_seq_len=seq_len,
-                            lora=dict(lora) if lora else None)
+        model = build_model(replace(spec, num_layers=1, moe_layers=sparse) if spec.native else spec,
+                            max_seq_len=seq_len, lora=dict(lora) if lora else None)
     model.to(dtype)
     if lora:
         freeze_base(model)  # frozen weights get no gradient, and autograd saves less for them
@@ -308,7 +391,11 @@ def _meta_model(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.d
 
 def _on_fake_storage(module, *, dtype: torch.dtype) -> None:
     """Give a meta module fake storage (call under FakeTensorMode)."""
+    from moai_recipes.models.build import init_buffers
+
     module.to_empty(device="cpu")
+    if hasattr(module, "_initial_buffers"):  # transformers' modules: their rotary tables (real), the output tied
+        init_buffers(module, device="cpu")
     for m in module.modules():
         if hasattr(m, "is_cache_built"):  # RoPE: a cache of the right shape; its values do not matter here
             m.register_buffer("cache", torch.empty(m.max_seq_len, m.dim // 2, 2, dtype=dtype), persistent=False)
@@ -321,25 +408,63 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
 
     from moai_recipes.models.attention import Documents, use_document_attention
 
-    layer = _meta_model(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, tiles=form.tiles).layers[0]
+    model = _meta_model(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, tiles=form.tiles)
     docs = Documents((seq_len // 2, seq_len - seq_len // 2)) if form.per_document and seq_len > 1 else None
-    if docs:
-        use_document_attention(layer)
+    if spec.native:
+        layer = model.layers[0]
+        if docs:
+            use_document_attention(layer)
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # dtype-mix notices of fused kernels: irrelevant to sizes
-        _on_fake_storage(layer, dtype=dtype)
-        x = torch.empty(1, seq_len, spec.embed_dim, dtype=dtype, requires_grad=True)
-        grad_out = torch.empty_like(x)  # the gradient the next layer hands back: not this layer's memory
-        position = docs.positions(x.device) if docs else None
-        count = OpCounter(existing=[*layer.parameters(), *layer.buffers(), x, grad_out])
-        with count:
-            y = layer(x, mask=docs, input_pos=position) if docs else layer(x)
-            retained = count.storages.current
-            y.backward(grad_out)
-        grads_at_peak = count.bytes_at_peak([p.grad for p in layer.parameters() if p.grad is not None])
+        if spec.native:
+            _on_fake_storage(layer, dtype=dtype)
+            position = docs.positions(torch.device("cpu")) if docs else None
+            return _trace_call(layer, (), dict(mask=docs, input_pos=position) if docs else {},
+                               seq_len=seq_len, embed_dim=spec.embed_dim, dtype=dtype)
+        # transformers' modules: each kind of layer traced with what the model's forward gives it, the model's
+        # mean layer made of them (its peak: the kind whose backward holds the most).
+        from moai_recipes.models.transformers_model import layer_call
+
+        _transformers_formulas()
+        _on_fake_storage(model, dtype=dtype)
+        kinds = spec.parts.kinds
+        traces = []
+        for kind in dict.fromkeys(kinds):
+            index = spec.parts.representative(kind)
+            args, kwargs = layer_call(model, index, tokens=seq_len, documents=docs)
+            traces.append((kinds.count(kind), _trace_call(model.layers[index], args[1:], kwargs, seq_len=seq_len,
+                                                          embed_dim=spec.embed_dim, dtype=dtype)))
+    return _mean_layer(traces)
+
+
+def _trace_call(layer, args: tuple, kwargs: dict, *, seq_len: int, embed_dim: int, dtype: torch.dtype) -> LayerTrace:
+    """One layer's forward and backward on a row of `seq_len` tokens (under FakeTensorMode), `args` and `kwargs` after
+    its hidden states."""
+    x = torch.empty(1, seq_len, embed_dim, dtype=dtype, requires_grad=True)
+    grad_out = torch.empty_like(x)  # the gradient the next layer hands back: not this layer's memory
+    given = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    count = OpCounter(existing=[*layer.parameters(), *layer.buffers(), x, grad_out, *given])
+    with count:
+        y = layer(x, *args, **kwargs)
+        y = y[0] if isinstance(y, tuple) else y
+        retained = count.storages.current
+        y.backward(grad_out)
+    grads_at_peak = count.bytes_at_peak([p.grad for p in layer.parameters() if p.grad is not None])
     return LayerTrace(retained=retained, transient=max(0, count.storages.peak - retained - grads_at_peak),
                       grads_at_peak=grads_at_peak, flops=count.flops, traffic=count.traffic, ops=count.ops,
-                      attention_flops=count.attention_flops)
+                      attention_flops=count.attention_flops, attention_square=count.attention_square)
+
+
+def _mean_layer(traces: list[tuple[int, LayerTrace]]) -> LayerTrace:
+    """The mean of layers of several kinds (`count` of each): what they keep, compute and move on average; the
+    transient peak of the kind whose backward reaches highest."""
+    layers = sum(n for n, _ in traces)
+    mean = lambda f: round(sum(n * f(t) for n, t in traces) / layers)  # noqa: E731
+    peak = max((t for _, t in traces), key=lambda t: t.transient + t.grads_at_peak)
+    return LayerTrace(retained=mean(lambda t: t.retained), transient=peak.transient, grads_at_peak=peak.grads_at_peak,
+                      flops=mean(lambda t: t.flops), traffic=mean(lambda t: t.traffic), ops=mean(lambda t: t.ops),
+                      attention_flops=mean(lambda t: t.attention_flops),
+                      attention_square=mean(lambda t: t.attention_square))
 
 
 def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked: bool, dtype: torch.dtype,

@@ -49,7 +49,17 @@ class ModelFlops:
     @classmethod
     def of(cls, spec: ModelSpec, lora=None) -> "ModelFlops":
         """`lora` (models.lora.LoraOptions): the adapters, the base frozen; None: every weight trained. A
-        Mixture-of-Experts layer counts its router and the experts a token is sent to (top-k), not all of them."""
+        Mixture-of-Experts layer counts its router and the experts a token is sent to (top-k), not all of them.
+        A model of transformers' modules has no formula here: its layers and head are traced
+        (planner/activations.traced_flops)."""
+        if not spec.native:
+            from moai_recipes.planner.activations import traced_flops
+
+            key = None if lora is None else tuple(
+                sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in lora.builder_kwargs().items()))
+            t = traced_flops(spec, key)
+            return cls(per_token=t.per_token, layer_forward=t.layer_forward, per_pair=t.per_pair,
+                       pair_forward=t.pair_forward)
         d, q, kv, ff = spec.embed_dim, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
             spec.intermediate_dim
         shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "output_proj": (q, d),

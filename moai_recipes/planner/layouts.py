@@ -17,7 +17,10 @@ EMBEDDING_COST = 0.0
 def stage_costs(spec: ModelSpec) -> tuple[float, float, float]:
     """(embedding, one layer, head): each part's forward and backward work, in multiply-adds per token."""
     d, q, kv = spec.embed_dim, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    layer = d * (2 * q + 2 * kv) + spec.mean_mlp_params(active=True)  # a sparse layer: its router and top-k experts
+    if spec.parts is not None:  # counted on the model: a layer's weights a token computes with
+        layer = sum(spec.parts.active_layers) / spec.num_layers
+    else:
+        layer = d * (2 * q + 2 * kv) + spec.mean_mlp_params(active=True)  # a sparse layer: its router and top-k experts
     return EMBEDDING_COST * spec.vocab_size * d, float(layer), float(spec.vocab_size * d)
 
 
@@ -63,6 +66,8 @@ def why_not_tensor(spec: ModelSpec, degree: int) -> str | None:
     """Why `degree` cannot cut this model's layers (None: it can)."""
     if degree == 1:
         return None
+    if not spec.native:
+        return "transformers' modules are not cut by heads here yet"
     parts = [("num_key_value_heads", spec.num_kv_heads), ("num_attention_heads", spec.num_heads),
              ("intermediate_size", spec.intermediate_dim), ("vocab_size", spec.vocab_size)]
     for name, value in parts:
@@ -77,6 +82,8 @@ def why_not_tensor(spec: ModelSpec, degree: int) -> str | None:
 
 def why_not_pipeline(spec: ModelSpec, stages: int, schedule: str) -> str | None:
     """Why `stages` devices running `schedule` cannot cut this model's layers (None: they can)."""
+    if not spec.native:
+        return "transformers' modules are not cut into pipeline stages here yet"
     if spec.tie_word_embeddings:
         return "its output projection is its embedding (tie_word_embeddings): the first and last stages would share it"
     per = stages_per_device(schedule)
@@ -116,6 +123,8 @@ def why_not_context(spec: ModelSpec, degree: int, tensor: int = 1, way: str = "u
         return None
     if way not in CONTEXT_WAYS:
         return f"plan.context_parallel_way={way} is not a way; valid: {', '.join(CONTEXT_WAYS)}"
+    if not spec.native:
+        return "transformers' modules' rows are not split over context devices here yet"
     if spec.is_moe:
         return "a Mixture-of-Experts model's routing is not split over context devices yet"
     if qlora:
@@ -130,6 +139,8 @@ def why_not_context(spec: ModelSpec, degree: int, tensor: int = 1, way: str = "u
 
 def why_not_tiled_mlp(spec: ModelSpec, tensor: int = 1) -> str | None:
     """Why this model's MLP cannot be computed in tiles beside `tensor` devices (None: it can)."""
+    if not spec.native:
+        return "the MLP is computed in tiles in our own layers only"
     if spec.is_moe:
         return "a Mixture-of-Experts layer routes its tokens together (its balancing loss counts them whole)"
     if tensor > 1:

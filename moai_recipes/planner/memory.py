@@ -49,6 +49,16 @@ def model_sizes(spec: ModelSpec, lora=None) -> ModelSizes:
     """Parameter counts; with LoRA options, only the adapters are trainable (and with QLoRA some frozen
     weights are NF4: models.build.nf4_weights)."""
     total = spec.num_params()
+    if not spec.native:  # transformers' modules: counted on the model built on meta (models/transformers_model.py)
+        from moai_recipes.models.transformers_model import adapter_sizes
+
+        key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in lora.builder_kwargs().items())) \
+            if lora else None
+        trainable, tensors, nf4 = adapter_sizes(spec, key, bool(lora and lora.quantize_base))
+        layers = spec.num_layers
+        return ModelSizes(total=total, per_layer=sum(spec.parts.layers) // layers, root=spec.parts.root,
+                          trainable=trainable, nf4_per_layer=sum(nf4) // layers, nf4_largest=max(nf4, default=0),
+                          trainable_tensors=tensors, nf4_tensors_per_layer=len(nf4) // layers)
     root = spec.vocab_size * spec.embed_dim * (1 if spec.tie_word_embeddings else 2) + spec.embed_dim
     per_layer = (total - root) // spec.num_layers
     trainable = lora_params(spec, lora) if lora else total

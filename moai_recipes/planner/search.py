@@ -136,8 +136,9 @@ def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: 
     qlora = work.lora is not None and work.lora.quantize_base
     gains = flavor.device.kind == "gpu" or compute == "bfloat16" or forced.get("compile")
     compiles = [False, True] if not qlora and not cut and not context and gains else [False]
-    # A row is cut over context devices as documents laid end to end: packed rows only.
-    packings = (True,) if context else (False, True)
+    # A row is cut over context devices as documents laid end to end: packed rows only. A model whose layers would
+    # carry one document's state into the next is padded.
+    packings = (False,) if work.spec.why_not_packed else (True,) if context else (False, True)
     # Under full recomputation, for rows too long for the rest: the layers' inputs on the host (a GPU's: on the CPU
     # the host is the device, so only where forced) and the MLP in tiles (a dense, uncut one: layouts.why_not_tiled_mlp).
     activation_offloads = [False, True] if flavor.device.kind == "gpu" or forced.get("offload_activations") else [False]
@@ -219,6 +220,9 @@ def _impossible(forced: dict, flavor: Flavor, work: Workload) -> str:
         return (f"plan.gather_for_generation=false: this flavor's plans {with_them}keep their layers gathered after a "
                 "forward (plan.reshard_after_forward=false), through the sampling too: force "
                 "plan.reshard_after_forward=true as well, or drop it")
+    if forced.get("packing") and work.spec.why_not_packed:
+        return (f"plan.packing=true: this {work.spec.family} model's rows hold one document each: "
+                f"{work.spec.why_not_packed}; drop plan.packing")
     if forced.get("cpu_offload"):
         return (f"plan.cpu_offload=true: {flavor.name} has no device memory to offload from (it runs on the CPU); "
                 "drop plan.cpu_offload or pick a GPU flavor")

@@ -1,0 +1,192 @@
+"""The models people fine-tune now, through transformers' own modules (models/transformers_model.py): each a tiny
+random checkpoint the installed transformers writes (tests/architectures.py: Gemma 3 and 4, gpt-oss, Qwen3.5 dense and
+MoE, DeepSeek-V3, Llama 4, Phi-4, SmolLM3, GLM-4.5), checked against transformers itself:
+- the parameters counted as transformers holds them, each layer's kind named;
+- the loss on a batch equal to transformers' `model(..., labels=...)`, whole and chunked, and each document of a packed
+  row its loss alone (windows, sinks, chunks, NoPE layers and linear-attention state stop at its end);
+- a 1-step lr-0 run writes back every tensor of the input byte for byte;
+- LoRA adapters (by role and by PEFT's names) load in peft with our logits, and merge as peft merges them;
+- one process and two (FSDP2, asserted from plan.json) train alike.
+Run: python -m pytest tests/test_architectures.py -q
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moai_recipes.models.attention import Documents
+from moai_recipes.models.build import build_model, init_buffers
+from moai_recipes.models.hf_format import HFFolder, load_weights, save_weights
+from moai_recipes.models.loss import IGNORE_INDEX, token_loss_sum
+from tests.architectures import ARCHITECTURES, make_checkpoint
+from tests.helpers import FSDP, layout, losses, run_recipe, tensors
+
+NAMES = list(ARCHITECTURES)
+# Layer kinds each architecture's config makes (what the planner traces one of each).
+KINDS = {
+    "gemma3": {"sliding_attention, dense", "full_attention, dense"},
+    "gemma4": {"sliding_attention, dense", "full_attention, dense", "sliding_attention, dense #2",
+               "full_attention, dense #2"},  # the shared key-value layers hold no k and v projections
+    "gpt_oss": {"sliding_attention, sparse", "full_attention, sparse"},
+    "qwen3_5": {"linear_attention, dense", "full_attention, dense"},
+    "qwen3_5_moe": {"linear_attention, sparse", "full_attention, sparse"},
+    "deepseek_v3": {"attention, dense", "attention, sparse"},
+    "llama4": {"chunked_attention, dense", "full_attention, sparse"},
+    "phi4": {"attention, dense"},
+    "smollm3": {"full_attention, dense"},
+    "glm4_moe": {"attention, dense", "attention, sparse"},
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("architectures")
+    return {name: make_checkpoint(base / name, name) for name in NAMES}
+
+
+def _loaded(hf: HFFolder, **build) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = build_model(hf.spec, max_seq_len=64, **build)
+    if "lora" in build:
+        from moai_recipes.models.lora import freeze_base
+
+        freeze_base(model)
+    model.to_empty(device="cpu")
+    init_buffers(model, device="cpu")
+    load_weights(model, hf, allow_missing=(".lora_a.", ".lora_b."))
+    if "lora" in build:
+        from moai_recipes.models.lora import init_adapters
+
+        init_adapters(model, seed=0)
+    return model.eval()
+
+
+def _shifted(tokens: torch.Tensor) -> torch.Tensor:
+    """Each position's target: the next token (none for the last)."""
+    return torch.cat([tokens[..., 1:], torch.full_like(tokens[..., :1], IGNORE_INDEX)], dim=-1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_loss_is_transformers_and_each_packed_document_its_own(checkpoints, name):
+    from transformers import AutoModelForCausalLM
+
+    hf = HFFolder.open(checkpoints[name])
+    reference = AutoModelForCausalLM.from_pretrained(hf.folder, dtype=torch.float32).eval()
+    spec = hf.spec
+    assert spec.implementation == "transformers" and spec.num_params() == sum(p.numel() for p in reference.parameters())
+    assert set(spec.parts.kinds) == KINDS[name] and len(spec.parts.kinds) == reference.config.num_hidden_layers
+    model = _loaded(hf)
+
+    torch.manual_seed(1)
+    tokens = torch.randint(3, 380, (2, 24))
+    labels = tokens.clone()
+    labels[:, :5] = IGNORE_INDEX  # a prompt not trained on
+    targets = _shifted(labels)
+    count = int((targets != IGNORE_INDEX).sum())
+    with torch.no_grad():
+        theirs = float(reference(input_ids=tokens, labels=labels).loss)
+        for chunked in (False, True):
+            ours = float(token_loss_sum(model, tokens, targets, chunked=chunked)) / count
+            assert abs(ours - theirs) <= 1e-5, (chunked, ours, theirs)
+
+        # A packed row: three documents end to end, each attending to itself (its windows, chunks and recurrent
+        # state from its own first token), against each alone through transformers.
+        lengths = [13, 24, 7]
+        documents = [torch.randint(3, 380, (n,)) for n in lengths]
+        row = torch.cat(documents)[None]
+        logits = model(row, mask=Documents(tuple(lengths)))[0].split(lengths)
+        for document, ours in zip(documents, logits):
+            alone = float(reference(input_ids=document[None], labels=document[None]).loss)
+            assert abs(float(F.cross_entropy(ours[:-1], document[1:])) - alone) <= 1e-5
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_one_step_lr_zero_run_writes_back_every_tensor_byte_for_byte(checkpoints, name, tmp_path):
+    out = tmp_path / "run"
+    r = run_recipe(f"model.checkpoint_dir={checkpoints[name]}", "optimizer.lr=0", "max_steps=1", "batch_size=4",
+                   "max_seq_len=64", "logger=stdout", "sample_max_new_tokens=0", "measure_memory=false",
+                   f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f": {ARCHITECTURES[name][0]}," in r.stdout  # described as what it is
+    before, after = tensors(checkpoints[name]), tensors(out / "model")
+    assert before.keys() == after.keys()
+    for key in before:
+        assert before[key].dtype == after[key].dtype and torch.equal(before[key], after[key]), key
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "deepseek_v3", "phi4", "gpt_oss"])
+def test_lora_adapters_load_in_peft_with_our_logits_and_merge_as_peft_merges(checkpoints, name, tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from moai_recipes.models.lora import gather_adapters, lora_options, merge_into, save_adapter
+
+    hf = HFFolder.open(checkpoints[name])
+    tokens = torch.randint(3, 380, (1, 20))
+    for i, targets in enumerate(({"attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "apply_to_mlp": True},
+                    {"attn_modules": [], "apply_to_mlp": False, "target_modules": ["all-linear"]})):
+        opts = lora_options({"apply_to_output": False, "rank": 4, "alpha": 8, "dropout": 0.0, "quantize_base": False,
+                             **targets}, spec=hf.spec)
+        model = _loaded(hf, lora=opts.builder_kwargs())
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if ".lora_b." in n:  # B starts at zero: make the adapters change something
+                    p.normal_(0, 0.1)
+        adapters = gather_adapters(model)
+        folder = tmp_path / str(i)
+        save_adapter(adapters, opts=opts, out_dir=folder / "adapter", base_model=str(hf.folder))
+        save_weights(model, hf, folder / "merged", rank=0, transform=merge_into(adapters, opts.scale))
+        base = AutoModelForCausalLM.from_pretrained(hf.folder, dtype=torch.float32)
+        with torch.no_grad():
+            before = base(tokens).logits
+        adapted = peft.PeftModel.from_pretrained(base, folder / "adapter").eval()  # into `base` itself
+        with torch.no_grad():
+            ours, theirs = model(tokens), adapted(tokens).logits
+            assert (ours - theirs).abs().max() <= 1e-5
+            assert (ours - before).abs().max() > 1e-3  # the adapters change the model
+        adapted.merge_and_unload().save_pretrained(folder / "peft-merged")  # laid out as a checkpoint, experts and all
+        merged = tensors(folder / "peft-merged")
+        for key, tensor in tensors(folder / "merged").items():
+            assert (tensor - merged[key]).abs().max() <= 1e-6, key
+
+
+def test_qlora_holds_the_linear_weights_of_the_layers_in_nf4_where_whole_blocks_fit(tmp_path):
+    from moai_recipes.models.build import is_nf4
+    from moai_recipes.models.lora import NF4_BLOCK, lora_options
+
+    # Wide enough that most projections hold whole NF4 blocks of 64 x 256 values; the linear attention's small gates
+    # ([heads, hidden]) cannot, and stay in the compute dtype.
+    hf = HFFolder.open(make_checkpoint(tmp_path / "qwen3_5", "qwen3_5", hidden_size=256, intermediate_size=512,
+                                       head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64))
+    opts = lora_options({"attn_modules": ["q_proj", "v_proj"], "apply_to_mlp": False, "apply_to_output": False,
+                         "rank": 4, "alpha": 8, "dropout": 0.0, "quantize_base": True}, spec=hf.spec, world_size=2)
+    qlora = _loaded(hf, lora=opts.builder_kwargs(), quantize_base=True)
+    plain = _loaded(hf)
+    linears = {n: m.weight.shape for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    held = dict(qlora.named_parameters())
+    whole = {n for n, (rows, cols) in linears.items() if rows % 2 == 0 and (rows // 2 * cols) % NF4_BLOCK == 0}
+    assert set(opts.unquantized) == set(linears) - whole and whole and opts.unquantized
+    for name in linears:
+        assert is_nf4(held[f"{name}.weight"]) == (name in whole), name
+    tokens = torch.randint(3, 380, (1, 16))
+    with torch.no_grad():  # NF4 is 4 bits a weight: close to the model, not equal
+        assert (qlora(tokens) - plain(tokens)).abs().max() < 0.5
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5_moe", "deepseek_v3"])
+def test_one_process_and_two_train_alike(checkpoints, name, tmp_path):
+    common = [f"model.checkpoint_dir={checkpoints[name]}", "max_steps=3", "batch_size=8", "max_seq_len=64",
+              "optimizer.lr=1e-3", "logger=stdout", "sample_max_new_tokens=0", "measure_memory=false"]
+    curves = {}
+    for flavor, forced in (("cpu", ()), ("cpu-2", FSDP)):
+        out = tmp_path / flavor
+        r = run_recipe(*common, f"flavor={flavor}", *forced, f"output_dir={out}")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert layout(out) == ("single" if flavor == "cpu" else "sharded")
+        curves[flavor] = losses(out)
+    assert len(curves["cpu"]) == 3
+    for one, two in zip(curves["cpu"], curves["cpu-2"]):
+        assert abs(one - two) <= 1e-4, curves
