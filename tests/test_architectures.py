@@ -190,3 +190,96 @@ def test_one_process_and_two_train_alike(checkpoints, name, tmp_path):
     assert len(curves["cpu"]) == 3
     for one, two in zip(curves["cpu"], curves["cpu-2"]):
         assert abs(one - two) <= 1e-4, curves
+
+
+# Dense models: recipes.dpo does not add a Mixture-of-Experts model's balancing loss yet, TRL does.
+@pytest.mark.parametrize("name, method", [("gemma3", "full"), ("smollm3", "lora")])
+def test_dpo_equals_trl(checkpoints, name, method, tmp_path):
+    pytest.importorskip("trl")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests import test_dpo
+    from tests.helpers import start_adapter
+
+    model = checkpoints[name]
+    rows = test_dpo._rows(conversational=method == "full")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    if method == "full":
+        ours = test_dpo._ours(tmp_path, "ours", model, data, "reference=copy")
+        theirs = test_dpo._trl(tmp_path, base, rows, model)
+    else:
+        lr = test_dpo.LORA_LR
+        ours = test_dpo._ours(tmp_path, "ours", model, data, "method=lora", "lora.rank=4", "lora.alpha=8",
+                              "lora.attn_modules=[q_proj,v_proj]", "reference=copy", lr=lr)
+        start_adapter(model, tmp_path / "start", test_dpo.SEED)
+        theirs = test_dpo._trl(tmp_path, PeftModel.from_pretrained(base, tmp_path / "start", is_trainable=True), rows,
+                               model, lr=lr)
+    test_dpo._same(ours, theirs)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "deepseek_v3"])
+def test_grpo_equals_trl(checkpoints, name, tmp_path):
+    pytest.importorskip("trl")
+    from transformers import AutoModelForCausalLM
+
+    from tests import test_grpo
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "target": t}) + "\n"
+                            for p, t in zip(test_grpo.PROMPTS, test_grpo.TARGETS)))
+    case = test_grpo.CASES["dapo, beta 0.04, two rewards"]
+    ours = test_grpo._ours(tmp_path, "ours", checkpoints[name], data, case)
+    theirs = test_grpo._trl(tmp_path, AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32),
+                            checkpoints[name], case)
+    test_grpo._same(ours, theirs)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5"])
+def test_greedy_generation_with_the_cache_equals_transformers(checkpoints, name, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moai_recipes.recipes.generate import main
+
+    prompt = "What is the capital of France?"
+    assert main([f"model.checkpoint_dir={checkpoints[name]}", f"prompt={prompt}", "max_new_tokens=8",
+                 "temperature=0"]) in (0, None)
+    ours = capsys.readouterr().out.strip().splitlines()[-1]
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints[name])
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    reference = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32)
+    out = reference.generate(ids, max_new_tokens=8, do_sample=False)
+    assert ours == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "gpt_oss"])
+def test_each_samples_balancing_loss_is_transformers_on_it_alone(checkpoints, name):
+    from transformers import AutoModelForCausalLM
+
+    from moai_recipes.models.moe import Routing, balancing_losses, routing_recorded
+
+    hf = HFFolder.open(checkpoints[name])
+    spec = hf.spec
+    assert spec.is_moe and spec.router_aux_loss_coef > 0
+    model = _loaded(hf)
+    reference = AutoModelForCausalLM.from_pretrained(hf.folder, dtype=torch.float32).eval()
+    lengths = [11, 17]
+    rows = [torch.randint(3, 380, (n,)) for n in lengths]
+    samples = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    routing = Routing(samples, len(lengths), spec)
+    with torch.no_grad(), routing_recorded(model, routing):
+        model(torch.cat(rows)[None], mask=Documents(tuple(lengths)))
+    ours = balancing_losses(routing.stats(), spec.num_experts, len(spec.moe_layers))
+    for row, loss in zip(rows, ours):
+        with torch.no_grad():
+            theirs = reference(input_ids=row[None], output_router_logits=True).aux_loss
+        assert abs(float(loss) - float(theirs)) <= 1e-5
+
+
+def test_a_model_transformers_adds_no_balancing_loss_to_gets_none(checkpoints):
+    for name in ("llama4", "deepseek_v3", "glm4_moe"):  # Llama 4's forward computes none; the others' configs have none
+        spec = HFFolder.open(checkpoints[name]).spec
+        assert spec.is_moe and spec.router_aux_loss_coef == 0.0, name

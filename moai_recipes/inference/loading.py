@@ -20,7 +20,8 @@ from moai_recipes.inference.device_map import (
     place_blocks,
     setup_caches,
 )
-from moai_recipes.models.build import build_model
+from moai_recipes.errors import UserError
+from moai_recipes.models.build import build_model, init_buffers
 from moai_recipes.models.hf_format import HFFolder, load_weights
 from moai_recipes.models.peft_adapter import PeftAdapter, merge_adapter
 from moai_recipes.models.quantize import quantize_weights
@@ -48,13 +49,24 @@ def load_for_inference(cfg: DictConfig, hf: HFFolder, adapter: PeftAdapter | Non
     cap = int(cfg.max_memory_gb * 2**30) if cfg.max_memory_gb is not None else None
     placement = place_blocks(block_sizes(model, dtype=dtype, per_layer_extra=cache), free_memory(cap_bytes=cap),
                              cfg.device_map)
-    dispatch(model, placement, main=main)
+    if spec.native:
+        dispatch(model, placement, main=main)
+    else:  # transformers' modules: their rotary tables and masks are made once for every layer, on one device
+        if len(set(placement.values())) > 1:
+            raise UserError(f"this {spec.family} model (transformers' modules) does not fit on {main} alone "
+                            f"({describe(placement)}), and it is not spread over several devices here yet; "
+                            "quantize=int8 or int4, or dtype=bf16, makes it smaller")
+        model.to_empty(device=main)
+        init_buffers(model, device=main)
     load_weights(model, hf)
     if adapter:
         merge_adapter(model, adapter, spec)
     quantized = quantize_weights(model, cfg.quantize, device=main) if cfg.quantize != "none" else None
     model.eval()
-    setup_caches(model, placement, dtype=dtype, max_seq_len=max_seq_len)
+    if spec.native:
+        setup_caches(model, placement, dtype=dtype, max_seq_len=max_seq_len)
+    else:
+        model.setup_caches(1, dtype, decoder_max_seq_len=max_seq_len)
     summary = (f"Model {hf.folder}: {spec.family}, {spec.num_params() / 1e6:.1f}M parameters in {str(dtype)[6:]}"
                + (f"; adapter {adapter.folder} merged (r={adapter.rank}, alpha={adapter.alpha:g})" if adapter else "")
                + (f"; {quantized}" if quantized else "") + f"\nDevice map ({cfg.device_map}): {describe(placement)}")

@@ -108,6 +108,10 @@ def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> 
     if apply_to_experts and not spec.is_moe:
         raise UserError(f"lora.apply_to_experts=true adapts a Mixture-of-Experts model's experts, and this "
                         f"{spec.family} model has none; use lora.apply_to_mlp=true for its MLP")
+    if apply_to_experts and not spec.native:
+        raise UserError(f"lora.apply_to_experts=true: adapters on the stacked experts of transformers' modules (this "
+                        f"{spec.family} model) are not made here yet; adapt its attention and shared MLP "
+                        "(lora.target_modules) instead")
     if apply_to_experts and dropout:
         raise UserError(f"lora.apply_to_experts=true with lora.dropout={dropout}: PEFT loads adapters of the experts' "
                         "stacked weights only without dropout (its ParamWrapper); set lora.dropout=0")

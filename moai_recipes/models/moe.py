@@ -295,6 +295,8 @@ def routing_recorded(model: nn.Module, routing: Routing | None):
     """Within it, every forward of `model`'s sparse layers records its routing in `routing` (None: nothing is
     recorded, a dense model). A layer's recomputation in the backward pass runs outside it and records nothing."""
     modules = moe_modules(model) if routing is not None else []
+    if routing is not None and hasattr(model, "experts_per_token"):  # transformers' modules: its routers' hooks
+        modules.append(model)
     for m in modules:
         m.routing = routing
     try:

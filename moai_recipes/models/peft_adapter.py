@@ -158,7 +158,8 @@ def merge_adapter(model: torch.nn.Module, adapter: PeftAdapter, spec=None) -> No
         if _EXPERTS.fullmatch(module):
             continue
         delta = adapter.scale * (b.float() @ a.float())  # [out, in], the layout of the weight
-        param = params[tune_name(f"{module}.weight")]
+        # Our native layers' names, or transformers' modules' (the checkpoint's own).
+        param = params[tune_name(f"{module}.weight") if spec is None or spec.native else f"{module}.weight"]
         param.copy_(param.float() + delta.to(param.device))  # one rounding to the model's dtype
 
 

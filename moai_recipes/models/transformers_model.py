@@ -351,7 +351,11 @@ class TransformersDecoder(nn.Module):
         # scales...), found out by running its own forward on stand-ins: None, or the logits of a final hidden state.
         self.plain_head = _head_is_plain(causal_lm, self.base_name, self.head_name)
         self.unpackable = None  # why documents cannot share a row (models/attention.Documents); None: they can
-        self._kv_cache = None  # transformers' cache while sampling (setup_caches)
+        self.routing = None  # a training step's models/moe.Routing while its forward records it (routing_recorded)
+        text = self.config.get_text_config()
+        self.experts_per_token = next((getattr(text, n) for n in ("num_experts_per_tok", "top_k_experts", "moe_topk")
+                                       if getattr(text, n, None)), 0)
+        self.sampling = _CacheSlot()  # transformers' cache while sampling (setup_caches)
         self.decoder_max_cache_seq_len = None
 
     # The parts, under the names the library's layouts use.
@@ -384,8 +388,10 @@ class TransformersDecoder(nn.Module):
             kwargs[DOCUMENTS] = mask
             if input_pos is None:
                 input_pos = mask.positions(tokens.device)
-        elif mask is not None or self._kv_cache is not None:
+        elif mask is not None or self.caches_are_enabled():
             kwargs.update(self._cached_inputs(tokens, mask))
+        if input_pos is not None and input_pos.dim() < 2:  # torchtune's generate squeezes a single row's positions
+            input_pos = input_pos.reshape(1, tokens.shape[1]).expand(tokens.shape[0], -1)
         with _swapped(self.base, self.norm_name, _NO_NORM):  # the final norm runs in unembed (the chunked loss's head)
             hidden = self.base(input_ids=tokens, position_ids=input_pos, **kwargs).last_hidden_state
         return self.unembed(hidden)
@@ -402,41 +408,69 @@ class TransformersDecoder(nn.Module):
             return self.causal_lm(input_ids=torch.zeros(normed.shape[:2], dtype=torch.long, device=normed.device),
                                   use_cache=False).logits
 
-    # Sampling with transformers' cache, under torchtune's protocol (local_kv_cache, generate).
+    # Sampling with transformers' cache, under torchtune's protocol (local_kv_cache, disable_kv_cache, generate).
     def setup_caches(self, batch_size: int, dtype: torch.dtype, *, encoder_max_seq_len=None,
                      decoder_max_seq_len: int | None = None) -> None:
-        from transformers import DynamicCache
-
-        self._kv_cache = DynamicCache(config=self.config)
+        self.sampling.kv_cache = _Cache(self.config)
+        self.sampling.cache_enabled = True
         self.decoder_max_cache_seq_len = decoder_max_seq_len
 
     def caches_are_setup(self) -> bool:
-        return self._kv_cache is not None
+        return self.sampling.kv_cache is not None
 
     def caches_are_enabled(self) -> bool:
-        return self._kv_cache is not None
+        return self.caches_are_setup() and self.sampling.cache_enabled
 
     def reset_caches(self) -> None:
-        if self._kv_cache is not None:
-            from transformers import DynamicCache
+        if self.caches_are_setup():
+            self.sampling.kv_cache = _Cache(self.config)
 
-            self._kv_cache = DynamicCache(config=self.config)
+    @property
+    def _kv_cache(self):
+        return self.sampling.kv_cache.cache if self.caches_are_enabled() else None
 
     def _cached_inputs(self, tokens: torch.Tensor, mask: torch.Tensor | None) -> dict:
-        """transformers' inputs for a step of sampling: the cache, and the padding mask of everything up to this
-        step's last token (a torchtune mask's last row)."""
-        past = self._kv_cache.get_seq_length() if self._kv_cache is not None else 0
-        out = {"use_cache": self._kv_cache is not None, "cache": self._kv_cache}
+        """transformers' inputs for a step of sampling: the cache (if enabled), and the padding mask of everything up
+        to this step's last token (a torchtune mask's last row)."""
+        cache = self._kv_cache
+        past = cache.get_seq_length() if cache is not None else 0
+        out = {"use_cache": cache is not None, "cache": cache}
         if mask is not None:
-            out["attention_mask"] = mask[:, -1, :past + tokens.shape[1]].to(torch.long)
+            padding = mask[:, -1, :past + tokens.shape[1]]
+            if not bool(padding.all()):  # no padding: transformers' causal mask needs none (its plain triangle)
+                out["attention_mask"] = padding.to(torch.long)
         return out
 
     def cache_bytes(self) -> int:
         """Bytes the sampling cache holds now."""
-        if self._kv_cache is None:
+        cache = self.sampling.kv_cache.cache if self.caches_are_setup() else None
+        if cache is None:
             return 0
-        return sum(t.numel() * t.element_size() for layer in self._kv_cache.layers
+        return sum(t.numel() * t.element_size() for layer in cache.layers
                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if torch.is_tensor(t))
+
+
+class _CacheSlot(nn.Module):
+    """Where transformers' cache lives while sampling, held as torchtune's attention modules hold theirs (`kv_cache`,
+    `cache_enabled`): torchtune's local_kv_cache, delete_kv_caches and disable_kv_cache find it."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv_cache: _Cache | None = None
+        self.cache_enabled = False
+
+
+class _Cache(nn.Module):
+    """transformers' own cache (DynamicCache: sliding layers keep their window, linear ones their state)."""
+
+    def __init__(self, config):
+        from transformers import DynamicCache
+
+        super().__init__()
+        self.cache = DynamicCache(config=config)
+
+    def forward(self, *args):
+        raise RuntimeError("transformers' cache is passed to its model, not called")
 
 
 _NO_NORM = nn.Identity()  # one module for every forward (PyTorch's module trackers keep weak references to it)
@@ -506,9 +540,35 @@ def build_transformers_model(config, *, trust_remote_code: bool = False) -> Tran
         if recurrent and not mixers:  # a token mixer of its own, not found: its state would cross documents
             model.unpackable = (f"its {types[i]} layers mix tokens with a module of their own, which would carry "
                                 "one document's state into the next")
+    _record_routing(model)
     # Buffers that are not in any checkpoint (rotary tables): computed now, put back by init_buffers.
     model._initial_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     return model
+
+
+def _record_routing(model: TransformersDecoder) -> None:
+    """A Mixture-of-Experts model's routers, found as transformers records their logits (`router_logits`), each made to
+    give what it decides to the routing a training step records (models/moe.Routing: the balancing loss and the
+    experts' load): each token's router probabilities (softmax of its logits) and its top-k experts by them, as
+    transformers' load_balancing_loss_func reads the logits."""
+    recorder = type(model.base).__dict__.get("_can_record_outputs") or getattr(model.base, "_can_record_outputs", {})
+    recorder = (recorder or {}).get("router_logits")
+    if recorder is None:
+        return
+    target, index = getattr(recorder, "target_class", recorder), getattr(recorder, "index", 0)
+    top_k = model.experts_per_token
+    for i, layer in enumerate(model.layers):
+        for router in (m for m in layer.modules() if isinstance(m, target)):
+
+            def record(module, args, out, layer=i):
+                routing = model.routing
+                if routing is None:
+                    return
+                logits = out[index] if isinstance(out, tuple) else out
+                probs = torch.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)
+                routing.record(layer, probs, probs.topk(top_k, dim=-1).indices)
+
+            router.register_forward_hook(record)
 
 
 def _causal_lm(config, *, trust_remote_code: bool = False) -> nn.Module:
@@ -645,8 +705,23 @@ def transformers_spec(config: Mapping, *, trust_remote_code: bool = False, folde
         num_experts=int(experts or 0), experts_per_token=int(field("num_experts_per_tok", "top_k_experts",
                                                                    default=0) or 0),
         expert_dim=int(field("moe_intermediate_size", default=0) or 0),
+        # Its sparse layers (those with routed experts), and the balancing loss where the model has one (as TRL adds
+        # it: a config that can output router logits, its own coefficient).
+        moe_layers=tuple(i for i, kind in enumerate(parts.kinds) if ", sparse" in kind),
+        router_aux_loss_coef=float(field("router_aux_loss_coef", default=0.0) or 0.0) if _balances(obj) else 0.0,
         implementation="transformers", hf_config=json.dumps(dict(config), sort_keys=True),
         code_dir=str(folder) if remote else None, parts=parts)
+
+
+def _balances(config) -> bool:
+    """Whether transformers' causal LM of `config` adds a load-balancing loss when asked for its router logits (its
+    config can output them and its forward computes the loss: Llama 4's does not)."""
+    import inspect
+
+    if not hasattr(config.get_text_config(), "output_router_logits"):
+        return False
+    cls = causal_lm_class(config)
+    return cls is not None and "load_balancing_loss_func" in inspect.getsource(sys.modules[cls.__module__])
 
 
 def describe(model: TransformersDecoder):

@@ -105,6 +105,8 @@ def why_not_expert(spec: ModelSpec, degree: int, data: int, tensor: int = 1) -> 
         return None
     if not spec.is_moe:
         return f"this {spec.family} model has no experts"
+    if not spec.native:
+        return "transformers' modules' experts are not split over devices here yet"
     if spec.num_experts % degree:
         return f"its {spec.num_experts} experts (num_experts) do not divide by {degree}"
     if data % degree:
