@@ -81,7 +81,13 @@ def test_model_config_builds_on_meta_and_matches_transformers(path):
 
 @pytest.mark.parametrize("name, billions", [("llama3_8b", 8.03), ("llama3_70b", 70.6), ("qwen2_5_0_5b", 0.494),
                                             ("mistral", 7.24), ("llama3_2_1b", 1.24), ("qwen2_5_72b", 72.7),
-                                            ("qwen3_0_6b", 0.596), ("qwen3_8b", 8.19), ("qwen3_32b", 32.8)])
+                                            ("qwen3_0_6b", 0.596), ("qwen3_8b", 8.19), ("qwen3_32b", 32.8),
+                                            # their published counts (a multimodal model's language model alone)
+                                            ("gemma3_27b", 27.0), ("gpt_oss_20b", 20.9), ("gpt_oss_120b", 116.8),
+                                            ("qwen3_5_9b", 9.0), ("qwen3_5_27b", 27.0), ("qwen3_5_35b_a3b", 35.0),
+                                            ("qwen3_5_122b_a10b", 122.0), ("qwen3_5_397b_a17b", 397.0),
+                                            ("deepseek_v3", 671.0), ("llama4_scout", 107.8), ("phi4", 14.7),
+                                            ("smollm3_3b", 3.08)])
 def test_known_sizes(name, billions):
     spec = spec_for(architecture=architecture(MODEL_CONFIGS[0].parent / f"{name}.yaml"), checkpoint_dir=None)
     assert spec.num_params() == pytest.approx(billions * 1e9, rel=0.01)

@@ -273,7 +273,7 @@ def config_object(config: Mapping, *, trust_remote_code: bool = False, folder=No
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    fields = {k: v for k, v in config.items() if k not in ("transformers_version", "architectures", "auto_map")}
+    fields = {k: _plain(v) for k, v in config.items() if k not in ("transformers_version", "architectures", "auto_map")}
     model_type = fields.pop("model_type", None)
     if model_type is None:
         raise UserError("config.json names no model_type; is it a Hugging Face model's config.json?")
@@ -300,6 +300,15 @@ def config_object(config: Mapping, *, trust_remote_code: bool = False, folder=No
                         f"{transformers.__version__} accepts: {e}") from None
 
 
+def _plain(value):
+    """A config value as JSON would give it (a model entry's architecture comes as OmegaConf containers)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
+        return [_plain(v) for v in value]
+    return value
+
+
 def causal_lm_class(config, *, trust_remote_code: bool = False):
     """transformers' causal LM class for a config object; a UserError for what is not a decoder-only causal LM."""
     from transformers import AutoModelForCausalLM
@@ -307,7 +316,7 @@ def causal_lm_class(config, *, trust_remote_code: bool = False):
     mapping = AutoModelForCausalLM._model_mapping
     if type(config) in mapping:
         cls = mapping[type(config)]
-        if "ConditionalGeneration" not in cls.__name__ and not hasattr(config, "vision_config"):
+        if "ConditionalGeneration" not in cls.__name__:  # a multimodal checkpoint's language model trains alone
             return cls
         raise UserError(f"model_type {config.model_type!r} is an image-text model ({cls.__name__}); its images are "
                         "not trained here. A text-only checkpoint of its language model trains (model_type "
@@ -574,21 +583,34 @@ def _record_routing(model: TransformersDecoder) -> None:
 def _causal_lm(config, *, trust_remote_code: bool = False) -> nn.Module:
     """transformers' causal LM of a config object, our attention set; on the meta device where that is the current
     one (its buffers computed on the CPU all the same)."""
-    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     register()
     cls = causal_lm_class(config, trust_remote_code=trust_remote_code)
-    meta = torch.empty(0).device.type == "meta"
-    with init_empty_weights(include_buffers=False) if meta else contextlib.nullcontext(), torch.device("cpu"):
-        if cls is None:
-            causal_lm = AutoModelForCausalLM.from_config(config, trust_remote_code=True, attn_implementation=ATTENTION)
-        else:
-            causal_lm = cls._from_config(config, attn_implementation=ATTENTION)
-    # accelerate's empty weights made each parameter anew (ties included): tie them again, outside its patching.
-    causal_lm.tie_weights()
+    if cls is None:
+        causal_lm = AutoModelForCausalLM.from_config(config, trust_remote_code=True, attn_implementation=ATTENTION)
+    else:  # a multimodal config's language model takes its text config (Qwen3.5's)
+        text = config if isinstance(config, cls.config_class) else config.get_text_config()
+        causal_lm = cls._from_config(text, attn_implementation=ATTENTION)
+    if any(b.is_meta for b in causal_lm.buffers()):
+        _real_buffers(causal_lm)
     _remember_own_attention(causal_lm)
     return causal_lm
+
+
+@torch.no_grad()
+def _real_buffers(causal_lm: nn.Module) -> None:
+    """A causal LM built on the meta device given its buffers (rotary tables, embedding scales) on the CPU, computed by
+    transformers' own initialisation, as its from_pretrained does after building on meta."""
+    owners = {}
+    for name, buffer in list(causal_lm.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        module = causal_lm.get_submodule(owner)
+        module._buffers[leaf] = torch.zeros_like(buffer, device="cpu")
+        owners[id(module)] = module
+    with torch.device("cpu"):  # what the initialisation computes on the default device (the caller's meta)
+        for module in owners.values():
+            causal_lm._init_weights(module)
 
 
 def _config_of(spec):
@@ -709,7 +731,7 @@ def transformers_spec(config: Mapping, *, trust_remote_code: bool = False, folde
         # it: a config that can output router logits, its own coefficient).
         moe_layers=tuple(i for i, kind in enumerate(parts.kinds) if ", sparse" in kind),
         router_aux_loss_coef=float(field("router_aux_loss_coef", default=0.0) or 0.0) if _balances(obj) else 0.0,
-        implementation="transformers", hf_config=json.dumps(dict(config), sort_keys=True),
+        implementation="transformers", hf_config=json.dumps(_plain(config), sort_keys=True),
         code_dir=str(folder) if remote else None, parts=parts)
 
 

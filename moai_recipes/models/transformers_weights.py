@@ -33,11 +33,20 @@ class TransformersNames:
         self._has_saving_rules = any(not isinstance(t, PrefixChange)
                                      for t in get_model_conversion_mapping(causal_lm, add_legacy=False))
         self._patterns: dict[str, str | None] = {}
+        # What the causal LM leaves in its checkpoints unread (a multimodal model's vision tower, multi-token
+        # prediction layers): not its weights, written back as they were.
+        import re
 
-    def param_of(self, name: str) -> str:
-        """The parameter (or buffer) of the model that a checkpoint tensor is, or is part of."""
+        self._ignored = [re.compile(p) for p in getattr(type(causal_lm), "_keys_to_ignore_on_load_unexpected", None)
+                         or ()]
+
+    def param_of(self, name: str) -> str | None:
+        """The parameter (or buffer) of the model that a checkpoint tensor is, or is part of; None for one the causal
+        LM does not read."""
         from transformers.core_model_loading import rename_source_key
 
+        if any(p.search(name) for p in self._ignored):
+            return None
         target, pattern = rename_source_key(name, self.renamings, self.converters)
         self._patterns[name] = pattern
         return target

@@ -132,10 +132,11 @@ def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: 
     # Compiling is predicted to gain nothing on the CPU in fp32 (timing.COMPILED), so it is offered there only when
     # forced (in bf16 it gains, and a run long enough to win back the compile time is compiled); never with NF4 base
     # weights (QLoRA), whose tensor subclass inductor does not compile; and not yet over a cut model (compiled
-    # DTensor layers and pipeline stages are untested here).
+    # DTensor layers and pipeline stages are untested here), nor transformers' modules (their per-document attention
+    # and mixers are Python loops over the documents: untested under dynamo).
     qlora = work.lora is not None and work.lora.quantize_base
     gains = flavor.device.kind == "gpu" or compute == "bfloat16" or forced.get("compile")
-    compiles = [False, True] if not qlora and not cut and not context and gains else [False]
+    compiles = [False, True] if not qlora and not cut and not context and gains and work.spec.native else [False]
     # A row is cut over context devices as documents laid end to end: packed rows only. A model whose layers would
     # carry one document's state into the next is padded.
     packings = (False,) if work.spec.why_not_packed else (True,) if context else (False, True)
@@ -189,6 +190,9 @@ def _impossible(forced: dict, flavor: Flavor, work: Workload) -> str:
         return (f"plan.compile=true with plan.packing=true and plan.recompute={forced['recompute']}: on the CPU a "
                 "packed row's attention runs outside the graph, which a recomputed layer cannot leave, so nothing "
                 "would be compiled; drop one of the three")
+    if forced.get("compile") and not work.spec.native:
+        return (f"plan.compile=true: transformers' modules (this {work.spec.family} model) are not compiled here yet; "
+                "drop plan.compile")
     if forced.get("compile") and work.lora is not None and work.lora.quantize_base:
         return ("plan.compile=true: QLoRA's NF4 base weights cannot be compiled; drop plan.compile or train LoRA "
                 "(lora.quantize_base=false)")
