@@ -4,6 +4,7 @@ clipping. Run by bench/any_model_epoch.py as a job of its own, on the very token
 `input_ids`: TRL takes a tokenised dataset as it is); its last line is a JSON object of what it trained.
 
     python bench/trl_sft.py CHECKPOINT TOKENS.jsonl OUT --max-length 2048 --rows 4 --lr 2e-5
+    python bench/trl_sft.py ... --no-packing --rows 8    # padded batches of 8 documents
 """
 
 import argparse
@@ -41,10 +42,12 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=4, help="packed rows of max-length tokens a step")
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-packing", dest="packing", action="store_false",
+                   help="padded batches of --rows documents (where TRL cannot keep packed documents apart)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    t = trainer(args, packing=True)
+    t = trainer(args, packing=args.packing)
     t.train()
     t.save_model(str(args.out / "model"))
     steps = [h for h in t.state.log_history if "loss" in h]

@@ -84,6 +84,13 @@ class RunInputs:
                  + (f" in {len(self.hf.files)} safetensors file(s), tokenizer of {self.tokenizer.vocab_size} tokens"
                     if self.hf else "; the first run downloads it (not checked here: model.checkpoint_dir=DIR "
                     "checks a local copy)")]
+        if spec.mxfp4:
+            lines.append("Its experts are MXFP4 in the checkpoint (config.json's quantization_config): dequantized to "
+                         "bf16 as they are read, trained and written in bf16 (the written config.json without "
+                         "quantization_config)")
+        if spec.code_dir:
+            lines.append(f"Code from {spec.code_dir} (config.json's auto_map) builds this model: it runs because "
+                         "model.trust_remote_code=true")
         if self.lora:
             o = self.lora
             targets = [*(o.target_modules or o.attn_modules), *(["the MLP"] if o.apply_to_mlp else []),

@@ -22,7 +22,7 @@ from moai_recipes.models.build import build_model, init_buffers
 from moai_recipes.models.hf_format import HFFolder, load_weights, save_weights
 from moai_recipes.models.loss import IGNORE_INDEX, token_loss_sum
 from tests.architectures import ARCHITECTURES, make_checkpoint
-from tests.helpers import FSDP, layout, losses, run_recipe, tensors
+from tests.helpers import FSDP, layout, metrics, plan_of, run_recipe, tensors
 
 NAMES = list(ARCHITECTURES)
 # Layer kinds each architecture's config makes (what the planner traces one of each).
@@ -176,20 +176,28 @@ def test_qlora_holds_the_linear_weights_of_the_layers_in_nf4_where_whole_blocks_
         assert (qlora(tokens) - plain(tokens)).abs().max() < 0.5
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_5_moe", "deepseek_v3"])
-def test_one_process_and_two_train_alike(checkpoints, name, tmp_path):
+# One process against two sharding it (FSDP2), and against experts split over the two (expert parallelism: each
+# device's tokens sent to its experts' device, biased experts and a shared one included).
+@pytest.mark.parametrize("name, split", [("gemma3", "sharded"), ("qwen3_5_moe", "sharded"), ("deepseek_v3", "sharded"),
+                                         ("qwen3_5_moe", "experts"), ("gpt_oss", "experts")])
+def test_one_process_and_two_train_alike(checkpoints, name, split, tmp_path):
     common = [f"model.checkpoint_dir={checkpoints[name]}", "max_steps=3", "batch_size=8", "max_seq_len=64",
               "optimizer.lr=1e-3", "logger=stdout", "sample_max_new_tokens=0", "measure_memory=false"]
+    two = [*FSDP, *(["plan.expert_parallel=2"] if split == "experts" else ["plan.expert_parallel=1"])]
     curves = {}
-    for flavor, forced in (("cpu", ()), ("cpu-2", FSDP)):
+    for flavor, forced in (("cpu", ()), ("cpu-2", two)):
         out = tmp_path / flavor
         r = run_recipe(*common, f"flavor={flavor}", *forced, f"output_dir={out}")
         assert r.returncode == 0, r.stdout + r.stderr
         assert layout(out) == ("single" if flavor == "cpu" else "sharded")
-        curves[flavor] = losses(out)
+        if flavor == "cpu-2":
+            assert plan_of(out)["expert_parallel"] == (2 if split == "experts" else 1)
+        curves[flavor] = metrics(out)
     assert len(curves["cpu"]) == 3
     for one, two in zip(curves["cpu"], curves["cpu-2"]):
-        assert abs(one - two) <= 1e-4, curves
+        for key in ("loss", "grad_norm", "aux_loss"):
+            if key in one:
+                assert abs(one[key] - two[key]) <= 1e-4 * max(1.0, abs(one[key])), (key, curves)
 
 
 # Dense models: recipes.dpo does not add a Mixture-of-Experts model's balancing loss yet, TRL does.
@@ -283,3 +291,113 @@ def test_a_model_transformers_adds_no_balancing_loss_to_gets_none(checkpoints):
     for name in ("llama4", "deepseek_v3", "glm4_moe"):  # Llama 4's forward computes none; the others' configs have none
         spec = HFFolder.open(checkpoints[name]).spec
         assert spec.is_moe and spec.router_aux_loss_coef == 0.0, name
+
+
+REMOTE_CODE = '''
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class MyConfig(LlamaConfig):
+    model_type = "my_llama"
+
+
+class MyForCausalLM(LlamaForCausalLM):
+    config_class = MyConfig
+'''
+
+
+def test_code_from_the_checkpoint_runs_only_when_trusted(tmp_path):
+    """A model the installed transformers does not know, whose config.json names code beside it (auto_map): refused
+    naming model.trust_remote_code, trained with it (and said so), written back byte for byte."""
+    from tests.helpers import make_hf_checkpoint
+
+    folder = make_hf_checkpoint(tmp_path / "remote", "llama")
+    (folder / "my_model.py").write_text(REMOTE_CODE)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="my_llama", architectures=["MyForCausalLM"],
+                  auto_map={"AutoConfig": "my_model.MyConfig", "AutoModelForCausalLM": "my_model.MyForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(config))
+    common = [f"model.checkpoint_dir={folder}", "optimizer.lr=0", "max_steps=1", "batch_size=4", "logger=stdout",
+              "sample_max_new_tokens=0", "measure_memory=false"]
+    refused = run_recipe(*common, f"output_dir={tmp_path / 'refused'}")
+    assert refused.returncode == 2 and "model.trust_remote_code=true" in refused.stdout + refused.stderr
+    assert "Traceback" not in refused.stdout + refused.stderr
+    out = tmp_path / "trusted"
+    r = run_recipe(*common, "model.trust_remote_code=true", f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("auto_map) builds this model: it runs because model.trust_remote_code=true") == 1
+    before, after = tensors(folder), tensors(out / "model")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _mxfp4_checkpoint(folder: Path) -> Path:
+    """A tiny gpt-oss whose experts are held as its released checkpoints hold them: MXFP4 (4-bit values packed two a
+    byte, `_blocks`, a power-of-two scale per 32 values, `_scales`), everything else in bf16."""
+    from safetensors.torch import load_file, save_file
+
+    make_checkpoint(folder, "gpt_oss", dtype="bfloat16")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, into, out = tensors.pop(name).shape  # [E, in, out]: the blocks are [E, out, in / 32, 16]
+        tensors[f"{name}_blocks"] = torch.randint(0, 256, (experts, out, into // 32, 16), dtype=torch.uint8,
+                                                  generator=generator)
+        tensors[f"{name}_scales"] = torch.randint(120, 128, (experts, out, into // 32), dtype=torch.uint8,
+                                                  generator=generator)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_mxfp4_experts_are_dequantized_on_load_said_so_and_written_in_bf16(tmp_path):
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    folder = _mxfp4_checkpoint(tmp_path / "gpt_oss")
+    reference = AutoModelForCausalLM.from_pretrained(folder, quantization_config=Mxfp4Config(dequantize=True),
+                                                     dtype=torch.bfloat16).eval()
+    hf = HFFolder.open(folder)
+    assert hf.spec.mxfp4
+    with torch.device("meta"):
+        model = build_model(hf.spec, max_seq_len=64)
+    model.to(torch.bfloat16).to_empty(device="cpu")
+    init_buffers(model, device="cpu")
+    load_weights(model, hf)
+    theirs = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(param, theirs[name]), name
+
+    out = tmp_path / "run"
+    r = run_recipe(f"model.checkpoint_dir={folder}", "optimizer.lr=0", "max_steps=1", "batch_size=4", "max_seq_len=64",
+                   "logger=stdout", "sample_max_new_tokens=0", "measure_memory=false", f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "MXFP4" in r.stdout and "dequantized" in r.stdout
+    written = tensors(out / "model")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in written and not any(n.endswith("_blocks") for n in written)
+    assert written["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+    assert "quantization_config" not in json.loads((out / "model" / "config.json").read_text())
+    tokens = torch.randint(3, 380, (1, 16))
+    with torch.no_grad():
+        again = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.bfloat16).eval()
+        assert torch.equal(again(tokens).logits, reference(tokens).logits)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "smollm3"])
+def test_a_row_split_over_two_context_devices_trains_as_one_process(checkpoints, name, tmp_path):
+    """Packed rows cut over two context devices (the gather way: each device's queries against the row's keys and
+    values, under the model's own masks: Gemma 3's sliding windows, SmolLM3's NoPE layers) train as one process."""
+    common = [f"model.checkpoint_dir={checkpoints[name]}", "max_steps=3", "batch_size=8", "max_seq_len=64",
+              "optimizer.lr=1e-3", "logger=stdout", "sample_max_new_tokens=0", "measure_memory=false",
+              "plan.packing=true"]
+    curves = {}
+    for flavor, forced in (("cpu", ()), ("cpu-2", ("plan.context_parallel=2", "plan.context_parallel_way=gather"))):
+        out = tmp_path / flavor
+        r = run_recipe(*common, f"flavor={flavor}", *forced, f"output_dir={out}")
+        assert r.returncode == 0, r.stdout + r.stderr
+        curves[flavor] = metrics(out)
+    assert layout(tmp_path / "cpu-2") == "data 1 x context 2 (gather)"
+    for one, two in zip(curves["cpu"], curves["cpu-2"], strict=True):
+        assert abs(one["loss"] - two["loss"]) <= 1e-4 and abs(one["grad_norm"] - two["grad_norm"]) <= 1e-4 * max(
+            1.0, one["grad_norm"]), curves

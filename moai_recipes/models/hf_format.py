@@ -41,6 +41,10 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # Weights in other formats are never copied: a stale pytorch_model.bin beside the new weights would mislead.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".index.json")
 _TIED_OUTPUT = "output.weight"  # torchtune's name for lm_head.weight; absent from tied models
+# gpt-oss's experts as its checkpoints hold them (config.json's quantization_config: mxfp4): each projection's 4-bit
+# values packed two a byte (`_blocks`) and a power-of-two scale per 32 (`_scales`); dequantized on load, written back
+# in bf16 under the projection's own name.
+MXFP4_PARTS = ("_blocks", "_scales")
 
 
 @dataclass
@@ -71,10 +75,12 @@ class HFFolder:
                         raise UserError(f"{folder / INDEX} puts {name} in {fname}, which does not hold it; "
                                         "the download is incomplete: download the checkpoint again")
                     sl = f.get_slice(name)
-                    if sl.get_dtype() not in _DTYPES:
+                    packed = spec.mxfp4 and sl.get_dtype() == "U8" and name.endswith(MXFP4_PARTS)
+                    if sl.get_dtype() not in _DTYPES and not packed:
                         raise UserError(f"{fname}: {name} is {sl.get_dtype()}; only float32, bfloat16 and float16 "
-                                        "checkpoints are supported (not quantized ones)")
-                    dtypes[name], shapes[name] = _DTYPES[sl.get_dtype()], tuple(sl.get_shape())
+                                        "checkpoints are supported (and gpt-oss's MXFP4 experts)")
+                    dtypes[name] = torch.uint8 if packed else _DTYPES[sl.get_dtype()]
+                    shapes[name] = tuple(sl.get_shape())
         hf = cls(folder=folder, spec=spec, files=files, dtypes=dtypes, shapes=shapes)
         hf.params  # a tensor no mapping knows is a UserError now, not halfway through loading
         return hf
@@ -87,7 +93,7 @@ class HFFolder:
         from moai_recipes.models.transformers_model import causal_lm_of
         from moai_recipes.models.transformers_weights import TransformersNames
 
-        return TransformersNames(causal_lm_of(self.spec))
+        return TransformersNames(causal_lm_of(self.spec), mxfp4=self.spec.mxfp4)
 
     @functools.cached_property
     def params(self) -> dict[str, str | None]:
@@ -353,6 +359,12 @@ def _check_matches(model: torch.nn.Module, hf: HFFolder, allow_missing: tuple[st
         if hasattr(hf.names, "check"):
             hf.names.check(hf, param, names)
         held = params[param] if param in params else buffers[param]
+        if getattr(hf.names, "dequantized", lambda *a: False)(param, names):  # MXFP4: the dequantized shape
+            if hf.whole_shape(param) != tuple(held.shape):
+                raise UserError(f"{hf.folder}: tensors {', '.join(names)} make {param} of shape "
+                                f"{list(hf.whole_shape(param))}, but its config.json needs {list(held.shape)}; the "
+                                "weights and config.json do not belong together")
+            continue
         # What each of its tensors must be: the parameter's shape laid out as the checkpoint lays it out.
         try:
             needed = hf.names.scatter(param, torch.empty(held.shape, device="meta"), names)
@@ -495,7 +507,7 @@ def save_weights(model: torch.nn.Module, hf: HFFolder, out_dir: Path, *, rank: i
         export = _Export(model, params, hf, transform, rank)
         total_size = sum(_save_file(export, hf, fname, tmp, writes) for fname in hf.files)
         if rank == 0:
-            writes.run(lambda: _write_index_and_extras(hf, tmp, total_size))
+            writes.run(lambda: _write_index_and_extras(hf, tmp, total_size, export.names_written))
             time.sleep(env.fault_save_delay())
             writes.run(lambda: os.rename(tmp, out_dir))
         if writes.failed_anywhere():
@@ -512,14 +524,19 @@ def _save_file(export: "_Export", hf: HFFolder, fname: str, tmp: Path | None, wr
     with _open(hf.folder / fname) as f:
         for name in hf.files[fname]:  # the same order on every rank: full_tensor() is a collective
             # A tensor that is not a trained weight of the model (rotary inv_freq, a buffer) is copied as it was.
-            tensor = export(name) if export.exported(name) else f.get_tensor(name)
-            size += math.prod(hf.shapes[name]) * hf.dtypes[name].itemsize
-            if tensor is None:  # held by another pipeline stage, sent to rank 0
+            written = export(name) if export.exported(name) else {name: f.get_tensor(name)}
+            if written is None:  # held by another pipeline stage, sent to rank 0
+                size += math.prod(hf.shapes[name]) * hf.dtypes[name].itemsize
                 continue
-            assert tuple(tensor.shape) == hf.shapes[name], (name, tensor.shape, hf.shapes[name])
-            if tmp is not None:
-                tensors[name] = tensor.to(hf.dtypes[name]).contiguous()
-            del tensor  # on every rank, before the next gather: only the file's kept tensors stay
+            for out, tensor in written.items():
+                dtype = hf.dtypes[out] if out in hf.dtypes else torch.bfloat16  # a dequantized one: bf16
+                size += tensor.numel() * dtype.itemsize
+                if out in hf.shapes:
+                    assert tuple(tensor.shape) == hf.shapes[out], (out, tensor.shape, hf.shapes[out])
+                if tmp is not None:
+                    tensors[out] = tensor.to(dtype).contiguous()
+                export.names_written.setdefault(fname, []).append(out)
+            del written  # on every rank, before the next gather: only the file's kept tensors stay
         metadata = {**(f.metadata() or {}), "format": "pt"}
     if tmp is not None:
         writes.run(lambda: save_file(tensors, str(tmp / fname), metadata=metadata))
@@ -540,6 +557,7 @@ class _Export:
         self.aliases = getattr(hf.names, "aliases", {})
         # The whole model's parameters (a pipeline device's stages hold some: the others are sent to rank 0).
         self.whole = set(dict(whole_model(model).named_parameters(remove_duplicate=False)))
+        self.names_written: dict[str, list[str]] = {}  # file -> the tensor names written to it (the index's)
 
     def exported(self, name: str) -> bool:
         """Whether the tensor is written from the model (a parameter, or a part of one): not a buffer or rotary table.
@@ -547,7 +565,10 @@ class _Export:
         param = self.hf.params[name]
         return param is not None and (param in self.whole or param in self.aliases)
 
-    def __call__(self, name: str) -> torch.Tensor | None:
+    def __call__(self, name: str) -> dict[str, torch.Tensor] | None:
+        """What to write in place of checkpoint tensor `name`: itself, from the model (None: another pipeline stage's,
+        sent to rank 0); for a dequantized parameter, the parameter under its own name in place of its first packed
+        tensor, and nothing in place of the others."""
         param = self.hf.params[name]
         if param not in self.kept:
             if len(self.kept) == self.KEPT:
@@ -555,7 +576,11 @@ class _Export:
             whole = self._whole(param)
             self.kept[param] = None if whole is None else self.hf.names.scatter(param, whole, self.hf.sources[param])
         tensors = self.kept[param]
-        return None if tensors is None else tensors[name]
+        if tensors is None:
+            return None
+        if name in tensors:
+            return {name: tensors[name]}
+        return tensors if name == self.hf.sources[param][0] else {}
 
     def _whole(self, param: str) -> torch.Tensor | None:
         """One whole weight, gathered and transformed; its intermediates die on return."""
@@ -588,13 +613,27 @@ class _Export:
         return self.hf.names.gather(param, parts)
 
 
-def _write_index_and_extras(hf: HFFolder, tmp: Path, total_size: int) -> None:
+def _write_index_and_extras(hf: HFFolder, tmp: Path, total_size: int, written: dict[str, list[str]]) -> None:
+    """The index (its weight map as written: a dequantized weight's own name in place of its packed tensors' names),
+    and every other file but weights and subfolders as it was (config.json without its quantization_config where the
+    weights were dequantized)."""
     index = hf.folder / INDEX
     if index.exists():
         data = json.loads(index.read_text())
         data.setdefault("metadata", {})["total_size"] = total_size
+        where = {name: fname for fname, names in written.items() for name in names}
+        if set(where) != set(data["weight_map"]):  # a dequantized weight in place of its packed tensors, in order
+            mapped = {}
+            for name in data["weight_map"]:
+                out = name if name in where else hf.params.get(name)
+                if out in where:
+                    mapped.setdefault(out, where[out])
+            data["weight_map"] = mapped
         (tmp / INDEX).write_text(json.dumps(data, indent=2) + "\n")
-    # config.json, generation_config.json, tokenizer files...: everything but weights and subfolders.
     for path in sorted(hf.folder.iterdir()):
         if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(path, tmp / path.name)
+    if hf.spec.mxfp4:
+        config = json.loads((hf.folder / "config.json").read_text())
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

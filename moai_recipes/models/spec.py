@@ -41,6 +41,8 @@ class Parts:
     layer_tensors: tuple[int, ...] = ()  # each decoder layer's parameter tensors
     # Why documents cannot share a row (a token mixer whose state would cross from one to the next); None: they can.
     unpackable: str | None = None
+    routed: tuple[int, ...] = ()  # each layer's routed experts' parameters (0 for a dense one)
+    experts_dispatchable: bool = False  # its experts take tokens by transformers' experts interface (expert parallelism)
 
     def representative(self, kind: str) -> int:
         """The first layer of a kind (the one the planner traces)."""
@@ -94,6 +96,11 @@ class ModelSpec:
     @property
     def native(self) -> bool:
         return self.implementation == "native"
+
+    @property
+    def mxfp4(self) -> bool:
+        """Whether its checkpoints hold the experts in MXFP4 (gpt-oss's: dequantized to bf16 on load)."""
+        return '"quant_method": "mxfp4"' in self.hf_config
 
     @property
     def why_not_packed(self) -> str | None:

@@ -94,6 +94,19 @@ class LazyMask:
             return mask
         return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
 
+    def rectangle(self, q_start: int, q_length: int, k_start: int, k_length: int, *, boolean: bool,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """The mask of queries at q_start .. + q_length against keys at k_start .. + k_length."""
+        from transformers.masking_utils import sdpa_mask
+
+        kw = {k: v for k, v in self.kwargs.items() if k not in ("dtype", "config")}
+        kw.update(q_length=q_length, kv_length=k_length, q_offset=q_start, kv_offset=k_start,
+                  allow_is_causal_skip=False)
+        mask = sdpa_mask(**kw)
+        if boolean:
+            return mask
+        return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
+
     def is_plain(self, start: int | None = None, length: int | None = None) -> bool:
         """Whether the block (or, without `start`, the whole mask) is the causal triangle and nothing else: then
         SDPA's own causal kernel computes it, and no mask is built. What transformers asked says so (no padding, no
@@ -151,6 +164,13 @@ def attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: tor
         return own(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
 
     boolean = own is _sdpa()
+    if hasattr(documents, "attend"):  # a context device's share of a row: the gather way, under the model's masks
+        lazy = documents.row_masks[module.layer_idx]
+
+        def block(q_start, q_length, k_start, k_length):
+            return lazy.rectangle(q_start, q_length, k_start, k_length, boolean=boolean, dtype=query.dtype)
+
+        return documents.attend_blocks(query, key, value, block, masked), None
     if documents is None or query.shape[2] != documents.offsets[-1]:
         if isinstance(attention_mask, LazyMask):
             if not special and attention_mask.is_plain():
@@ -393,10 +413,12 @@ class TransformersDecoder(nn.Module):
         `input_pos` restarts at each), or while sampling with the cache (setup_caches) torchtune's [batch, tokens,
         cache length] boolean mask of what each token attends to; None: causal over the row."""
         kwargs: dict = {"use_cache": False}
-        if isinstance(mask, Documents):
+        if isinstance(mask, Documents) or hasattr(mask, "attend"):  # a packed row, or a context device's share of one
             kwargs[DOCUMENTS] = mask
             if input_pos is None:
                 input_pos = mask.positions(tokens.device)
+            if hasattr(mask, "attend"):
+                self._row_masks(mask, tokens.device)
         elif mask is not None or self.caches_are_enabled():
             kwargs.update(self._cached_inputs(tokens, mask))
         if input_pos is not None and input_pos.dim() < 2:  # torchtune's generate squeezes a single row's positions
@@ -404,6 +426,21 @@ class TransformersDecoder(nn.Module):
         with _swapped(self.base, self.norm_name, _NO_NORM):  # the final norm runs in unembed (the chunked loss's head)
             hidden = self.base(input_ids=tokens, position_ids=input_pos, **kwargs).last_hidden_state
         return self.unembed(hidden)
+
+    def _row_masks(self, share, device) -> None:
+        """The whole row's masks of a context device's share (train/context_parallel.ContextShare), each layer's as
+        the model makes it (what its queries may see of the row's keys), once a row: the model's forward run over the
+        row's places with its layers standing in (nothing computed but the embeddings and rotary tables)."""
+        if share.row_masks is not None:
+            return
+        masks: dict[int, object] = {}
+        stand_ins = nn.ModuleList(_MaskRecorder(i, masks) for i in range(len(self.layers)))
+        row = share.documents
+        ids = torch.zeros(1, row.offsets[-1], dtype=torch.long, device=device)
+        with _swapped(self.base, self.layers_name, stand_ins), _swapped(self.base, self.norm_name, _NO_NORM), \
+                torch.no_grad():
+            self.base(input_ids=ids, position_ids=row.positions(device), use_cache=False, **{DOCUMENTS: row})
+        share.keep_row_masks(masks)
 
     def unembed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm, the output projection and what the model does to its logits (soft-capping, scales)."""
@@ -457,6 +494,18 @@ class TransformersDecoder(nn.Module):
             return 0
         return sum(t.numel() * t.element_size() for layer in cache.layers
                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if torch.is_tensor(t))
+
+
+class _MaskRecorder(nn.Module):
+    """A decoder layer's stand-in that keeps the mask the model's forward gives it, and passes its input on."""
+
+    def __init__(self, index: int, masks: dict):
+        super().__init__()
+        self.index, self.masks = index, masks
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.masks[self.index] = kwargs.get("attention_mask")
+        return hidden_states
 
 
 class _CacheSlot(nn.Module):
@@ -735,6 +784,16 @@ def transformers_spec(config: Mapping, *, trust_remote_code: bool = False, folde
         code_dir=str(folder) if remote else None, parts=parts)
 
 
+def experts_of(layer: nn.Module) -> nn.Module | None:
+    """A sparse layer's routed experts as transformers' experts interface holds them (a module of its
+    `use_experts_implementation`: forward(hidden states [T, dim], top-k experts [T, k], their weights [T, k]), weights
+    stacked along the experts), or None."""
+    for module in layer.modules():
+        if hasattr(module, "num_experts") and hasattr(module, "is_concatenated") and hasattr(module, "has_gate"):
+            return module
+    return None
+
+
 def _balances(config) -> bool:
     """Whether transformers' causal LM of `config` adds a load-balancing loss when asked for its router logits (its
     config can output them and its forward computes the loss: Llama 4's does not)."""
@@ -756,13 +815,14 @@ def describe(model: TransformersDecoder):
     top_k = next((getattr(text, n) for n in ("num_experts_per_tok", "top_k_experts", "moe_topk")
                   if getattr(text, n, None)), 0)
     types = list(getattr(text, "layer_types", None) or [])
-    seen, in_layers, layers, active, kinds, layer_tensors = set(), set(), [], [], [], []
+    seen, in_layers, layers, active, kinds, layer_tensors, routed_layers = set(), set(), [], [], [], [], []
     signatures: dict[str, list] = {}
     for i, layer in enumerate(model.layers):
         params = [(n, p) for n, p in layer.named_parameters() if id(p) not in seen]
         seen.update(id(p) for _, p in params)
         count = sum(p.numel() for _, p in params)
         routed = sum(p.numel() for n, p in params if ".experts." in f".{n}" and "shared" not in n)
+        routed_layers.append(routed)
         layers.append(count)
         active.append(count - routed + (routed * top_k // experts if experts and top_k else routed))
         layer_tensors.append(len(params))
@@ -775,10 +835,13 @@ def describe(model: TransformersDecoder):
         kinds.append(label if shapes.index(signature) == 0 else f"{label} #{shapes.index(signature) + 1}")
     in_layers = seen
     root_params = [p for p in model.parameters() if id(p) not in in_layers]
+    sparse = [i for i, kind in enumerate(kinds) if ", sparse" in kind]
+    dispatchable = bool(sparse) and all(experts_of(model.layers[i]) is not None for i in sparse)
     return Parts(root=sum(p.numel() for p in root_params), layers=tuple(layers), active_layers=tuple(active),
                  kinds=tuple(kinds), tensors=len(root_params) + sum(layer_tensors),
                  output=0 if model.tied else sum(p.numel() for p in model.output.parameters()),
-                 layer_tensors=tuple(layer_tensors), unpackable=model.unpackable)
+                 layer_tensors=tuple(layer_tensors), unpackable=model.unpackable, routed=tuple(routed_layers),
+                 experts_dispatchable=dispatchable)
 # ---------------------------------------------------------------------------------------------------------------
 # LoRA and QLoRA on transformers' modules.
 

@@ -17,14 +17,17 @@ from copy import deepcopy
 import torch
 
 
+_MXFP4 = ("_blocks", "_scales")
+
+
 class TransformersNames:
     """The mapping for one model (a transformers causal LM, on the meta device)."""
 
-    def __init__(self, causal_lm):
+    def __init__(self, causal_lm, *, mxfp4: bool = False):
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
 
-        self.causal_lm = causal_lm
+        self.causal_lm, self.mxfp4 = causal_lm, mxfp4
         loading = get_model_conversion_mapping(causal_lm, add_legacy=True)
         self.renamings = [t for t in loading if isinstance(t, WeightRenaming)]
         self.converters = [t for t in loading if isinstance(t, WeightConverter)]
@@ -47,6 +50,9 @@ class TransformersNames:
 
         if any(p.search(name) for p in self._ignored):
             return None
+        if self.mxfp4 and name.endswith(_MXFP4):  # gpt-oss's packed experts: the projection they make
+            self._patterns[name] = None
+            return name.rsplit("_", 1)[0]
         target, pattern = rename_source_key(name, self.renamings, self.converters)
         self._patterns[name] = pattern
         return target
@@ -59,6 +65,14 @@ class TransformersNames:
 
     def gather(self, param: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The whole parameter from its checkpoint tensors (all of them, by name; meta tensors give its shape)."""
+        if self.dequantized(param, list(tensors)):  # MXFP4: transformers' own dequantization, to bf16
+            from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+            parts = {n.rsplit("_", 1)[1]: t for n, t in tensors.items()}
+            if parts["blocks"].is_meta:  # the shape alone: [experts, in, out] of [experts, out, in / 32, 16]
+                e, out, groups, pair = parts["blocks"].shape
+                return torch.empty(e, groups * pair * 2, out, dtype=torch.bfloat16, device="meta")
+            return convert_moe_packed_tensors(parts["blocks"], parts["scales"], dtype=torch.bfloat16)
         patterns = {self._patterns[n] if n in self._patterns else self._pattern(n) for n in tensors}
         pattern = next(iter(patterns))
         if pattern is None:
@@ -73,8 +87,15 @@ class TransformersNames:
         value = out[param]
         return value[0] if isinstance(value, list) else value
 
+    def dequantized(self, param: str, names: list[str]) -> bool:
+        """Whether the parameter is read from packed MXFP4 tensors (and written back in bf16 under its own name)."""
+        return self.mxfp4 and all(n.endswith(_MXFP4) for n in names)
+
     def scatter(self, param: str, whole: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
-        """A whole parameter as the checkpoint tensors `names` it was read from (as save_pretrained writes them)."""
+        """A whole parameter as the checkpoint tensors `names` it was read from (as save_pretrained writes them); a
+        dequantized one as itself, under its own name."""
+        if self.dequantized(param, names):
+            return {param: whole}
         if len(names) == 1 and self._pattern(names[0]) is None:
             return {names[0]: whole}
         from transformers.core_model_loading import dot_natural_key, revert_weight_conversion

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from moai_recipes.errors import UserError
 from moai_recipes.models.spec import ModelSpec
+from moai_recipes.models.transformers_model import RECURRENT_KINDS
 from moai_recipes.planner.plan import stages_per_device
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -105,8 +106,9 @@ def why_not_expert(spec: ModelSpec, degree: int, data: int, tensor: int = 1) -> 
         return None
     if not spec.is_moe:
         return f"this {spec.family} model has no experts"
-    if not spec.native:
-        return "transformers' modules' experts are not split over devices here yet"
+    if not spec.native and not spec.parts.experts_dispatchable:
+        return (f"this {spec.family} model's experts do not take their tokens through transformers' experts interface "
+                "(hidden states, top-k experts and weights), which expert parallelism sends them by")
     if spec.num_experts % degree:
         return f"its {spec.num_experts} experts (num_experts) do not divide by {degree}"
     if data % degree:
@@ -126,7 +128,13 @@ def why_not_context(spec: ModelSpec, degree: int, tensor: int = 1, way: str = "u
     if way not in CONTEXT_WAYS:
         return f"plan.context_parallel_way={way} is not a way; valid: {', '.join(CONTEXT_WAYS)}"
     if not spec.native:
-        return "transformers' modules' rows are not split over context devices here yet"
+        if way != "gather":
+            return ("transformers' modules split a row over context devices the gather way (plan.context_parallel_way="
+                    "gather): each device's queries against the row's keys and values, under the model's own masks")
+        recurrent = sorted({k.split(",")[0] for k in spec.parts.kinds if k.split(",")[0] in RECURRENT_KINDS})
+        if recurrent or spec.why_not_packed:
+            return (f"its {', '.join(recurrent) or 'own token-mixing'} layers carry a state from one token to the "
+                    "next, which is not passed between context devices")
     if spec.is_moe:
         return "a Mixture-of-Experts model's routing is not split over context devices yet"
     if qlora:

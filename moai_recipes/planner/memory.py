@@ -58,7 +58,8 @@ def model_sizes(spec: ModelSpec, lora=None) -> ModelSizes:
         layers = spec.num_layers
         return ModelSizes(total=total, per_layer=sum(spec.parts.layers) // layers, root=spec.parts.root,
                           trainable=trainable, nf4_per_layer=sum(nf4) // layers, nf4_largest=max(nf4, default=0),
-                          trainable_tensors=tensors, nf4_tensors_per_layer=len(nf4) // layers)
+                          trainable_tensors=tensors, nf4_tensors_per_layer=len(nf4) // layers,
+                          experts_per_layer=sum(spec.parts.routed) // layers)
     root = spec.vocab_size * spec.embed_dim * (1 if spec.tie_word_embeddings else 2) + spec.embed_dim
     per_layer = (total - root) // spec.num_layers
     trainable = lora_params(spec, lora) if lora else total

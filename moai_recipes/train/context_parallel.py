@@ -104,6 +104,34 @@ class ContextShare:
         """q, k, v [1, heads, share, head_dim] of this device's tokens: their attention over the whole row."""
         return (_ulysses if self.way == "ulysses" else _gathered)(q, k, v, self, dropout_p)
 
+    @property
+    def row_masks(self) -> dict | None:
+        """Each layer's mask of the whole row, as a model of transformers' modules makes it (its _row_masks)."""
+        return self._made.get("row_masks")
+
+    def keep_row_masks(self, masks: dict) -> None:
+        self._made["row_masks"] = masks
+
+    def attend_blocks(self, query, key, value, block, attention) -> torch.Tensor:
+        """The gather way for attention of any kind (transformers' modules): this device's queries [1, heads, share,
+        d] (its head and tail chunks of the row) against the whole row's keys and values, all-gathered as they are
+        (unexpanded; their backward a reduce-scatter), document by document, each block of queries against its
+        document's keys up to its last under `block(q_start, q_length, k_start, k_length)`, the model's own mask of
+        those places, by `attention(q, k, v, mask)` (the model's own attention): [1, share, heads, d]."""
+        kv = AllGather.apply(torch.stack([key[0], value[0]]), self.mesh.get_group())  # [size, 2, heads, share, d]
+        keys, values = (x.unsqueeze(0) for x in whole_row(kv, dim=2).unbind(0))
+        mine = self.shares(query.device)[self.rank].tolist()  # ascending: the head chunk, then the tail chunk
+        row, half, outs = self.documents, len(mine) // 2, []
+        for a, b in ((0, half), (half, len(mine))):
+            first, last = mine[a], mine[b - 1] + 1  # a chunk is consecutive places of the row
+            for start, end in zip(row.offsets[:-1], row.offsets[1:]):
+                lo, hi = max(first, start), min(last, end)
+                if lo < hi:
+                    q = query[:, :, a + lo - first:a + hi - first]
+                    outs.append(attention(q, keys[:, :, start:hi], values[:, :, start:hi],
+                                          block(lo, hi - lo, start, hi - start)))
+        return torch.cat(outs, dim=1)
+
 
 def share_batch(batch: dict, mesh: DeviceMesh, way: str) -> dict:
     """A packed micro-batch (model_inputs) cut to this context device's share: its tokens and labels, and the row's

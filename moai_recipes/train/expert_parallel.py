@@ -16,14 +16,21 @@ experts), so a step checkpoint (DCP) holds whole [E, ...] weights and resumes on
 Hugging Face export gathers them whole. FSDP2 then shards them over the `replica` dimension, what is left of data
 parallelism (train/parallel.py).
 
-Test: `python -m pytest tests/test_expert_parallel.py -q`.
+transformers' modules (models/transformers_model.py) are split the same way: each sparse layer's experts module, which
+transformers' experts interface calls with the tokens, their top-k experts and weights, is given the tokens of its
+experts from every device (`TransformersExpertDispatch`) and computes them as it computes its own, its stacked weights
+its device's slices for the time of the call.
+
+Test: `python -m pytest tests/test_expert_parallel.py tests/test_architectures.py -q`.
 """
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from moai_recipes.models.moe import MoE, combine, moe_modules, sort_by_expert
 from moai_recipes.train.collectives import AllToAll
@@ -81,3 +88,90 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         moe.expert_parallel = dispatch
         experts.grad_scale = 1.0 / mesh.size()
 
+
+
+class _Scaled(torch.autograd.Function):
+    """The identity forward, its gradient multiplied by `scale` backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class TransformersExpertDispatch:
+    """A transformers experts module's tokens sent to the devices of its experts over `mesh` and back: its forward
+    (hidden states [T, dim], top-k experts [T, k], their weights [T, k]) replaced by one that sends each (token, expert)
+    pair to the device holding the expert, calls the module's own forward there on the pairs it received (each with
+    its one expert, by its place among the device's, and its weight), and sums each token's outputs at home.
+
+    The experts' weights get the gradients of every device's tokens, and FSDP2 averages them over the replica devices
+    alone: the module's output gradient is divided by the degree on its way in, its inputs' multiplied back, so that
+    only the weights' are (as GroupedExperts' grad_scale does for our own layers)."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.group, self.degree = mesh.get_group(), mesh.size()
+
+    def wrap(self, experts: nn.Module) -> None:
+        forward, degree, group = experts.forward, self.degree, self.group
+        total = experts.num_experts
+        local = total // degree
+
+        def dispatched(hidden_states, top_k_index, top_k_weights):
+            tokens, top_k = top_k_index.shape
+            flat = top_k_index.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=total)
+            incoming = torch.empty_like(counts)
+            dist.all_to_all_single(incoming, counts, group=group)
+            incoming = incoming.view(degree, local)  # [source, local expert]
+            sent, received = counts.view(degree, local).sum(1).tolist(), incoming.sum(1).tolist()
+            rows = AllToAll.apply(hidden_states[order // top_k], sent, received, group)
+            weights = AllToAll.apply(top_k_weights.reshape(-1, 1)[order], sent, received, group)
+            expert = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(degree), incoming.flatten())
+            with _as_local(experts, local):
+                out = forward(_Scaled.apply(rows, degree), expert[:, None], _Scaled.apply(weights, degree))
+            back = AllToAll.apply(_Scaled.apply(out, 1.0 / degree), received, sent, group)
+            summed = back.new_zeros(tokens * top_k, back.shape[-1]).index_copy(0, order, back)
+            return summed.view(tokens, top_k, -1).sum(1)
+
+        experts.forward = dispatched
+
+
+@contextlib.contextmanager
+def _as_local(experts: nn.Module, local: int):
+    """Within it, the experts module's stacked weights are its device's slices (plain tensors, their gradients going
+    to the DTensors) and its count of experts its device's."""
+    held = dict(experts._parameters)
+    count = experts.num_experts
+    for name, p in held.items():
+        if isinstance(p, DTensor):
+            experts._parameters[name] = p.to_local()
+    experts.num_experts = local
+    try:
+        yield
+    finally:
+        experts._parameters.update(held)
+        experts.num_experts = count
+
+
+def apply_transformers_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Split every sparse layer's experts of a model of transformers' modules (on the meta device, before FSDP2) over
+    the 1-D `mesh`: their stacked weights (and biases) DTensors sharded on dim 0, their tokens sent to them by
+    TransformersExpertDispatch."""
+    from moai_recipes.models.transformers_model import experts_of
+
+    dispatch = TransformersExpertDispatch(mesh)
+    for layer in model.layers:
+        experts = experts_of(layer)
+        if experts is None:
+            continue
+        assert experts.num_experts % mesh.size() == 0, (experts.num_experts, mesh.size())  # the planner's degrees
+        for name, p in list(experts.named_parameters(recurse=False)):
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]),
+                                                          requires_grad=p.requires_grad))
+        dispatch.wrap(experts)

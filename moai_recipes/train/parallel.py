@@ -26,7 +26,7 @@ from moai_recipes.models.activation_offload import ActivationOffload
 from moai_recipes.models.recompute import apply_recompute
 from moai_recipes.models.tiled_mlp import apply_tiled_mlp
 from moai_recipes.planner.plan import Plan
-from moai_recipes.train.expert_parallel import apply_expert_parallel
+from moai_recipes.train.expert_parallel import apply_expert_parallel, apply_transformers_expert_parallel
 from moai_recipes.train.pipeline import pipeline_stages
 from moai_recipes.train.tensor_parallel import apply_tensor_parallel
 
@@ -65,7 +65,8 @@ def parallelize(model: nn.Module, plan: Plan, world: World, spec=None) -> nn.Mod
     if plan.compile:
         apply_compile(model.layers)
     if plan.expert_parallel > 1:  # before the tensor cut, which keeps split experts as they are
-        apply_expert_parallel(model, world.dim("expert"))
+        split = apply_expert_parallel if spec is None or spec.native else apply_transformers_expert_parallel
+        split(model, world.dim("expert"))
     if plan.tensor_parallel > 1:
         apply_tensor_parallel(model, world.dim("tensor"))
     roots = [model]
@@ -105,8 +106,9 @@ def shard_model(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype,
     for i, layer in enumerate(layers):
         # The last layer is all-gathered again at once by the backward pass: keeping it saves a gather.
         last = i == len(layers) - 1
-        if experts_mesh is not None and isinstance(getattr(layer, "mlp", None), MoE):
-            fully_shard(layer.mlp.experts, mesh=experts_mesh, mp_policy=mp, offload_policy=offload,
+        experts = _experts(layer) if experts_mesh is not None else None
+        if experts is not None:
+            fully_shard(experts, mesh=experts_mesh, mp_policy=mp, offload_policy=offload,
                         reshard_after_forward=reshard_after_forward and not last, ignored_params=ignored)
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_after_forward and not last, ignored_params=ignored)
@@ -115,6 +117,15 @@ def shard_model(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype,
     # the largest group again at the start of every backward.
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=None,
                 ignored_params=ignored)
+
+
+def _experts(layer: nn.Module) -> nn.Module | None:
+    """A sparse layer's experts (ours: its MoE's GroupedExperts; transformers': its experts module), or None."""
+    if isinstance(getattr(layer, "mlp", None), MoE):
+        return layer.mlp.experts
+    from moai_recipes.models.transformers_model import experts_of
+
+    return experts_of(layer)
 
 
 @contextlib.contextmanager
