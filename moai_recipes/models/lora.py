@@ -8,6 +8,7 @@ loads: adapter_config.json and adapter_model.safetensors with PEFT's tensor name
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import zlib
@@ -108,10 +109,10 @@ def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> 
     if apply_to_experts and not spec.is_moe:
         raise UserError(f"lora.apply_to_experts=true adapts a Mixture-of-Experts model's experts, and this "
                         f"{spec.family} model has none; use lora.apply_to_mlp=true for its MLP")
-    if apply_to_experts and not spec.native:
-        raise UserError(f"lora.apply_to_experts=true: adapters on the stacked experts of transformers' modules (this "
-                        f"{spec.family} model) are not made here yet; adapt its attention and shared MLP "
-                        "(lora.target_modules) instead")
+    if apply_to_experts and not spec.native and not spec.parts.experts_dispatchable:
+        raise UserError(f"lora.apply_to_experts=true: this {spec.family} model's experts are not held as transformers' "
+                        "experts interface holds them (stacked weights), which the adapters are made for; adapt its "
+                        "attention and shared MLP (lora.target_modules) instead")
     if apply_to_experts and dropout:
         raise UserError(f"lora.apply_to_experts=true with lora.dropout={dropout}: PEFT loads adapters of the experts' "
                         "stacked weights only without dropout (its ParamWrapper); set lora.dropout=0")
@@ -262,6 +263,26 @@ def _peft_experts(prefix: str, stacked: dict[str, torch.Tensor]) -> dict[str, to
             f"{prefix}.lora_B.weight": a2.permute(2, 1, 0).reshape(hidden, r * E).to(dtype).contiguous()}
 
 
+# An experts module's adapters of transformers' modules (models/transformers_model._adapt_experts): module, a or b,
+# the stacked weight.
+_TRANSFORMERS_EXPERTS = re.compile(r"(model\..*\.experts)\.lora_([ab])\.(\w+)")
+
+
+def _peft_parameters(prefix: str, weights: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """An experts module's adapters on its stacked weights W [E, m, n] (A [E, r, n], B [E, m, r]: W + s B @ A) as
+    PEFT's ParamWrapper holds them: lora_A [E x r, m], lora_B [n, r x E], expert e's update A_e^T B_e^T (see
+    _peft_experts). PEFT wraps the module once a weight, in the order of target_parameters: the first innermost (its
+    matrices under `base_layer`, under as many as come after it)."""
+    out, names = {}, list(weights)
+    for i, name in enumerate(names):
+        a, b = weights[name]["a"], weights[name]["b"]
+        E, r, n = a.shape
+        where = prefix + ".base_layer" * (len(names) - 1 - i)
+        out[f"{where}.lora_A.weight"] = b.transpose(1, 2).reshape(E * r, b.shape[1]).contiguous()
+        out[f"{where}.lora_B.weight"] = a.permute(2, 1, 0).reshape(n, r * E).contiguous()
+    return out
+
+
 def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_dir: Path, base_model: str,
                  rank: int = 0) -> None:
     """Write a PEFT adapter folder (written aside, then renamed): what PeftModel.from_pretrained loads.
@@ -276,8 +297,13 @@ def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_di
 
 
 def _write_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_dir: Path, base_model: str) -> None:
-    tensors, targets, experts = {}, set(), {}
+    tensors, targets, experts, stacked = {}, set(), {}, {}
     for name, t in adapters.items():
+        m = _TRANSFORMERS_EXPERTS.fullmatch(name)
+        if m:  # transformers' modules: model.layers.1.mlp.experts.lora_a.gate_up_proj, by module and weight
+            module, kind, weight = m.groups()
+            stacked.setdefault(module, {}).setdefault(weight, {})[kind] = t
+            continue
         if ".mlp.experts.lora_" in name:  # layers.0.mlp.experts.lora_a.w1: written per layer below
             layer, _, leaf = name.partition(".experts.")
             experts.setdefault(layer, {})[leaf] = t
@@ -291,8 +317,13 @@ def _write_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_
         tensors[peft] = t.contiguous()
         leaf = stem.rsplit(".", 1)[-1]
         targets.add(_PEFT_TARGETS.get(leaf, leaf))
-    for layer, stacked in experts.items():
-        tensors.update(_peft_experts(f"base_model.model.model.{layer}.experts", stacked))
+    for layer, adapters_of in experts.items():
+        tensors.update(_peft_experts(f"base_model.model.model.{layer}.experts", adapters_of))
+    parameters = []
+    for module, weights in stacked.items():
+        tensors.update(_peft_parameters(f"base_model.model.{module}", weights))
+        parameters += [f"{module.split('.', 3)[-1]}.{w}" for w in weights]  # mlp.experts.gate_up_proj
+    parameters = list(dict.fromkeys(parameters))
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": opts.rank, "lora_alpha": opts.alpha, "lora_dropout": opts.dropout,
@@ -300,6 +331,8 @@ def _write_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
         "modules_to_save": None, "use_dora": False, "use_rslora": False, "layers_to_transform": None,
     }
+    if parameters:  # transformers' modules: PEFT adapts each stacked weight as it is (its ParamWrapper)
+        config.update(target_parameters=parameters)
     if experts:
         # transformers keeps a sparse layer's experts as two stacked parameters, the gate and up projections fused:
         # PEFT adapts them as parameters (its ParamWrapper), the fused one with the gate's and the up's adapters

@@ -913,6 +913,37 @@ def add_adapters(model: TransformersDecoder, lora: dict, *, quantize_base: bool)
         model.get_submodule(owner).register_module(leaf, new)
         if name == model.head_name:  # the causal LM's own forward computes logits with it too (TransformersDecoder.logits)
             model.causal_lm.register_module(leaf, new)
+    if targets.apply_to_experts:
+        for layer in model.layers:
+            experts = experts_of(layer)
+            if experts is not None:
+                _adapt_experts(experts, rank=targets.rank, scale=targets.alpha / targets.rank)
+
+
+def _adapt_experts(experts: nn.Module, *, rank: int, scale: float) -> None:
+    """LoRA on each stacked weight of an experts module ([E, m, n]: each expert's m x n): adapters A [E, rank, n] and
+    B [E, m, rank] as `lora_a.NAME` and `lora_b.NAME`, the module computing with W + scale x B @ A for the time of its
+    forward (PEFT's ParamWrapper adds the same update to the same parameter)."""
+    stacked = [n for n, p in experts.named_parameters(recurse=False) if p.dim() == 3]
+    experts.lora_a, experts.lora_b = nn.Module(), nn.Module()
+    for name in stacked:
+        weight = experts._parameters[name]
+        e, m, n = weight.shape
+        experts.lora_a.register_parameter(name, nn.Parameter(torch.empty(e, rank, n, dtype=weight.dtype)))
+        experts.lora_b.register_parameter(name, nn.Parameter(torch.empty(e, m, rank, dtype=weight.dtype)))
+    forward = experts.forward
+
+    def adapted(*args, **kwargs):
+        held = {name: experts._parameters[name] for name in stacked}
+        for name in stacked:
+            update = torch.matmul(experts.lora_b._parameters[name], experts.lora_a._parameters[name])
+            experts._parameters[name] = held[name] + scale * update.to(held[name].dtype)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            experts._parameters.update(held)
+
+    experts.forward = adapted
 
 
 def _meta_of(spec) -> TransformersDecoder:

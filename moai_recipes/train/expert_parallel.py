@@ -146,16 +146,18 @@ class TransformersExpertDispatch:
 def _as_local(experts: nn.Module, local: int):
     """Within it, the experts module's stacked weights are its device's slices (plain tensors, their gradients going
     to the DTensors) and its count of experts its device's."""
-    held = dict(experts._parameters)
+    held = {module: dict(module._parameters) for module in experts.modules()}  # its own, its adapters'
     count = experts.num_experts
-    for name, p in held.items():
-        if isinstance(p, DTensor):
-            experts._parameters[name] = p.to_local()
+    for module, params in held.items():
+        for name, p in params.items():
+            if isinstance(p, DTensor):
+                module._parameters[name] = p.to_local()
     experts.num_experts = local
     try:
         yield
     finally:
-        experts._parameters.update(held)
+        for module, params in held.items():
+            module._parameters.update(params)
         experts.num_experts = count
 
 
@@ -171,7 +173,9 @@ def apply_transformers_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> No
         if experts is None:
             continue
         assert experts.num_experts % mesh.size() == 0, (experts.num_experts, mesh.size())  # the planner's degrees
-        for name, p in list(experts.named_parameters(recurse=False)):
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]),
-                                                          requires_grad=p.requires_grad))
+        for name, p in list(experts.named_parameters()):  # the stacked weights, and their adapters (LoRA)
+            owner, _, leaf = name.rpartition(".")
+            module = experts.get_submodule(owner) if owner else experts
+            module.register_parameter(leaf, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]),
+                                                         requires_grad=p.requires_grad))
         dispatch.wrap(experts)
