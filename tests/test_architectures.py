@@ -440,3 +440,25 @@ def test_adapters_on_the_stacked_experts_load_in_peft_and_merge_as_peft_merges(c
     merged = tensors(tmp_path / "peft-merged")
     for key, tensor in tensors(tmp_path / "merged").items():
         assert (tensor - merged[key]).abs().max() <= 1e-5, key
+
+
+def test_lora_on_the_stacked_experts_trains_alike_split_over_expert_devices_its_peak_as_planned(checkpoints, tmp_path):
+    """recipes.lora_finetune with adapters on Qwen3.5-MoE's attention and stacked experts: one process against two
+    sending each token to its experts' device, each run's peak as planned (its Gated DeltaNet layers before the
+    first adapter run forward alone and keep nothing)."""
+    common = [f"model.checkpoint_dir={checkpoints['qwen3_5_moe']}", "max_steps=3", "batch_size=8", "max_seq_len=64",
+              "optimizer.lr=1e-3", "logger=stdout", "sample_max_new_tokens=0", "lora.apply_to_experts=true"]
+    curves = {}
+    for flavor, forced in (("cpu", ()), ("cpu-2", (*FSDP, "plan.expert_parallel=2"))):
+        out = tmp_path / flavor
+        r = run_recipe(*common, f"flavor={flavor}", *forced, f"output_dir={out}", module="recipes.lora_finetune")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert abs(peak_error(r.stdout)) <= 0.10
+        assert plan_of(out)["expert_parallel"] == (2 if flavor == "cpu-2" else 1)
+        adapter = tensors(out / "adapter")
+        assert any(".experts." in key for key in adapter)
+        curves[flavor] = metrics(out)
+    assert len(curves["cpu"]) == 3
+    for one, two in zip(curves["cpu"], curves["cpu-2"]):
+        for key in ("loss", "grad_norm", "aux_loss"):
+            assert abs(one[key] - two[key]) <= 1e-4 * max(1.0, abs(one[key])), (key, curves)

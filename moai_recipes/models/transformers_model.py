@@ -717,9 +717,10 @@ class _Captured(Exception):
         self.args, self.kwargs = args, kwargs
 
 
-def layer_call(model: TransformersDecoder, index: int, *, tokens: int, documents: Documents | None = None):
-    """(args, kwargs) the base model's forward calls decoder layer `index` with on a row of `tokens` tokens (packed
-    `documents`, if given): what the planner traces the layer with. The layers before it run for what they leave to
+def layer_call(model: TransformersDecoder, index: int, *, tokens: int, documents: Documents | None = None,
+               rows: int = 1):
+    """(args, kwargs) the base model's forward calls decoder layer `index` with on `rows` rows of `tokens` tokens (one
+    of packed `documents`, if given): what the planner traces the layer with. The layers before it run for what they leave to
     later ones (Gemma 4's shared keys and values); under FakeTensorMode nothing is computed."""
     layer = model.layers[index]
     had = "forward" in layer.__dict__
@@ -729,7 +730,7 @@ def layer_call(model: TransformersDecoder, index: int, *, tokens: int, documents
         raise _Captured(args, kwargs)
 
     layer.forward = capture
-    ids = torch.zeros(1, tokens, dtype=torch.long)
+    ids = torch.zeros(rows, tokens, dtype=torch.long)
     kwargs = {} if documents is None else {DOCUMENTS: documents, "position_ids": documents.positions(ids.device)}
     try:
         model.base(input_ids=ids, use_cache=False, **kwargs)

@@ -44,7 +44,7 @@ from moai_recipes.planner.live_storages import LiveStorages
 from moai_recipes.models.recompute import apply_recompute
 from moai_recipes.models.tiled_mlp import apply_tiled_mlp
 
-_VERSION = 10  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 16  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,21 @@ class LayerTrace:
     ops: int  # operators dispatched (each costs a launch, whatever its size), per micro-batch
     attention_flops: int = 0  # the share of `flops` in attention kernels (the CPU's run at fp32 speed in bf16)
     attention_square: int = 0  # those kernels' formulas over the whole square of scores (a causal one not halved)
+    # The forward peak, its input included, of a layer no gradient reaches (LoRA's before the first adapter), per
+    # sequence: it holds its temporaries while nothing is kept yet (a Gated DeltaNet's chunks: its step's peak).
+    unlearned_forward: int = 0
+    # Bytes per micro-batch beyond those per sequence, whatever its rows: LoRA's stacked experts compute with their
+    # weights merged with the adapters (models/transformers_model._adapt_experts), a copy kept for the backward
+    # and its gradient made there.
+    retained_fixed: int = 0
+    transient_fixed: int = 0
+
+    def kept(self, rows: float) -> float:
+        """What the layer keeps for its backward on a micro-batch of `rows` sequences."""
+        return rows * self.retained + self.retained_fixed
+
+    def backward_transient(self, rows: float) -> float:
+        return rows * self.transient + self.transient_fixed
 
 
 @dataclass(frozen=True)
@@ -428,27 +443,67 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
         _transformers_formulas()
         _on_fake_storage(model, dtype=dtype)
         kinds = spec.parts.kinds
+        # Under LoRA (the embeddings frozen) the gradient starts at the first adapter: the layers before it run
+        # forward alone and keep nothing (a hybrid model's Gated DeltaNet layers, adapters on its attention only),
+        # and that layer keeps nothing of what comes before its own first adapter.
+        first = next((i for i, layer in enumerate(model.layers)
+                      if any(p.requires_grad for p in layer.parameters())), len(kinds)) if lora else -1
+        reach = ["none" if i < first else "within" if i == first else "through" for i in range(len(kinds))]
         traces = []
-        for kind in dict.fromkeys(kinds):
-            index = spec.parts.representative(kind)
+        for kind, gradient in dict.fromkeys(zip(kinds, reach)):
+            index = first if gradient == "within" else spec.parts.representative(kind)
             args, kwargs = layer_call(model, index, tokens=seq_len, documents=docs)
-            traces.append((kinds.count(kind), _trace_call(model.layers[index], args[1:], kwargs, seq_len=seq_len,
-                                                          embed_dim=spec.embed_dim, dtype=dtype)))
+            layer = model.layers[index]
+            trace = _trace_call(layer, args[1:], kwargs, seq_len=seq_len, embed_dim=spec.embed_dim, dtype=dtype,
+                                gradient=gradient)
+            if gradient != "none" and any(p.requires_grad and p.dim() > 2 for p in layer.parameters()):
+                trace = _per_micro_batch(model, index, trace, seq_len=seq_len, embed_dim=spec.embed_dim,
+                                         dtype=dtype, gradient=gradient)
+            if gradient == "within" and first < len(kinds) - 1:
+                # Its backward comes last, the later layers' activations gone: not the transient the peak's phases
+                # add to every layer's (planner/memory.py). Traced, it is larger than theirs: 3.6x the same Qwen3.5-MoE
+                # layer's reached through its input, with adapters on its experts.
+                trace = replace(trace, transient=0, transient_fixed=0)
+            traces.append((list(zip(kinds, reach)).count((kind, gradient)), trace))
     return _mean_layer(traces)
 
 
-def _trace_call(layer, args: tuple, kwargs: dict, *, seq_len: int, embed_dim: int, dtype: torch.dtype) -> LayerTrace:
-    """One layer's forward and backward on a row of `seq_len` tokens (under FakeTensorMode), `args` and `kwargs` after
-    its hidden states."""
-    x = torch.empty(1, seq_len, embed_dim, dtype=dtype, requires_grad=True)
+def _per_micro_batch(model, index: int, trace: LayerTrace, *, seq_len: int, embed_dim: int, dtype: torch.dtype,
+                     gradient: str) -> LayerTrace:
+    """`trace` (of one sequence) with the bytes a layer holds once per micro-batch whatever its rows told apart
+    (adapted stacked experts: their merged weights), from the layer traced again on one row and on two."""
+    from moai_recipes.models.transformers_model import layer_call
+
+    one, two = ((layer_call(model, index, tokens=seq_len, rows=rows), rows) for rows in (1, 2))
+    one, two = (_trace_call(model.layers[index], args[1:], kwargs, seq_len=seq_len, embed_dim=embed_dim,
+                            dtype=dtype, rows=rows, gradient=gradient) for (args, kwargs), rows in (one, two))
+    retained = max(0, 2 * one.retained - two.retained)
+    transient = max(0, 2 * one.transient - two.transient)
+    return replace(trace, retained=max(0, trace.retained - retained), transient=max(0, trace.transient - transient),
+                   retained_fixed=retained, transient_fixed=transient)
+
+
+def _trace_call(layer, args: tuple, kwargs: dict, *, seq_len: int, embed_dim: int, dtype: torch.dtype,
+                gradient: str = "through", rows: int = 1) -> LayerTrace:
+    """One layer's forward and backward on `rows` rows of `seq_len` tokens (under FakeTensorMode), `args` and `kwargs`
+    after its hidden states. `gradient`: "through" the layer to its input, starting "within" it (its input needs
+    none), or "none" reaching it (its forward alone)."""
+    backward = gradient != "none"
+    x = torch.empty(rows, seq_len, embed_dim, dtype=dtype, requires_grad=gradient == "through")
     grad_out = torch.empty_like(x)  # the gradient the next layer hands back: not this layer's memory
     given = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     count = OpCounter(existing=[*layer.parameters(), *layer.buffers(), x, grad_out, *given])
-    with count:
+    with count, torch.set_grad_enabled(backward):
         y = layer(x, *args, **kwargs)
         y = y[0] if isinstance(y, tuple) else y
         retained = count.storages.current
-        y.backward(grad_out)
+        if backward:
+            y.backward(grad_out)
+    if not backward:  # it keeps nothing, and no backward of it adds to the step's peak
+        return LayerTrace(retained=0, transient=0, grads_at_peak=0, flops=count.flops, traffic=count.traffic,
+                          ops=count.ops, attention_flops=count.attention_flops,
+                          attention_square=count.attention_square,
+                          unlearned_forward=count.storages.peak + x.untyped_storage().nbytes())
     grads_at_peak = count.bytes_at_peak([p.grad for p in layer.parameters() if p.grad is not None])
     return LayerTrace(retained=retained, transient=max(0, count.storages.peak - retained - grads_at_peak),
                       grads_at_peak=grads_at_peak, flops=count.flops, traffic=count.traffic, ops=count.ops,
@@ -464,7 +519,9 @@ def _mean_layer(traces: list[tuple[int, LayerTrace]]) -> LayerTrace:
     return LayerTrace(retained=mean(lambda t: t.retained), transient=peak.transient, grads_at_peak=peak.grads_at_peak,
                       flops=mean(lambda t: t.flops), traffic=mean(lambda t: t.traffic), ops=mean(lambda t: t.ops),
                       attention_flops=mean(lambda t: t.attention_flops),
-                      attention_square=mean(lambda t: t.attention_square))
+                      attention_square=mean(lambda t: t.attention_square),
+                      unlearned_forward=max(t.unlearned_forward for _, t in traces),
+                      retained_fixed=mean(lambda t: t.retained_fixed), transient_fixed=peak.transient_fixed)
 
 
 def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked: bool, dtype: torch.dtype,

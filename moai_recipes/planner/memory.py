@@ -126,6 +126,8 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     retained activations, the logits and their gradients, or a chunk of them), the last layer's backward (the logits
     freed, the layer's backward transient added), or the first layer's backward (the activations
     gone, every sharded gradient made); between them memory moves monotonically, layer by layer.
+    Under LoRA, a layer before the first adapter runs its forward with nothing kept yet: its temporaries alone (a
+    hybrid model's Gated DeltaNet layers, whose chunks outweigh the rest of the step at short rows).
     Weight gradients of earlier micro-batches are alive throughout when accumulating (freed after
     each step otherwise). Then the optimizer step: the sharded state and the optimizer's own
     temporaries (OPTIMIZER_TEMPORARY bytes per trainable value: fused AdamW makes none). `traced_scale`: the
@@ -221,10 +223,10 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     # The mask is one block's of GATHER_BLOCK queries at a time (train/context_parallel.py), against at most the row.
     gathered_kv = (2 * 2 * row * spec.num_heads * spec.head_dim * c / T + min(row / C, GATHER_BLOCK) * row * 5
                    if plan.context_parallel_way == "gather" else 0)
-    retained = micro_batch_size * L * act.retained * share.in_flight / T / C
+    retained = L * act.kept(micro_batch_size) * share.in_flight / T / C
     if plan.offload_activations:  # on the device: the layer whose input is on its way out, or back in (prefetched)
-        retained = micro_batch_size * min(2, L * share.in_flight) * act.retained / T / C
-    layer_backward = (micro_batch_size * act.transient / C + act.grads_at_peak) / T + gathered_kv + reduce_copy
+        retained = min(2, L * share.in_flight) * act.kept(micro_batch_size) / T / C
+    layer_backward = (act.backward_transient(micro_batch_size) / C + act.grads_at_peak) / T + gathered_kv + reduce_copy
     earlier_grads = sharded_grads if plan.accumulation_steps > 1 else 0
     # The final norm, the output projection and the loss as traced: the logits in the compute dtype and in
     # fp32, the log-softmax and the gradients over them (about 12 bytes per token and vocabulary entry),
@@ -239,13 +241,17 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
 
     rollout = rollout_bytes(plan, work) if work.rollout is not None and plan.generation_batch else None
     phases = {
+        # LoRA's layers before the first adapter run forward alone, nothing kept yet: their temporaries.
+        **({"unadapted layer forward": dict(gathered=root_gathered + layers_gathered(2), grads=earlier_grads,
+                                            activations=micro_batch_size * act.unlearned_forward / T / C, logits=0)}
+           if act.unlearned_forward else {}),
         "loss backward": dict(gathered=root_gathered + layers_gathered(1) + output_grad, grads=earlier_grads,
                               activations=retained, logits=logits),
         "last layer backward": dict(gathered=root_gathered + layers_gathered(2) + output_grad, grads=earlier_grads,
                                     activations=retained + layer_backward, logits=0),
         "first layer backward": dict(gathered=root_gathered + layers_gathered(1) + output_grad,
                                      grads=max(earlier_grads, later_grads),
-                                     activations=micro_batch_size * act.retained / T / C + layer_backward,
+                                     activations=act.kept(micro_batch_size) / T / C + layer_backward,
                                      logits=0),
         # (In the backward, nothing is left to it: a parameter at a time, its temporaries a parameter's.)
         "optimizer step": dict(gathered=0, grads=sharded_grads, logits=0,
@@ -338,4 +344,4 @@ def offloaded_activations(plan: Plan, work: Workload) -> float:
     act = trace_layer(work.spec, seq_len=work.seq_len, recompute=plan.recompute, dtype=dtype, lora=work.lora_key,
                       form=RowForm(tiles=plan.tiled_mlp))
     held = max(s.layers * s.in_flight for s in device_shares(plan, work.spec))
-    return plan.micro_batch_size * held * act.retained / plan.tensor_parallel / plan.context_parallel
+    return held * act.kept(plan.micro_batch_size) / plan.tensor_parallel / plan.context_parallel
