@@ -44,7 +44,7 @@ from moai_recipes.planner.live_storages import LiveStorages
 from moai_recipes.models.recompute import apply_recompute
 from moai_recipes.models.tiled_mlp import apply_tiled_mlp
 
-_VERSION = 16  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 17  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -456,7 +456,7 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
             layer = model.layers[index]
             trace = _trace_call(layer, args[1:], kwargs, seq_len=seq_len, embed_dim=spec.embed_dim, dtype=dtype,
                                 gradient=gradient)
-            if gradient != "none" and any(p.requires_grad and p.dim() > 2 for p in layer.parameters()):
+            if lora and gradient != "none" and any(p.requires_grad and p.dim() > 2 for p in layer.parameters()):
                 trace = _per_micro_batch(model, index, trace, seq_len=seq_len, embed_dim=spec.embed_dim,
                                          dtype=dtype, gradient=gradient)
             if gradient == "within" and first < len(kinds) - 1:
