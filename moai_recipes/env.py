@@ -12,6 +12,7 @@ from pathlib import Path
 MOAI_HOME = "MOAI_HOME"  # the user's settings and the registry of running recipes
 XDG_CONFIG_HOME = "XDG_CONFIG_HOME"  # where MOAI_HOME is when unset
 MOAI_CACHE = "MOAI_CACHE"  # this machine's caches (the tiny checkpoint, converted models, CPU speed, traces)
+LLAMA_CPP = "MOAI_LLAMA_CPP"  # a llama.cpp source folder whose converter GGUF export uses (else fetched once)
 FAULT_OOM_TOKENS = "MOAI_FAULT_OOM_TOKENS"  # test hook: a micro-batch of more tokens runs out of memory
 FAULT_STEP_DELAY = "MOAI_FAULT_STEP_DELAY"  # test hook: seconds each step waits first, as on a slower machine
 FAULT_MEMORY_HEADROOM = "MOAI_FAULT_MEMORY_HEADROOM"  # test hook: bytes of address space a step may add, for real
@@ -47,6 +48,12 @@ def cache_dir() -> Path:
     """This machine's cache (the tiny checkpoint, converted models, the CPU's speed, layer traces, tokenised data):
     MOAI_CACHE, else ~/.cache/moai-recipes."""
     return Path(_get(MOAI_CACHE) or Path.home() / ".cache" / "moai-recipes")
+
+
+def llama_cpp_source() -> Path | None:
+    """MOAI_LLAMA_CPP: a llama.cpp source folder (convert_hf_to_gguf.py, conversion/, gguf-py/)."""
+    value = _get(LLAMA_CPP)
+    return Path(value).expanduser() if value else None
 
 
 def fault_oom_tokens() -> int | None:

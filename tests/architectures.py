@@ -20,7 +20,7 @@ ARCHITECTURES = {
                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                    tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh")),
     # Gemma 4: per-layer inputs, shared key-value layers, local/global layers of different head sizes.
-    "gemma4": ("gemma4_text", dict(num_hidden_layers=4, head_dim=32, global_head_dim=32, sliding_window=WINDOW,
+    "gemma4": ("gemma4_text", dict(num_hidden_layers=4, head_dim=32, global_head_dim=64, sliding_window=WINDOW,
                                    layer_types=["sliding_attention", "full_attention", "sliding_attention",
                                                 "full_attention"],
                                    hidden_size_per_layer_input=16,

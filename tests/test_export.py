@@ -219,3 +219,101 @@ def test_a_full_disk_or_a_kill_leaves_the_last_file_whole(tmp_path):
     assert out.read_bytes() == b"an earlier export" and list(tmp_path.glob(".model.gguf.tmp-*"))
     _export(f"model.checkpoint_dir={folder}", "outtype=f32", f"out={out}")
     assert out.stat().st_size > 10**7 and not list(tmp_path.glob(".model.gguf.tmp-*"))
+
+
+# Architectures our own writer does not lay out, written by llama.cpp's converter (models/llama_cpp_converter.py), each
+# on a tiny checkpoint of tests/architectures.py. Llama 4's with the chunk and NoPE interval llama.cpp fixes (the
+# released models'); Qwen3.5's with MRoPE sections its 4 rotary dimensions hold (llama.cpp stops on more).
+_MROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+          "mrope_interleaved": True}
+CONVERTED = {"gemma3": {}, "gemma4": {}, "gpt_oss": {}, "qwen3_5": {"rope_parameters": _MROPE},
+             "qwen3_5_moe": {"rope_parameters": _MROPE}, "deepseek_v3": {}, "glm4_moe": {}, "phi4": {}, "smollm3": {},
+             "llama4": {"attention_chunk_size": 8192, "no_rope_layer_interval": 4, "no_rope_layers": [1, 1, 1, 0],
+                        "layer_types": ["chunked_attention"] * 3 + ["full_attention"]}}
+# llama.cpp computes in fp32 (its cache too, asked so) with kernels of its own: its logits are ours within this, of
+# logits up to 1 (measured: 3e-7 to 2e-4 for most, Gemma 4 2e-3, Qwen3.5's Gated DeltaNet layers 3e-3 and 8e-3 from
+# the first position). A file laid out wrong was 0.05 to 0.8 off.
+LOGIT_TOLERANCE = 1e-2
+
+
+@pytest.fixture(scope="module")
+def converter_cache():
+    """Where llama.cpp's converter is fetched to (once a machine: ~/.cache/moai-recipes, or MOAI_TEST_MODELS)."""
+    return str(Path(os.environ.get("MOAI_TEST_MODELS") or Path.home() / ".cache" / "moai-recipes"))
+
+
+@pytest.mark.parametrize("name", sorted(CONVERTED))
+def test_llama_cpps_converter_writes_a_file_llama_cpp_runs_as_we_do(name, tmp_path, converter_cache):
+    from moai_recipes.config.compose import load_config
+    from moai_recipes.data.tokenizer import prompt_ids
+    from moai_recipes.inference.llama_cpp import greedy_tokens, logits, tokenize
+    from moai_recipes.inference.loading import load_for_inference, whole_sequence_logits
+    from moai_recipes.models.hf_format import HFFolder
+    from moai_recipes.recipes.generate import generate
+    from tests.architectures import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / name, name, **CONVERTED[name])
+    cfg = load_config("generate", [f"model.checkpoint_dir={folder}", "max_new_tokens=24"])
+    tokenizer, ours = generate(cfg, prompt=PROMPT)
+    ids = prompt_ids(tokenizer, PROMPT, chat=True)
+    r = run_recipe(f"model.checkpoint_dir={folder}", "outtype=f32", module="recipes.export",
+                   env={"MOAI_CACHE": converter_cache})
+    assert r.returncode == 0, r.stdout + r.stderr
+    path = Path(r.stdout.strip().splitlines()[-1])
+    assert path == tmp_path / f"{name}-f32.gguf"
+    text = tokenizer.render([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    assert tokenize(path, text) == tokenizer.encode(text, add_bos=False, add_eos=False)
+    # Every position of the prompt and our continuation: llama.cpp's logits are ours.
+    loaded = load_for_inference(cfg, HFFolder.open(folder), None, max_seq_len=64)
+    with torch.no_grad():
+        expected = whole_sequence_logits(loaded.model, torch.tensor([ids + ours]))[0].float().numpy()
+    apart = abs(logits(path, ids + ours) - expected).max()
+    assert apart <= LOGIT_TOLERANCE
+    # llama.cpp's greedy tokens are ours, token for token: all of them where our best logit leads the runner-up by more
+    # than twice the largest difference (then its argmax is ours), up to the first near tie of the random model.
+    top2 = torch.tensor(expected[len(ids) - 1:]).topk(2).values
+    clear = next((i for i, (a, b) in enumerate(top2.tolist()) if a - b <= 2 * apart), len(ours))
+    assert greedy_tokens(path, ids, max_new_tokens=24)[:clear] == ours[:clear]
+
+
+def test_an_adapter_of_transformers_stacked_experts_is_merged_as_peft_merges_it(tmp_path, converter_cache):
+    """A PEFT adapter of Qwen3.5-MoE (attention and stacked experts, PEFT's target_parameters) merged into the file
+    llama.cpp's converter writes: llama.cpp's logits are those of peft's merged model in transformers."""
+    import peft
+    import transformers
+
+    from moai_recipes.inference.llama_cpp import logits
+    from tests.architectures import make_checkpoint
+
+    base = make_checkpoint(tmp_path / "base", "qwen3_5_moe", **CONVERTED["qwen3_5_moe"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                      target_parameters=["mlp.experts.gate_up_proj",
+                                                                         "mlp.experts.down_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    lora.save_pretrained(tmp_path / "adapter")
+    ids = [3, 40, 77, 120, 9, 250, 31, 8]
+    with torch.no_grad():
+        expected = lora.merge_and_unload()(torch.tensor([ids])).logits[0].numpy()
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)(torch.tensor([ids]))
+    assert abs(plain.logits[0].numpy() - expected).max() > 0.05  # the adapter matters
+    r = run_recipe(f"adapter_dir={tmp_path / 'adapter'}", f"model.checkpoint_dir={base}", "outtype=f32",
+                   module="recipes.export", env={"MOAI_CACHE": converter_cache})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert abs(logits(tmp_path / "adapter-merged-f32.gguf", ids) - expected).max() <= LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("name, fields, words", [
+    ("llama4", {}, "attention_chunk_size=16, and llama.cpp's llama4_text architecture fixes it at 8192"),
+    ("qwen3_5", {}, "mrope_section [11, 11, 10] covers 64 rotary dimensions of the 4 its heads rotate")])
+def test_what_llama_cpp_would_compute_otherwise_is_refused_by_name(name, fields, words, tmp_path):
+    from tests.architectures import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / name, name, **fields)
+    r = run_recipe(f"model.checkpoint_dir={folder}", "outtype=f32", module="recipes.export")
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*.tmp-*"))

@@ -22,7 +22,7 @@ def require() -> None:
                         "file only") from None
 
 
-def _llama(path: Path, *, n_ctx: int = 2048):
+def _llama(path: Path, *, n_ctx: int = 2048, logits_all: bool = False, f32_cache: bool = False):
     require()
     from llama_cpp import Llama
 
@@ -31,7 +31,8 @@ def _llama(path: Path, *, n_ctx: int = 2048):
         fd = os.dup(2)
         os.dup2(null.fileno(), 2)
         try:
-            return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False, seed=0)
+            return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False, seed=0,
+                         logits_all=logits_all, **({"type_k": 0, "type_v": 0} if f32_cache else {}))
         except ValueError as e:  # llama-cpp-python's words for a file llama.cpp refused
             raise UserError(f"llama.cpp cannot load {path} ({e})") from None
         finally:
@@ -62,6 +63,15 @@ def greedy_tokens(path: Path, ids: list[int], *, max_new_tokens: int) -> list[in
             break
         out.append(token)
     return out
+
+
+def logits(path: Path, ids: list[int]):
+    """llama.cpp's logits [len(ids), vocabulary] (numpy, fp32) of the token ids `ids`, every position's."""
+    import numpy as np
+
+    llm = _llama(path, n_ctx=max(64, len(ids)), logits_all=True, f32_cache=True)
+    llm.eval(ids)
+    return np.array(llm.scores[:len(ids)], dtype=np.float32)
 
 
 def tokenize(path: Path, text: str) -> list[int]:

@@ -18,6 +18,7 @@ The file is streamed: one tensor in memory at a time (a 70B model never has to f
 import json
 import math
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,8 @@ def export_gguf(hf: HFFolder, out: Path, *, fmt: str, adapter: PeftAdapter | Non
     """Write `hf` (with `adapter` merged: W + scale * B @ A in fp32, one rounding to `fmt`) to `out` as GGUF."""
     import gguf
 
+    if hf.spec.family not in _ARCHS:  # an architecture llama.cpp's own converter lays out
+        return _through_llama_cpp(hf, out, fmt=fmt, adapter=adapter)
     arch = _arch(hf)
     tokens, types, pre = _vocab(hf)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], hf.spec.num_layers)
@@ -84,7 +87,7 @@ def export_gguf(hf: HFFolder, out: Path, *, fmt: str, adapter: PeftAdapter | Non
             writer.add_tokenizer_pre(pre)
             writer.add_token_list(tokens)
             writer.add_token_types(types)
-            writer.add_add_bos_token(_adds_bos(hf))
+            writer.add_add_bos_token(_adds_bos(hf.folder))
             gguf.SpecialVocab(hf.folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
             for entry, new, qtype in plan:
                 writer.add_tensor_info(new, entry.shape, np.dtype(np.float32), _nbytes(gguf, entry.shape, qtype),
@@ -110,6 +113,44 @@ def export_gguf(hf: HFFolder, out: Path, *, fmt: str, adapter: PeftAdapter | Non
             raise
     return Exported(path=out, fmt=fmt, arch=arch, tensors=len(plan) + (extra is not None), bytes=out.stat().st_size,
                     tokenizer_pre=pre)
+
+
+def _through_llama_cpp(hf: HFFolder, out: Path, *, fmt: str, adapter: PeftAdapter | None) -> Exported:
+    """`hf` written by llama.cpp's converter (models/llama_cpp_converter.py); with `adapter`, the merged model first
+    written aside as a checkpoint (loaded whole in fp32 to merge it: the converter reads checkpoints)."""
+    from moai_recipes.models import llama_cpp_converter
+
+    config = json.loads((hf.folder / "config.json").read_text())
+    text = {**config, **(config.get("text_config") or {})}
+    llama_cpp_converter.check(text, hf.folder)
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out)
+    if adapter is None:
+        llama_cpp_converter.convert(hf.folder, out, fmt=fmt, config=text)
+    else:
+        with tempfile.TemporaryDirectory(prefix=f".{out.name}.merged-", dir=out.parent) as aside:
+            merged = Path(aside) / hf.folder.name
+            _write_merged(hf, adapter, merged)
+            llama_cpp_converter.convert(merged, out, fmt=fmt, config=text)
+    arch, tensors, pre = llama_cpp_converter.described(out)
+    return Exported(path=out, fmt=fmt, arch=arch, tensors=tensors, bytes=out.stat().st_size, tokenizer_pre=pre)
+
+
+def _write_merged(hf: HFFolder, adapter: PeftAdapter, folder: Path) -> None:
+    """`hf` with `adapter` merged, written as a checkpoint laid out as `hf` (its files, names and dtypes)."""
+    from moai_recipes.models.build import build_model, init_buffers
+    from moai_recipes.models.hf_format import load_weights, save_weights
+    from moai_recipes.models.peft_adapter import merge_adapter
+
+    with torch.device("meta"):
+        model = build_model(hf.spec, max_seq_len=16)
+    model.to_empty(device="cpu")
+    init_buffers(model, device="cpu")
+    load_weights(model, hf)
+    with torch.no_grad():
+        merge_adapter(model, adapter, hf.spec)
+    save_weights(model, hf, folder, rank=0)
 
 
 @dataclass(frozen=True)
@@ -186,16 +227,22 @@ def _arch(hf: HFFolder) -> str:
 
 def _vocab(hf: HFFolder) -> tuple[list[str], list[int], str]:
     """llama.cpp's token list (padded to the embedding's rows), token types and pre-tokenizer name."""
+    tokens, types, pre, _ = byte_level_vocab(hf.folder, hf.spec.vocab_size)
+    return tokens, types, pre
+
+
+def byte_level_vocab(folder: Path, n: int) -> tuple[list[str], list[int], str, bool]:
+    """A byte-level BPE tokenizer.json as llama.cpp takes it: its token list padded to `n` (the embedding's rows),
+    token types, pre-tokenizer name (by the rule it applies), and whether plain text starts with BOS."""
     import gguf
 
-    path = hf.folder / "tokenizer.json"
+    path = folder / "tokenizer.json"
     tok = json.loads(path.read_text())
     model = tok.get("model") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback") or (tok.get("decoder") or {}).get("type") != "ByteLevel":
         raise UserError(f"{path} is not a byte-level BPE tokenizer (a SentencePiece one, as Mistral 7B's?); GGUF "
                         "export here writes byte-level BPE tokenizers (Llama 3, Qwen, SmolLM2, GPT-2 style) only")
     pre = _pre_tokenizer(tok.get("pre_tokenizer"), path)
-    n = hf.spec.vocab_size
     tokens: list[str | None] = [None] * n
     for text, i in model["vocab"].items():
         if i < n:
@@ -209,7 +256,7 @@ def _vocab(hf: HFFolder) -> tuple[list[str], list[int], str]:
     for i, text in enumerate(tokens):
         if text is None:  # embedding rows past the tokenizer (padded to a round size)
             tokens[i], types[i] = f"[PAD{i}]", gguf.TokenType.UNUSED
-    return tokens, [int(t) for t in types], pre
+    return tokens, [int(t) for t in types], pre, _adds_bos(folder)
 
 
 def _pre_tokenizer(pre: dict | None, path: Path) -> str:
@@ -230,9 +277,9 @@ def _pre_tokenizer(pre: dict | None, path: Path) -> str:
                     "name; GGUF export here knows Llama 3's, Qwen2's, SmolLM's and GPT-2's")
 
 
-def _adds_bos(hf: HFFolder) -> bool:
+def _adds_bos(folder: Path) -> bool:
     """Whether plain text starts with the BOS token, as our Tokenizer (data/tokenizer.py) does it."""
-    path = hf.folder / "tokenizer_config.json"
+    path = folder / "tokenizer_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
     return config.get("bos_token") is not None and config.get("add_bos_token", True) is not False
 

@@ -31,7 +31,7 @@ _UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "modules_to_save": N
 _PATTERNED = ("gate_up_proj", "down_proj")
 # A Mixture-of-Experts layer's experts as PEFT's ParamWrapper adapts them (target_parameters): the fused gate and up
 # projections under `base_layer`, the down projection outside it (models/lora.py writes them so).
-_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)(\.base_layer)?")
+_EXPERTS = re.compile(r"(model\.(?:\w+\.)?layers\.\d+\.mlp\.experts)((?:\.base_layer)*)")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class PeftAdapter:
     scale: float
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # Hugging Face module name -> (A [r, in], B [out, r])
     scales: dict[str, float] | None = None  # a module's own scale where its rank or alpha is not the adapter's
+    # adapter_config.json's target_parameters: the stacked weights PEFT adapts as parameters, the first innermost
+    parameters: tuple[str, ...] = ()
 
     @classmethod
     def open(cls, folder: str | Path) -> "PeftAdapter":
@@ -75,7 +77,8 @@ class PeftAdapter:
                 scales[module] = scaled(config.get("rank_pattern", {}).get(name, rank),
                                         config.get("alpha_pattern", {}).get(name, alpha))
         return cls(folder=folder, base_model=config.get("base_model_name_or_path"), rank=rank, alpha=alpha,
-                   scale=scaled(rank, alpha), weights={m: (a, b) for m, (a, b) in pairs.items()}, scales=scales)
+                   scale=scaled(rank, alpha), weights={m: (a, b) for m, (a, b) in pairs.items()}, scales=scales,
+                   parameters=tuple(config.get("target_parameters") or ()))
 
     @property
     def base_on_hub(self) -> bool:
@@ -103,8 +106,9 @@ class PeftAdapter:
         """UserError unless every adapted module is a weight of `hf` with the adapter's shapes."""
         for module, (a, b) in self.weights.items():
             if _EXPERTS.fullmatch(module):
-                _expert_delta(module, a, b, hf.spec, 1.0, folder=self.folder)  # its shapes checked
-                continue
+                if hf.spec.native:
+                    _expert_delta(module, a, b, hf.spec, 1.0, folder=self.folder)  # its shapes checked
+                continue  # transformers' modules: checked against the module's own weight as it is merged
             shape = hf.shapes.get(f"{module}.weight")
             if shape != (b.shape[0], a.shape[1]):
                 found = f"has shape {list(shape)}" if shape else "has no such weight"
@@ -150,6 +154,18 @@ def merge_adapter(model: torch.nn.Module, adapter: PeftAdapter, spec=None) -> No
     """Add scale * B @ A to each adapted weight of `model` (loaded from a checkpoint that `adapter.check_base`
     accepted), one module at a time, in fp32. `spec`: the model's (its experts, for a Mixture-of-Experts adapter)."""
     params = dict(model.named_parameters())
+    if spec is not None and not spec.native:  # transformers' modules: the checkpoint's names, stacked weights as PEFT's
+        for module, (a, b) in adapter.weights.items():
+            m = _EXPERTS.fullmatch(module)
+            if m and adapter.parameters:
+                param = params[_stacked_weight(adapter, module, m)]
+                delta = _stacked_delta(a, b, tuple(param.shape), adapter.scales[module], module=module,
+                                       folder=adapter.folder)
+            else:
+                param = params[f"{module}.weight"]
+                delta = adapter.scale * (b.float() @ a.float())
+            param.copy_(param.float() + delta.to(param.device))
+        return
     for layer, updates in expert_updates(adapter, spec).items():
         for projection, delta in updates.items():
             param = params[f"{layer}.{projection}"]
@@ -161,6 +177,30 @@ def merge_adapter(model: torch.nn.Module, adapter: PeftAdapter, spec=None) -> No
         # Our native layers' names, or transformers' modules' (the checkpoint's own).
         param = params[tune_name(f"{module}.weight") if spec is None or spec.native else f"{module}.weight"]
         param.copy_(param.float() + delta.to(param.device))  # one rounding to the model's dtype
+
+
+def _stacked_weight(adapter: PeftAdapter, module: str, m: re.Match) -> str:
+    """The stacked weight a module key of PEFT's ParamWrapper adapts: the last of target_parameters outermost, each
+    earlier one a `base_layer` further in."""
+    names = [p.rpartition(".")[2] for p in adapter.parameters if p.rpartition(".")[0].endswith("mlp.experts")]
+    depth = m.group(2).count(".base_layer")
+    if depth >= len(names):
+        raise UserError(f"the adapter {adapter.folder} adapts {module}, deeper than its target_parameters "
+                        f"{list(adapter.parameters)} wrap: the adapter is damaged")
+    return f"{m.group(1)}.{names[len(names) - 1 - depth]}"
+
+
+def _stacked_delta(a: torch.Tensor, b: torch.Tensor, shape: tuple, scale: float, *, module: str,
+                   folder: Path) -> torch.Tensor:
+    """The update of a stacked weight [E, m, n] from PEFT's ParamWrapper matrices A [E x R, m], B [n, R x E]: expert
+    e's A_e^T B_e^T, scaled."""
+    E, m, n = shape
+    if a.shape[0] % E or a.shape[1] != m or b.shape[0] != n or b.shape[1] != a.shape[0]:
+        raise UserError(f"the adapter {folder} adapts {module} with matrices {list(a.shape)} and {list(b.shape)}, "
+                        f"which are not of this model's stacked experts {list(shape)}; set model.checkpoint_dir to "
+                        "the base it was trained on")
+    rank = a.shape[0] // E
+    return torch.einsum("ore,eri->eio", b.float().reshape(n, rank, E), a.float().reshape(E, rank, m)) * scale
 
 
 def expert_updates(adapter: PeftAdapter, spec) -> dict[str, dict[str, torch.Tensor]]:

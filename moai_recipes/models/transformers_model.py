@@ -759,8 +759,18 @@ def transformers_spec(config: Mapping, *, trust_remote_code: bool = False, folde
     parts = describe(model)
     text = obj.get_text_config()
 
+    stored = text.to_dict()
+
+    def value(name):
+        try:
+            return getattr(text, name, None)
+        except AttributeError:
+            return None
+        except Exception:  # a per-layer attribute (Gemma 4's head_dim: 256, 512 on global layers): the config's own
+            return stored.get(name)
+
     def field(*names, default=None):
-        return next((getattr(text, n) for n in names if getattr(text, n, None) is not None), default)
+        return next((value(n) for n in names if value(n) is not None), default)
 
     embed = field("hidden_size", "d_model", "n_embd")
     heads = field("num_attention_heads", "n_head", default=1)
