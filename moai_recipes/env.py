@@ -12,6 +12,7 @@ from pathlib import Path
 MOAI_HOME = "MOAI_HOME"  # the user's settings and the registry of running recipes
 XDG_CONFIG_HOME = "XDG_CONFIG_HOME"  # where MOAI_HOME is when unset
 MOAI_CACHE = "MOAI_CACHE"  # this machine's caches (the tiny checkpoint, converted models, CPU speed, traces)
+PYTHONPATH = "PYTHONPATH"  # what a child Python process imports first
 LLAMA_CPP = "MOAI_LLAMA_CPP"  # a llama.cpp source folder whose converter GGUF export uses (else fetched once)
 FAULT_OOM_TOKENS = "MOAI_FAULT_OOM_TOKENS"  # test hook: a micro-batch of more tokens runs out of memory
 FAULT_STEP_DELAY = "MOAI_FAULT_STEP_DELAY"  # test hook: seconds each step waits first, as on a slower machine
@@ -54,6 +55,11 @@ def llama_cpp_source() -> Path | None:
     """MOAI_LLAMA_CPP: a llama.cpp source folder (convert_hf_to_gguf.py, conversion/, gguf-py/)."""
     value = _get(LLAMA_CPP)
     return Path(value).expanduser() if value else None
+
+
+def with_python_path(first: Path) -> dict:
+    """This process's environment for a child Python process that imports from `first` before anything else."""
+    return {**os.environ, PYTHONPATH: os.pathsep.join(filter(None, [str(first), _get(PYTHONPATH)]))}
 
 
 def fault_oom_tokens() -> int | None:

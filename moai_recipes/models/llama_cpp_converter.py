@@ -62,8 +62,7 @@ def convert(folder: Path, out: Path, *, fmt: str, config: dict) -> None:
         try:
             r = subprocess.run([sys.executable, "-m", "moai_recipes.models.llama_cpp_convert_run", str(source),
                                 str(folder), "--outfile", str(tmp), "--outtype", fmt], capture_output=True, text=True,
-                               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-                                   str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))})
+                               env=env.with_python_path(Path(__file__).resolve().parents[2]))
             if r.returncode != 0:
                 raise UserError(f"llama.cpp's converter ({source}) could not write {folder} as GGUF: "
                                 f"{_last_error(r.stderr)}")
