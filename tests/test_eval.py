@@ -134,3 +134,18 @@ def test_eval_tasks_while_training_on_two_sharded_ranks_equal_recipes_eval_on_th
     assert rows[-1]["tasks"] == {"quiz_mc/acc": results["quiz_mc"]["acc,none"],
                                  "quiz_mc/acc_norm": results["quiz_mc"]["acc_norm,none"],
                                  "quiz_gen/exact_match": results["quiz_gen"]["exact_match,none"]}
+
+
+def test_eval_of_a_model_of_transformers_modules_equals_lm_eval_hf_backend(tmp_path):
+    """Gemma 3 (sliding windows, soft-capping, tied embeddings) through transformers' own modules in our loop: the
+    scores and every sample's responses are lm-eval's HF backend's."""
+    from tests.architectures import make_checkpoint
+
+    tasks = make_quiz_tasks(tmp_path / "tasks")
+    base = make_checkpoint(tmp_path / "gemma3", "gemma3")
+    out = tmp_path / "eval"
+    r = run_recipe(f"model.checkpoint_dir={base}", f"tasks_dir={tasks}", "tasks=[quiz_mc,quiz_gen]", "batch_size=4",
+                   f"output_dir={out}", "logger=stdout", module="recipes.eval")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "gemma3_text" in r.stdout + r.stderr
+    _same_numbers(out, _hf_backend(base, tasks))
