@@ -233,8 +233,14 @@ def test_a_degree_or_way_that_cannot_split_the_rows_is_refused_naming_why():
     for forced, words in cases:
         with pytest.raises(UserError, match=words):
             choose_plan(tiny, flavor, forced=forced)
-    with pytest.raises(UserError, match="routing is not split"):
-        choose_plan(*_planned("qwen3_30b_a3b", 4096, "flavor=4xlarge", batch_size=64), forced=dict(context_parallel=2))
+    # Qwen3.5's Gated DeltaNet carries a state from token to token: no way splits its rows.
+    with pytest.raises(UserError, match="its linear_attention layers carry a state from one token to the next"):
+        choose_plan(*_planned("qwen3_5_35b_a3b", 4096, "flavor=4xlarge", batch_size=64),
+                    forced=dict(context_parallel=2, context_parallel_way="ulysses"))
+    # A Mixture-of-Experts model's rows are split (each device routes its share; tests/test_expert_parallel.py).
+    moe = choose_plan(*_planned("qwen3_30b_a3b", 4096, "flavor=4xlarge", batch_size=64),
+                      forced=dict(context_parallel=2)).chosen.plan
+    assert (moe.context_parallel, moe.expert_parallel > 1) == (2, True), moe.describe()
     # The gather way takes the heads ulysses cannot.
     chosen = choose_plan(tiny, flavor, forced=dict(context_parallel=4, tensor_parallel=2)).chosen.plan
     assert (chosen.context_parallel, chosen.context_parallel_way, chosen.tensor_parallel) == (4, "gather", 2)

@@ -1,12 +1,13 @@
 """Mixture-of-Experts models on several processes: experts split over 2 and 4 of them (expert parallelism), beside
-FSDP2's data parallelism, pipeline stages and tensor parallelism of the attention (each device routing its share of
-the sequence), give one process's per-step losses, gradient norms
+FSDP2's data parallelism, pipeline stages, tensor parallelism of the attention (each device routing its share of
+the sequence) and context parallelism (each routing its share of every row), give one process's per-step losses, gradient norms
 and balancing losses, full fine-tuning and LoRA on every expert, packed and padded; a run's checkpoints resume across
 expert degrees (expert 2 x data 2 -> expert 4 -> one process) with the routers sending every token to two experts (the
 others and their devices receive nothing). Each run's plan is asserted
 from its own configuration line. Run: pytest tests/test_expert_parallel.py (about two minutes)
 """
 
+import json
 import signal
 import subprocess
 import sys
@@ -40,10 +41,21 @@ def skew_routers(folder):
     return folder
 
 
+def weighty_balancing(folder):
+    """The balancing loss weighed as much as the tokens' (router_aux_loss_coef 1, not 0.001): its gradient is most of
+    the norm, so a layout whose balancing gradient is wrong (counted on a share of a row's tokens, or twice) moves the
+    gradient norm at once. (Compared over three steps: from the fifth on, a routing decided by a hair turns one way or
+    the other between any two layouts, plain data parallelism included, and the norm follows it by 2e-4 to 5e-4.)"""
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "router_aux_loss_coef": 1.0}))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     return {"qwen3_moe": make_hf_checkpoint(root / "qwen3_moe", "qwen3_moe", num_layers=3),
+            "weighty": weighty_balancing(make_hf_checkpoint(root / "weighty", "qwen3_moe", num_layers=3)),
             "skewed": skew_routers(make_hf_checkpoint(root / "skewed", "qwen3_moe", num_layers=3)),
             "mixtral": make_hf_checkpoint(root / "mixtral", "mixtral", num_layers=2)}
 
@@ -54,14 +66,14 @@ def reference(tmp_path_factory, checkpoints):
     use."""
     made = {}
 
-    def rows(name: str, lora: bool = False) -> list[dict]:
-        if (name, lora) not in made:
+    def rows(name: str, lora: bool = False, *extra: str) -> list[dict]:
+        if (name, lora, extra) not in made:
             out = tmp_path_factory.mktemp(f"ref-{name}") / "run"
             r = run_recipe(*COMMON, "flavor=cpu", PACKED, f"model.checkpoint_dir={checkpoints[name]}",
-                           f"output_dir={out}", *(LORA if lora else ()), module=RECIPES[lora])
+                           f"output_dir={out}", *(LORA if lora else ()), *extra, module=RECIPES[lora])
             assert r.returncode == 0, r.stdout + r.stderr
-            made[name, lora] = metrics(out)
-        return made[name, lora]
+            made[name, lora, extra] = metrics(out)
+        return made[name, lora, extra]
 
     return rows
 
@@ -85,6 +97,11 @@ LAYOUTS = {
     "expert 2 x pipeline 2, LoRA on every expert, padded": (
         "cpu-4", "qwen3_moe", ("plan.expert_parallel=2", "plan.pipeline_stages=2", "plan.pipeline_schedule=1f1b", PADDED,
                                *LORA), "num_stages 2 (1f1b), No TP, DP 2, EP 2"),
+    # Each row's tokens split over two context devices (ulysses): a sample's routing is the sum of its shares', its
+    # balancing loss the whole sample's (weighed 1: weighty_balancing), backpropagated by each through its own share.
+    "expert 2 x context 2 (ulysses), packed, balancing loss weighed 1": ("cpu-4", "weighty", ("max_steps=3",
+        "plan.expert_parallel=2", "plan.context_parallel=2", "plan.context_parallel_way=ulysses",
+        "plan.pipeline_stages=1", "plan.tensor_parallel=1", PACKED), "num_stages 1, No TP, DP 2, EP 2, CP 2 (ulysses)"),
     "expert 2 x tensor 2, padded": ("cpu-4", "mixtral", ("plan.expert_parallel=2", "plan.tensor_parallel=2",
                                                          "plan.pipeline_stages=1", PADDED),
                                     "num_stages 1, TP 2, DP 2, EP 2"),
@@ -99,7 +116,8 @@ def test_a_layout_gives_one_process_numbers(tmp_path, checkpoints, reference, na
                    f"output_dir={out}", module=RECIPES[lora])
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"{layout}," in configuration(r.stdout), configuration(r.stdout)
-    assert_same_numbers(reference(checkpoint, lora), metrics(out))
+    steps = tuple(o for o in overrides if o.startswith("max_steps="))
+    assert_same_numbers(reference(checkpoint, lora, *steps), metrics(out))
 
 
 def start(*args):

@@ -1,6 +1,6 @@
 """Tensor and pipeline parallelism compute what one process computes.
 
-On cpu-4 (four gloo processes) every mesh the issue names gives the per-step losses, gradient norms and the final
+On cpu-4 (four gloo processes) every mesh the issue names, on a Qwen3 model (per-head q/k norms), gives the per-step losses, gradient norms and the final
 validation loss of flavor=cpu within 1e-4 relative, with clipping on (its norm over every shard and stage): full fine-tuning and LoRA,
 packed and padded rows between them. A step checkpoint saved on pipeline 2 x data 2 resumes on data 2 x tensor 2 and
 on one process with the uninterrupted run's losses, and what a pipelined, tensor-parallel model exports is byte for
@@ -36,7 +36,8 @@ MESHES = {  # the mesh's plan.json name -> (method, rows, forced plan); run in t
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
-    return {"checkpoint": make_hf_checkpoint(root / "hf", num_layers=8, kv_heads=4),
+    # Qwen3: its per-head q/k norms see a tensor device's heads, and its head_dim (32) is not hidden / heads (16).
+    return {"checkpoint": make_hf_checkpoint(root / "hf", "qwen3", num_layers=8, kv_heads=4),
             "data": write_jsonl(root / "data.jsonl", instruct_rows(48))}
 
 
@@ -125,6 +126,29 @@ def test_a_cut_model_exports_what_one_process_exports(model, tmp_path):
         a, b = (load_file(outs[f] / name) for f in ("cpu", "cpu-4"))
         assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), name
         assert (outs["cpu"] / name).read_bytes() == (outs["cpu-4"] / name).read_bytes(), name
+
+
+def test_a_tied_model_is_cut_over_its_vocabulary_once_for_embedding_and_output(model, tmp_path):
+    """tie_word_embeddings under tensor parallelism: one weight, cut over the vocabulary, is the embedding and the
+    output projection of tensor 2 x data 2, which computes the per-step losses and gradient norms of one process.
+    Pipeline stages stay refused for it, by name."""
+    from moai_recipes.models.spec import read_spec
+    from moai_recipes.planner.layouts import why_not_pipeline, why_not_tensor
+
+    tied = {"checkpoint": make_hf_checkpoint(tmp_path / "hf", "qwen3", tie=True, num_layers=2, kv_heads=4),
+            "data": model["data"]}
+    spec = read_spec(tied["checkpoint"])
+    assert spec.tie_word_embeddings and not why_not_tensor(spec, 2)
+    assert "the first and last stages would share it" in why_not_pipeline(spec, 2, "1f1b")
+    runs = {}
+    for flavor, forced in (("cpu", []), ("cpu-4", ["plan.tensor_parallel=2", "plan.pipeline_stages=1"])):
+        _run(tied, tmp_path / flavor, "full", "packed", f"flavor={flavor}", "max_steps=3", *forced)
+        runs[flavor] = metrics(tmp_path / flavor)
+    assert layout(tmp_path / "cpu-4") == "pipeline 1 x data 2 x tensor 2"
+    assert len(runs["cpu"]) == 3 and any(r["grad_norm"] > 0.5 for r in runs["cpu"])  # clipping acted
+    for a, b in zip(runs["cpu"], runs["cpu-4"], strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]), (key, a, b)
 
 
 @pytest.mark.parametrize("forced, message", [

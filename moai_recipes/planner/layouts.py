@@ -74,10 +74,6 @@ def why_not_tensor(spec: ModelSpec, degree: int) -> str | None:
     for name, value in parts:
         if value % degree:
             return f"{name}={value} does not divide by {degree}"
-    if spec.qk_norm:
-        return "its per-head q/k norms (Qwen3) are not cut by heads yet"
-    if spec.tie_word_embeddings:
-        return "its output projection is its embedding (tie_word_embeddings), which would be cut two ways"
     return None
 
 
@@ -128,15 +124,13 @@ def why_not_context(spec: ModelSpec, degree: int, tensor: int = 1, way: str = "u
     if way not in CONTEXT_WAYS:
         return f"plan.context_parallel_way={way} is not a way; valid: {', '.join(CONTEXT_WAYS)}"
     if not spec.native:
-        if way != "gather":
-            return ("transformers' modules split a row over context devices the gather way (plan.context_parallel_way="
-                    "gather): each device's queries against the row's keys and values, under the model's own masks")
         recurrent = sorted({k.split(",")[0] for k in spec.parts.kinds if k.split(",")[0] in RECURRENT_KINDS})
         if recurrent or spec.why_not_packed:
             return (f"its {', '.join(recurrent) or 'own token-mixing'} layers carry a state from one token to the "
                     "next, which is not passed between context devices")
-    if spec.is_moe:
-        return "a Mixture-of-Experts model's routing is not split over context devices yet"
+        if way != "gather":
+            return ("transformers' modules split a row over context devices the gather way (plan.context_parallel_way="
+                    "gather): each device's queries against the row's keys and values, under the model's own masks")
     if qlora:
         return "QLoRA's NF4 weights are not combined with context parallelism yet"
     heads = spec.num_heads // tensor

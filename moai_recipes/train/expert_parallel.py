@@ -13,8 +13,8 @@ waits for another.
 
 The experts' weights are DTensors sharded on dim 0 over the `expert` dimension (a device's slice: its E / degree
 experts), so a step checkpoint (DCP) holds whole [E, ...] weights and resumes on any expert degree, and the
-Hugging Face export gathers them whole. FSDP2 then shards them over the `replica` dimension, what is left of data
-parallelism (train/parallel.py).
+Hugging Face export gathers them whole. FSDP2 then shards them over the `replica` and `context` dimensions, what is
+left of data parallelism and the devices that share its rows (train/parallel.py).
 
 transformers' modules (models/transformers_model.py) are split the same way: each sparse layer's experts module, which
 transformers' experts interface calls with the tokens, their top-k experts and weights, is given the tokens of its
@@ -73,8 +73,8 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     stacked weights become DTensors sharded on dim 0, and the layer's tokens go to them through ExpertDispatch.
 
     A device's experts get the gradients of the tokens of every device of `mesh`; FSDP2 then averages them over the
-    devices of the replica dimension alone, where every other weight's are averaged over all the data-parallel
-    devices (replica x expert): the experts' gradients are divided by the mesh's size on their way (GroupedExperts'
+    devices of the replica (x context) dimensions alone, where every other weight's are averaged over all the
+    data-parallel (x context) devices (replica x expert): the experts' gradients are divided by the mesh's size on their way (GroupedExperts'
     grad_scale), so that both are the same mean."""
     dispatch = ExpertDispatch(mesh)
     for moe in moe_modules(model):
@@ -109,8 +109,8 @@ class TransformersExpertDispatch:
     pair to the device holding the expert, calls the module's own forward there on the pairs it received (each with
     its one expert, by its place among the device's, and its weight), and sums each token's outputs at home.
 
-    The experts' weights get the gradients of every device's tokens, and FSDP2 averages them over the replica devices
-    alone: the module's output gradient is divided by the degree on its way in, its inputs' multiplied back, so that
+    The experts' weights get the gradients of every device's tokens, and FSDP2 averages them over the replica (x
+    context) devices alone: the module's output gradient is divided by the degree on its way in, its inputs' multiplied back, so that
     only the weights' are (as GroupedExperts' grad_scale does for our own layers)."""
 
     def __init__(self, mesh: DeviceMesh):

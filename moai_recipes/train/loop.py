@@ -42,7 +42,7 @@ from moai_recipes.train.context_parallel import share_batch
 from moai_recipes.train.heap import freed_memory_returned
 from moai_recipes.train.parallel import all_reduce_gradients
 from moai_recipes.train.pipeline import run_pipeline
-from moai_recipes.train.tensor_parallel import parallel_loss, sequence_share, summed_over
+from moai_recipes.train.tensor_parallel import parallel_loss, sequence_share, summed_over_shares
 from moai_recipes.train.peak_memory import PeakMemory, host_peak_bytes
 from moai_recipes.train.plan_accuracy import Measured
 from moai_recipes.train.process import ProcessSettings
@@ -170,10 +170,10 @@ def _losses(model: torch.nn.Module, batches: list[dict], *, plan: Plan, world: W
                                       chunked=plan.chunked_loss, documents=batch.get("documents"))
             objective = loss * scale if scale is not None else None
             if routing is not None:
-                # Under sequence parallelism a sample's tokens are spread over the tensor devices: its routing is
-                # their sum, the same on each (each backpropagates its own tokens' share).
-                stats = routing.stats() if tensor is None else summed_over(routing.stats(), tensor)
-                if tensor is None or tensor.get_local_rank() == 0:
+                # Under sequence or context parallelism a sample's tokens are spread over the tensor and context
+                # devices: its routing is their sum, the same on each (each backpropagates its own tokens' share).
+                stats = summed_over_shares(routing.stats(), tensor, context)
+                if all(mesh is None or mesh.get_local_rank() == 0 for mesh in (tensor, context)):
                     routed.add(stats)
                 if objective is not None and routed.aux_scale:
                     aux = routed.balancing_losses(stats).sum() * routed.aux_scale

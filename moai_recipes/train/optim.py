@@ -1,5 +1,8 @@
 """The optimizer, its schedule and gradient clipping, as every recipe builds them."""
 
+import contextlib
+import logging
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -65,6 +68,20 @@ def build_scheduler(optimizer, settings, *, total_steps: int):
                                            num_training_steps=total_steps)
 
 
+@contextlib.contextmanager
+def _quiet_redistribution():
+    """Within it, DTensor does not warn that a norm partial over two mesh dimensions (FSDP2's shards x the tensor
+    devices) takes two all-reduces, one a dimension: of one scalar a step, which costs two latencies and nothing
+    else, and every rank reduces in the same order. The warning, once a process, read as a fault."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def clip_gradients(model: nn.Module, max_norm: float | None, *, stages=None) -> float:
     """Clip to `max_norm` (None: measure only) and return the total gradient norm before clipping: over every
     shard (DTensor), and over the pipeline's `stages` (a process group: each stage holds its own layers)."""
@@ -74,7 +91,8 @@ def clip_gradients(model: nn.Module, max_norm: float | None, *, stages=None) -> 
         if p.grad is not None:
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = [torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0) for group in by_mesh.values()]
-    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    with _quiet_redistribution():
+        norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
     norm = norms[0] if len(norms) == 1 else torch.stack([n.double() for n in norms]).norm().to(norms[0].dtype)
     if stages is not None:
         squared = norm.double() ** 2

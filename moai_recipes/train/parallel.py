@@ -74,7 +74,7 @@ def parallelize(model: nn.Module, plan: Plan, world: World, spec=None) -> nn.Mod
         model = pipeline_stages(model, plan, world, spec)
         roots = model.stages
     if plan.sharded:
-        experts = world.dim("replica") if plan.expert_parallel > 1 else None
+        experts = world.dim("expert_shard") if plan.expert_parallel > 1 else None
         for root in roots:
             shard_model(root, mesh=world.dim("shard"), param_dtype=getattr(torch, plan.param_dtype),
                         reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload,
@@ -90,7 +90,7 @@ def shard_model(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype,
     pipeline stage's, train/pipeline.py).
 
     Experts split over the mesh's expert dimension (train/expert_parallel.py) are sharded over `experts_mesh`, what
-    is left of the data-parallel devices, as a group of their own.
+    is left of the data-parallel devices (and the context devices that share their rows), as a group of their own.
 
     NF4 weights (QLoRA) are sharded like the others through torchao's FSDP2 all-gather hooks, except
     in a single process: FSDP2's world-size-1 shortcut passes only the first of NF4's three all-gather

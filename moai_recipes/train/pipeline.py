@@ -31,7 +31,7 @@ from moai_recipes.models.loss import IGNORE_INDEX, cross_entropy_sum
 from moai_recipes.models.moe import Routing, RoutingTotals, balancing_losses, routing_recorded
 from moai_recipes.planner.plan import Plan
 from moai_recipes.train.context_parallel import ContextShare, share_indices
-from moai_recipes.train.tensor_parallel import parallel_loss, sequence_share, summed_over
+from moai_recipes.train.tensor_parallel import parallel_loss, sequence_share, summed_over_shares
 from moai_recipes.train.world import World
 
 
@@ -77,7 +77,7 @@ class Stage(nn.Module):
             h = h.float()
         if routing is None:
             return h
-        stats = routing.stats() if self.tensor is None else summed_over(routing.stats(), self.tensor)
+        stats = summed_over_shares(routing.stats(), self.tensor, self.context)  # a share of its rows' tokens each
         return h, stats if routed is None else routed + stats
 
 
@@ -173,7 +173,7 @@ def run_pipeline(model: PipelinedModel, batches: list[dict], *, plan: Plan, pad_
     inputs = _stacked(batches, _count(plan, len(batches)), pad_id, routing=moe)
     if plan.context_parallel > 1:  # every row padded to a multiple of 2C already (Plan.padded_row)
         mine = share_indices(inputs["tokens"].shape[1], world.size("context"), world.coordinate("context"))
-        inputs.update({k: inputs[k][:, mine] for k in ("tokens", "labels", "input_pos")})
+        inputs.update({k: inputs[k][:, mine] for k in ("tokens", "labels", "input_pos", "samples") if k in inputs})
     group = world.dim("pipeline").get_group()
     count = plan.pipeline_stages * plan.stages_per_device
     stages = [PipelineStage(stage, s, count, world.device, group=group)
@@ -201,7 +201,8 @@ def run_pipeline(model: PipelinedModel, batches: list[dict], *, plan: Plan, pad_
     if moe and output is not None:  # the last stage: every micro-batch's routing, their balancing losses taken out
         stats = output[1].detach()
         total -= balancing_losses(stats, spec.num_experts, len(spec.moe_layers)).sum().double() * aux_scale
-        if routed is not None and (plan.tensor_parallel == 1 or world.coordinate("tensor") == 0):
+        if routed is not None and all(plan_size == 1 or world.coordinate(dim) == 0 for dim, plan_size in
+                                      (("tensor", plan.tensor_parallel), ("context", plan.context_parallel))):
             routed.add(stats)
     return total / (scale or 1.0)
 

@@ -12,6 +12,12 @@ LoRA adapters follow their base weight: a column-wise LoRALinear keeps `lora_a` 
 rows; a row-wise one cuts `lora_a` by columns and keeps `lora_b` whole (its partial sum joins the base's).
 Every device computes exactly what one device would, up to the order of floating-point sums.
 
+Qwen3's per-head q/k norms (models/build.py: a child `head_norm` of the projection, run as its forward hook) see the
+heads a device holds: their weight is whole on every device (replicated), and DTensor sums its gradient over the
+heads of all of them. A tied output projection (tie_word_embeddings) is the embedding's weight, cut over the
+vocabulary for both: the embedding looks up a device's share of the vocabulary, the projection computes its share of
+the logits.
+
 A Mixture-of-Experts layer (models/moe.py) keeps its router and experts whole on every device: each routes its own
 share of the sequence (sequence parallelism already cuts it there), and their gradients are summed over the group.
 
@@ -45,12 +51,17 @@ ROW_WISE = ("attn.output_proj", "mlp.w2")
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Cut `model` (on the meta device, before FSDP2) over the 1-D `mesh`, as the module docstring says. What was
     frozen stays frozen (torch's styles make new parameters, trainable)."""
+    from torchtune.modules import TiedLinear
+
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": _style(model.output, "column", output_layouts=Shard(-1), use_local_output=False),
-    })
+    tied = isinstance(model.output, TiedLinear)
+    root = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel()}
+    if not tied:
+        root["output"] = _style(model.output, "column", output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, mesh, root)
+    if tied:  # the embedding's weight, now cut over the vocabulary (Shard(0)), is the projection's as well
+        model.output = _TiedVocabularyCut(model.tok_embeddings, mesh)
     degree = mesh.size()
     for layer in model.layers:
         plan = {"sa_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
@@ -71,13 +82,38 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         for name in ROW_WISE:
             if not (sparse and name.startswith("mlp.")):
                 plan[name] = _style(layer.get_submodule(name), "row", output_layouts=Shard(1))
+        # A q/k norm is its projection's child (models/build.py _norm_heads): out of the projection's cut, whole.
+        norms = {}
+        for name in ("attn.q_proj", "attn.k_proj"):
+            proj = layer.get_submodule(name)
+            if hasattr(proj, "head_norm"):
+                norms[proj] = proj.head_norm
+                del proj.head_norm
         parallelize_module(layer, mesh, plan)
+        for proj, norm in norms.items():
+            proj.head_norm = distribute_module(norm, mesh)  # its weight replicated; its input, a device's heads
         # torchtune's attention reshapes by its head counts: a device holds 1/degree of them.
         layer.attn.num_heads //= degree
         layer.attn.num_kv_heads //= degree
         layer.attn.embed_dim //= degree
     for name, p in model.named_parameters():
         p.requires_grad_(name not in frozen)
+
+
+class _TiedVocabularyCut:
+    """The output projection of a tied model under tensor parallelism (as torchtune's TiedLinear, a callable holding
+    the embedding, not a module: FSDP2 sees the weight once): the embedding's vocabulary-cut weight applied to the
+    whole normed hidden states (gathered from their sequence cut), the logits left cut over the vocabulary for the
+    loss, as the untied projection's are. (The chunked loss, which would read the weight, is not planned on a cut
+    model.)"""
+
+    def __init__(self, embedding: nn.Module, mesh: DeviceMesh):
+        self.tied_module, self.mesh = embedding, mesh
+
+    def __call__(self, x: torch.Tensor) -> DTensor:
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.mesh, [Shard(1)], run_check=False)
+        return nn.functional.linear(x.redistribute(placements=[Replicate()]), self.tied_module.weight)
 
 
 def sequence_share(rows: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -103,6 +139,15 @@ class _Summed(torch.autograd.Function):
 def summed_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """`x` summed over the devices of `mesh` (one dimension), differentiable as _Summed says."""
     return _Summed.apply(x, mesh.get_group())
+
+
+def summed_over_shares(x: torch.Tensor, *meshes: DeviceMesh | None) -> torch.Tensor:
+    """`x` summed over each of `meshes` that is not None (the tensor and context devices that each hold a share of
+    the same rows' tokens), differentiable as _Summed says."""
+    for mesh in meshes:
+        if mesh is not None:
+            x = summed_over(x, mesh)
+    return x
 
 
 def _replicate(moe: MoE, mesh: DeviceMesh) -> None:

@@ -32,6 +32,7 @@ class World:
     mesh: DeviceMesh
     data_mesh: DeviceMesh  # replica x expert, flattened: the data-parallel devices (see DIMS)
     shard_mesh: DeviceMesh  # replica x expert x context, flattened: what FSDP2 shards the model over
+    expert_shard_mesh: DeviceMesh  # replica x context, flattened: what FSDP2 shards experts split over `expert` over
     restarts: int = 0  # how many times a launcher has started this world again (after a dead worker, out of memory)
 
     @property
@@ -42,24 +43,25 @@ class World:
     # devices of consecutive ranks share a node's fast links), and context devices sit next to them (they exchange
     # every layer's attention inputs). Data parallelism is `replica` x `expert`: both split the global batch (their
     # flattening is the `data` dimension), and a Mixture-of-Experts model's experts are split over `expert`
-    # (train/expert_parallel.py), sharded by FSDP2 over `replica`. `context` devices share their samples' rows
-    # (train/context_parallel.py): FSDP2 shards the model over data x context (`shard`).
-    DIMS = ("pipeline", "replica", "expert", "context", "tensor")
+    # (train/expert_parallel.py). `context` devices share their samples' rows (train/context_parallel.py): FSDP2
+    # shards the model over data x context (`shard`), and split experts over replica x context (`expert_shard`).
+    DIMS = ("pipeline", "replica", "context", "expert", "tensor")
 
     def laid_out(self, plan) -> "World":
         """This world with the plan's mesh: pipeline x replica x expert x context x tensor devices
         (planner.plan.Plan)."""
-        shape = (plan.pipeline_stages, plan.data_parallel // plan.expert_parallel, plan.expert_parallel,
-                 plan.context_parallel, plan.tensor_parallel)
+        shape = (plan.pipeline_stages, plan.data_parallel // plan.expert_parallel, plan.context_parallel,
+                 plan.expert_parallel, plan.tensor_parallel)
         if tuple(self.mesh.shape) == shape:
             return self
-        mesh, data, shard = _mesh(self.device, shape)
-        return replace(self, mesh=mesh, data_mesh=data, shard_mesh=shard)
+        mesh, data, shard, expert_shard = _mesh(self.device, shape)
+        return replace(self, mesh=mesh, data_mesh=data, shard_mesh=shard, expert_shard_mesh=expert_shard)
 
     def dim(self, name: str) -> DeviceMesh:
-        """One dimension of the mesh (DIMS, `data` or `shard`), as a 1-D mesh."""
-        if name in ("data", "shard"):
-            return self.data_mesh if name == "data" else self.shard_mesh
+        """One dimension of the mesh (DIMS, `data`, `shard` or `expert_shard`), as a 1-D mesh."""
+        flattened = {"data": self.data_mesh, "shard": self.shard_mesh, "expert_shard": self.expert_shard_mesh}
+        if name in flattened:
+            return flattened[name]
         return self.mesh[name]
 
     def size(self, dim: str) -> int:
@@ -74,14 +76,15 @@ class World:
         return self.coordinate("data")
 
 
-def _mesh(device: torch.device, shape: tuple[int, ...]) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
-    """The device mesh of World.DIMS in `shape`, its `data` dimension (replica x expert) and its `shard` dimension
-    (data x context) flattened from it (kept as they are made: torch deprecates slicing a flattened dimension back
-    out of the mesh)."""
+def _mesh(device: torch.device, shape: tuple[int, ...]) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh, DeviceMesh]:
+    """The device mesh of World.DIMS in `shape`, and flattened from it (kept as they are made: torch deprecates
+    slicing a flattened dimension back out of the mesh) its `data` dimension (replica x expert), its `shard`
+    dimension (data x context) and its `expert_shard` one (replica x context)."""
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=World.DIMS)
     data = mesh["replica", "expert"]._flatten("data")
-    shard = mesh["replica", "expert", "context"]._flatten("shard") if shape[3] > 1 else data
-    return mesh, data, shard
+    shard = mesh["replica", "context", "expert"]._flatten("shard") if shape[2] > 1 else data
+    expert_shard = mesh["replica", "context"]._flatten("expert_shard") if shape[2] > 1 else mesh["replica"]
+    return mesh, data, shard, expert_shard
 
 
 def free_port() -> int:
@@ -156,8 +159,8 @@ def join_world(flavor: Flavor, given: env.GivenWorld | None, *, restarts: int = 
                             world_size=given.world_size, timeout=timedelta(minutes=30),
                             device_id=device if device.type == "cuda" else None)
     try:
-        mesh, data, shard = _mesh(device, (1, given.world_size, 1, 1, 1))
+        mesh, data, shard, expert_shard = _mesh(device, (1, given.world_size, 1, 1, 1))
         yield World(rank=given.rank, world_size=given.world_size, local_rank=given.local_rank, device=device, mesh=mesh,
-                    data_mesh=data, shard_mesh=shard, restarts=restarts)
+                    data_mesh=data, shard_mesh=shard, expert_shard_mesh=expert_shard, restarts=restarts)
     finally:
         dist.destroy_process_group()
