@@ -68,7 +68,9 @@ def why_not_tensor(spec: ModelSpec, degree: int) -> str | None:
     if degree == 1:
         return None
     if not spec.native:
-        return "transformers' modules are not cut by heads here yet"
+        return (f"its layers are transformers' modules (our own layers do not build {spec.family}), which are not "
+                "cut by heads yet (their base_model_tp_plan is not applied here); FSDP2 shards them over the data-parallel "
+                "devices instead")
     parts = [("num_key_value_heads", spec.num_kv_heads), ("num_attention_heads", spec.num_heads),
              ("intermediate_size", spec.intermediate_dim), ("vocab_size", spec.vocab_size)]
     for name, value in parts:
@@ -80,7 +82,9 @@ def why_not_tensor(spec: ModelSpec, degree: int) -> str | None:
 def why_not_pipeline(spec: ModelSpec, stages: int, schedule: str) -> str | None:
     """Why `stages` devices running `schedule` cannot cut this model's layers (None: they can)."""
     if not spec.native:
-        return "transformers' modules are not cut into pipeline stages here yet"
+        return (f"its layers are transformers' modules (our own layers do not build {spec.family}), which are not "
+                "cut into pipeline stages yet (a stage would need the model's own masks and rotary tables passed between "
+                "stages); FSDP2 shards them over the data-parallel devices instead")
     if spec.tie_word_embeddings:
         return "its output projection is its embedding (tie_word_embeddings): the first and last stages would share it"
     per = stages_per_device(schedule)

@@ -74,8 +74,8 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
 
     A device's experts get the gradients of the tokens of every device of `mesh`; FSDP2 then averages them over the
     devices of the replica (x context) dimensions alone, where every other weight's are averaged over all the
-    data-parallel (x context) devices (replica x expert): the experts' gradients are divided by the mesh's size on their way (GroupedExperts'
-    grad_scale), so that both are the same mean."""
+    data-parallel (x context) devices (replica x expert): the experts' gradients are divided by the mesh's size on
+    their way (GroupedExperts' grad_scale), so that both are the same mean."""
     dispatch = ExpertDispatch(mesh)
     for moe in moe_modules(model):
         assert moe.num_experts % mesh.size() == 0, (moe.num_experts, mesh.size())  # the planner's degrees divide
@@ -110,8 +110,8 @@ class TransformersExpertDispatch:
     its one expert, by its place among the device's, and its weight), and sums each token's outputs at home.
 
     The experts' weights get the gradients of every device's tokens, and FSDP2 averages them over the replica (x
-    context) devices alone: the module's output gradient is divided by the degree on its way in, its inputs' multiplied back, so that
-    only the weights' are (as GroupedExperts' grad_scale does for our own layers)."""
+    context) devices alone: the module's output gradient is divided by the degree on its way in, its inputs'
+    multiplied back, so that only the weights' are (as GroupedExperts' grad_scale does for our own layers)."""
 
     def __init__(self, mesh: DeviceMesh):
         self.group, self.degree = mesh.get_group(), mesh.size()
