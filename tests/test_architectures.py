@@ -381,11 +381,12 @@ def test_mxfp4_experts_are_dequantized_on_load_said_so_and_written_in_bf16(tmp_p
         assert torch.equal(again(tokens).logits, reference(tokens).logits)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss", "deepseek_v3"])
 def test_a_row_split_over_two_context_devices_trains_as_one_process(checkpoints, name, tmp_path):
     """Packed rows cut over two context devices (the gather way: each device's queries against the row's keys and
-    values, under the model's own masks: Gemma 3's local and global layers, gpt-oss's windows and sinks) train as one
-    process; gpt-oss's sparse layers route each device's share, its samples' balancing losses whole (aux_loss)."""
+    values, under the model's own masks: Gemma 3's local and global layers, gpt-oss's windows and sinks, DeepSeek-V3's
+    latent attention, whose keys are larger than its values) train as one process; the sparse layers of gpt-oss and
+    DeepSeek-V3 route each device's share, their samples' balancing losses whole (aux_loss)."""
     common = [f"model.checkpoint_dir={checkpoints[name]}", "max_steps=3", "batch_size=8", "max_seq_len=64",
               "optimizer.lr=1e-3", "logger=stdout", "sample_max_new_tokens=0", "measure_memory=false",
               "plan.packing=true"]

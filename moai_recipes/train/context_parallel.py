@@ -55,6 +55,16 @@ def whole_row(parts: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([halves[c][0] for c in range(size)] + [halves[c][1] for c in reversed(range(size))], dim=dim)
 
 
+def whole_row_keys_and_values(key: torch.Tensor, value: torch.Tensor, mesh: DeviceMesh):
+    """The whole row's keys and values [1, heads, row, d_k] and [1, heads, row, d_v] from every context device's share
+    of them, in one all-gather (its backward a reduce-scatter): side by side along each head's features, whose number
+    need not be the same for both (multi-head latent attention's keys carry their rotary part: DeepSeek-V3's 192
+    against 128)."""
+    kv = AllGather.apply(torch.cat([key[0], value[0]], dim=-1), mesh.get_group())  # [size, heads, share, d_k + d_v]
+    keys, values = whole_row(kv, dim=1).unsqueeze(0).split([key.shape[-1], value.shape[-1]], dim=-1)
+    return keys, values
+
+
 @dataclass(frozen=True)
 class ContextShare:
     """This device's share of a packed row, as attention gets it in place of the row's Documents (torchtune's `mask`
@@ -118,8 +128,7 @@ class ContextShare:
         (unexpanded; their backward a reduce-scatter), document by document, each block of queries against its
         document's keys up to its last under `block(q_start, q_length, k_start, k_length)`, the model's own mask of
         those places, by `attention(q, k, v, mask)` (the model's own attention): [1, share, heads, d]."""
-        kv = AllGather.apply(torch.stack([key[0], value[0]]), self.mesh.get_group())  # [size, 2, heads, share, d]
-        keys, values = (x.unsqueeze(0) for x in whole_row(kv, dim=2).unbind(0))
+        keys, values = whole_row_keys_and_values(key, value, self.mesh)
         mine = self.shares(query.device)[self.rank].tolist()  # ascending: the head chunk, then the tail chunk
         row, half, outs = self.documents, len(mine) // 2, []
         for a, b in ((0, half), (half, len(mine))):
@@ -163,8 +172,7 @@ def _gathered(q, k, v, share: ContextShare, dropout_p: float) -> torch.Tensor:
     places, made inside the block's own checkpoint. A mask of every local query against every key (5 bytes a pair as
     SDPA takes it) grew with the square of the row and capped the rows this way splits; a block's is at most
     GATHER_BLOCK x the row, one at a time, made again for its backward."""
-    kv = AllGather.apply(torch.stack([k[0], v[0]]), share.mesh.get_group())  # [size, 2, heads, share, d]
-    keys, values = (x.unsqueeze(0) for x in whole_row(kv, dim=2).unbind(0))
+    keys, values = whole_row_keys_and_values(k, v, share.mesh)
     document, starts = share.documents_at(q.device)
     mine = share.shares(q.device)[share.rank]  # ascending: the head chunk, then the tail chunk
     half = q.shape[2] // 2
