@@ -140,9 +140,14 @@ def test_what_cannot_make_a_pair_is_refused_by_name(tmp_path):
                         ((f"dataset.path={missing}",), "no 'rejected' column"),
                         ((f"dataset.path={mixed}",), "must all be strings or all be lists of messages"),
                         (("dataset=chat", f"dataset.path={same}"), "recipes.dpo trains on preference pairs"),
-                        (("loss.type=simpo", "reference=copy"), "has no reference model")]:
+                        (("loss.type=simpo", "reference=copy"), "has no reference model"),
+                        # A cut its step does not make is refused, not dropped (before anything is written).
+                        (("flavor=cpu-2", "plan.tensor_parallel=2"), "plan.tensor_parallel=2: recipes.dpo runs each "
+                                                                     "sample's sequences whole"),
+                        (("plan.context_parallel_way=gather",), "Drop plan.context_parallel_way")]:
         r = run_recipe(*args, "max_steps=1", "logger=stdout", f"output_dir={tmp_path / 'out'}", module="recipes.dpo")
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (words, r.stderr)
+        assert not (tmp_path / "out").exists()
     r = run_recipe("dataset=preference", f"dataset.path={same}", "max_steps=1", "logger=stdout",
                    f"output_dir={tmp_path / 'sft'}")
     assert r.returncode == 2 and "is what recipes.dpo trains on" in r.stderr, r.stderr

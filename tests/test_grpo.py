@@ -226,7 +226,11 @@ def test_what_cannot_run_is_refused_by_name(setup, tmp_path):
                           "rewards=[tests.grpo_helpers.raising_reward]"), "raised KeyError: 'answer'"),
                         # One fp32 process holds a plain module: nothing to gather.
                         ((f"dataset.path={data}", "batch_size=8", "num_generations=4", "dtype=fp32",
-                          "plan.gather_for_generation=true"), "hold a plain module (one process, or replicas)")]):
+                          "plan.gather_for_generation=true"), "hold a plain module (one process, or replicas)"),
+                        # A cut its step does not make is refused, not dropped.
+                        ((f"dataset.path={data}", "batch_size=8", "num_generations=4", "flavor=cpu-2",
+                          "plan.pipeline_stages=2"), "plan.pipeline_stages=2: recipes.grpo runs each sample's "
+                                                     "sequences whole")]):
         r = run_recipe(*common, *args, f"output_dir={tmp_path / str(case)}", module="recipes.grpo")
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (words, r.stderr[-2000:])
     # How recipes.grpo samples is no option of a recipe that samples nothing.

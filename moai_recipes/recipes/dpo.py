@@ -30,7 +30,7 @@ from moai_recipes.train.mixed_precision import in_compute_dtype
 from moai_recipes.train.optim import build_optimizer, build_scheduler
 from moai_recipes.train.out_of_memory import forced_plan
 from moai_recipes.train.plan_accuracy import report_accuracy
-from moai_recipes.train.policy import build_policy, save_policy
+from moai_recipes.train.policy import build_policy, save_policy, whole_on_each_device
 from moai_recipes.train.preference_step import PreferenceObjective, Reference, cache_reference
 from moai_recipes.train.process import prepare_process
 from moai_recipes.train.world import World, decided_by_main
@@ -50,8 +50,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     #    yet).
     #    Packed (a micro-batch's sequences end to end in one row, each attending to itself) where that is faster.
     #    The reference is part of the plan: a copy (memory; a forward each step) or a first pass (time before step 1).
-    forced = {**forced_plan(cfg.plan, inputs.out_of_memory_hint), "pipeline_stages": 1, "tensor_parallel": 1,
-              "context_parallel": 1}
+    forced = whole_on_each_device(forced_plan(cfg.plan, inputs.out_of_memory_hint), "recipes.dpo")
     choice, reference = decided_by_main(world, lambda: choose_reference(
         inputs.workload, flavor, forced=forced, modes=_reference_modes(cfg, loss)))
     work = replace(inputs.workload, reference=reference)

@@ -33,7 +33,7 @@ from moai_recipes.train.metrics_log import MetricsLog
 from moai_recipes.train.optim import build_optimizer, build_scheduler
 from moai_recipes.train.out_of_memory import forced_plan
 from moai_recipes.train.plan_accuracy import report_accuracy
-from moai_recipes.train.policy import build_policy, save_policy
+from moai_recipes.train.policy import build_policy, save_policy, whole_on_each_device
 from moai_recipes.train.preference_step import Reference
 from moai_recipes.train.process import prepare_process
 from moai_recipes.train.rewards import Rewards
@@ -58,8 +58,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
 
     # 2. The plan: a completion in one piece per rank (no pipeline, tensor or context cut yet); full fine-tuning with a
     #    KL term holds a frozen copy of the model (LoRA: the base with the adapters off costs nothing).
-    forced = {**forced_plan(cfg.plan, inputs.out_of_memory_hint), "pipeline_stages": 1, "tensor_parallel": 1,
-              "context_parallel": 1}
+    forced = whole_on_each_device(forced_plan(cfg.plan, inputs.out_of_memory_hint), "recipes.grpo")
     work = replace(inputs.workload, reference="copy" if loss.beta and lora is None else "none")
     choice = decided_by_main(world, lambda: choose_plan(work, flavor, forced=forced))
     plan = choice.chosen.plan

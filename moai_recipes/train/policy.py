@@ -3,6 +3,8 @@ policy (LoRA: adapters on its frozen base), or a frozen copy of it for a referen
 
 import torch
 
+from moai_recipes.errors import UserError
+
 from moai_recipes.models.build import build_model
 from moai_recipes.models.hf_format import load_weights, save_weights
 from moai_recipes.models.lora import freeze_base, gather_adapters, init_adapters, merge_into, save_adapter
@@ -11,6 +13,24 @@ from moai_recipes.planner.plan import Plan
 from moai_recipes.train.mixed_precision import stored_as_planned
 from moai_recipes.train.parallel import parallelize
 from moai_recipes.train.world import World
+
+
+# What would cut a sample's sequences or the model's layers apart, which these recipes' steps do not do.
+_UNCUT = ("pipeline_stages", "tensor_parallel", "context_parallel")
+
+
+def whole_on_each_device(forced: dict, recipe: str) -> dict:
+    """The plan fields the user forced for `recipe` (recipes.dpo, recipes.grpo), with no pipeline, tensor or
+    context cut: its step runs a sample's sequences (a pair, a group of completions) whole on each device. A cut the
+    user forced is refused by name rather than dropped."""
+    for name in (*_UNCUT, "context_parallel_way"):
+        value = forced.get(name)
+        if value is not None and (name == "context_parallel_way" or value > 1):
+            raise UserError(f"plan.{name}={value}: {recipe} runs each sample's sequences whole on every device, over "
+                            "FSDP2's data-parallel shards (and experts split over them); pipeline stages, tensor and "
+                            f"context parallelism are for recipes.full_finetune and recipes.lora_finetune. Drop "
+                            f"plan.{name}")
+    return {**forced, **dict.fromkeys(_UNCUT, 1)}
 
 
 def build_policy(inputs, plan: Plan, world: World, *, lora, seed: int, frozen: bool = False) -> torch.nn.Module:
