@@ -99,3 +99,6 @@ def test_calibrate_recovers_the_machine_and_the_planner_uses_it(tmp_path, monkey
     assert calibrated["predicted_step_s"] != pytest.approx(combine(calibrated["time"]["terms"], "cpu")["total_s"])
     reset = moai("calibrate", "--reset", home=home)
     assert reset.returncode == 0 and not (home / "calibration" / "fit.json").exists() and "default" in reset.stdout
+    # This process planned with the fit (recipes.plan ran in it) and another removed it: its next plan has the
+    # defaults, and so has every later test's in this process (the synthetic scales are not kept in a cache).
+    assert calibration.scales("cpu") == {}

@@ -69,14 +69,27 @@ def read_runs() -> list[dict]:
     return runs
 
 
-@functools.cache
 def scales(device: str) -> dict:
-    """The fitted scales of `device` ({} when never calibrated): timing.TERMS and MEMORY."""
+    """The fitted scales of `device` ({} when never calibrated): timing.TERMS and MEMORY. Read from the fit file as it
+    is now: a process that plans again after `moai calibrate`, or under another MOAI_HOME, sees that one's."""
+    path = folder() / FIT
     try:
-        fit = json.loads((folder() / FIT).read_text())
-        return dict(fit.get(device, {}).get("scales", {}))
-    except (OSError, ValueError, AttributeError):
+        st = path.stat()
+    except OSError:
         return {}
+    fitted = _fit_file(str(path), (st.st_ino, st.st_mtime_ns, st.st_size)).get(device, {})
+    return dict(fitted.get("scales", {})) if isinstance(fitted, dict) else {}
+
+
+@functools.lru_cache(maxsize=8)
+def _fit_file(path: str, stamp: tuple) -> dict:
+    """fit.json's contents as of `stamp` (its inode, modification time and size: a rewrite is a new file, renamed
+    into place), {} if unreadable."""
+    try:
+        fit = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return fit if isinstance(fit, dict) else {}
 
 
 def _time_error(run: dict, fitted: dict) -> float:
@@ -146,7 +159,6 @@ def calibrate(*, reset: bool = False) -> list[str]:
     path = folder() / FIT
     if reset:
         path.unlink(missing_ok=True)
-        scales.cache_clear()
         return [f"Removed {path}: plans on this machine use the default constants again."]
     runs = read_runs()
     by_device: dict[str, list[dict]] = {}
@@ -184,7 +196,6 @@ def calibrate(*, reset: bool = False) -> list[str]:
         write_json(path, fits)
     except OSError as e:
         raise UserError(f"cannot write {path} ({e.strerror or e}); set MOAI_HOME to a folder you can write") from None
-    scales.cache_clear()
     lines.append(f"Written to {path}: plans on this machine use it from now on (moai calibrate --reset: the defaults).")
     return lines
 
