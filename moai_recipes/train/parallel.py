@@ -45,8 +45,23 @@ def apply_compile(layers: nn.ModuleList) -> None:
     # the first row as long as the hidden size (a tiny model's 128 tokens, Llama's 4096) pins every later row to
     # that length: a recompile for each other one (seen: four compiles of one layer in four steps).
     torch.fx.experimental._config.use_duck_shape = False
+    # What this process compiled before (an earlier run in the same process) is dropped, so that compiled_graphs()
+    # counts this model's graphs alone; nothing of this run is compiled yet (graphs are captured at the first call).
+    torch._dynamo.reset()
     for layer in layers:
+        _COMPILED_CODE.add(layer.forward.__code__)
         layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+_COMPILED_CODE: set = set()  # the code objects apply_compile compiled in this process
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile captured of the layers apply_compile compiled (dynamo's cache entries of their code):
+    theirs alone, not what else compiles in the process (torchao's 8-bit AdamW compiles its own step)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return sum(len(_debug_get_cache_entry_list(code)) for code in _COMPILED_CODE)
 
 
 def parallelize(model: nn.Module, plan: Plan, world: World, spec=None) -> nn.Module:

@@ -86,6 +86,8 @@ class Accuracy:
 
 
 def compare(choice: PlanChoice, work: Workload, measured: Measured, device_kind: str) -> Accuracy:
+    from moai_recipes.train.parallel import compiled_graphs  # (a run that compiled has imported it)
+
     plan = choice.chosen.plan
     steady = sorted(t for t in measured.step_times[TRACKED_STEPS:] if t is not None)
     memory = predicted_memory(plan, work, measured.shapes, device_kind)
@@ -95,7 +97,7 @@ def compare(choice: PlanChoice, work: Workload, measured: Measured, device_kind:
                     predicted_step_s=choice.chosen.time.total_s,
                     measured_step_s=steady[len(steady) // 2] if steady else None, steady_steps=len(steady),
                     largest=max(((r, t) for _, r, t in measured.shapes), key=_size, default=(1, 1)), memory=memory,
-                    compiled_graphs=_compiled_graphs() if plan.compile else None, not_measured=measured.not_measured,
+                    compiled_graphs=compiled_graphs() if plan.compile else None, not_measured=measured.not_measured,
                     peak_step=max(1, min(TRACKED_STEPS, len(measured.step_times))))
 
 
@@ -133,13 +135,6 @@ def report_accuracy(choice: PlanChoice, measured: Measured, *, work: Workload, m
         log.info(line)
     log.summary(**accuracy.as_dict())
     record(choice, work, measured, accuracy, model_name=model_name, device_kind=device_kind)
-
-
-def _compiled_graphs() -> int:
-    """Graphs dynamo captured in this process (its own counter)."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
 
 
 def _size(shape: tuple[int, int]) -> tuple[int, tuple[int, int]]:
