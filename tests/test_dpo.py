@@ -32,11 +32,13 @@ def _rows(conversational: bool) -> list[dict]:
     return [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in zip(PROMPTS, CHOSEN, REJECTED)]
 
 
-def _ours(tmp_path: Path, name: str, model: Path, data: Path, *extra, lr: float = LR) -> list[dict]:
+def _ours(tmp_path: Path, name: str, model: Path, data: Path, *extra, lr: float = LR,
+          isolated: bool | None = None) -> list[dict]:
     out = tmp_path / name
     r = run_recipe(f"model.checkpoint_dir={model}", "dataset=preference", f"dataset.path={data}", f"batch_size={BATCH}",
                    "epochs=2", f"max_steps={STEPS}", f"optimizer.lr={lr}", "optimizer.warmup_steps=1", f"seed={SEED}",
-                   "max_seq_len=128", "logger=stdout", f"output_dir={out}", *extra, module="recipes.dpo")
+                   "max_seq_len=128", "logger=stdout", f"output_dir={out}", *extra, module="recipes.dpo",
+                   isolated=isolated)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = metrics(out)
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
@@ -98,7 +100,8 @@ def test_full_dpo_equals_trl_and_is_the_same_on_two_processes_with_the_reference
     theirs = _trl(tmp_path, transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
                   _rows(True), model)
     _same(ours, theirs)
-    two = _ours(tmp_path, "cpu-2", model, files[True], "flavor=cpu-2", *FSDP, "reference=cached")
+    # A fresh `python -m recipes.dpo` (not forked from tests/zygote.py, which imported every recipe first).
+    two = _ours(tmp_path, "cpu-2", model, files[True], "flavor=cpu-2", *FSDP, "reference=cached", isolated=True)
     assert layout(tmp_path / "cpu-2") == "sharded"
     _same(two, theirs)
     config = json.loads((tmp_path / "cpu-2" / "model" / "config.json").read_text())

@@ -162,8 +162,10 @@ def test_a_first_run_on_several_processes_with_an_empty_cache_finishes(tmp_path)
     cache = tmp_path / "cache"
     cache.mkdir()
     shutil.copy(os.path.join(os.environ["MOAI_CACHE"], "cpu-speed.json"), cache)  # the suite's pinned speed only
+    # A fresh `python -m recipes.full_finetune` (not forked from tests/zygote.py, which imported every recipe first):
+    # the recipe imports what it uses itself.
     r = run_recipe("flavor=cpu-2", "logger=stdout", "max_steps=1", "batch_size=4", "sample_max_new_tokens=0",
-                   f"output_dir={tmp_path / 'run'}", env={"MOAI_CACHE": str(cache)}, timeout=300)
+                   f"output_dir={tmp_path / 'run'}", env={"MOAI_CACHE": str(cache)}, timeout=300, isolated=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (cache / "tiny-llama-v1-seed0").is_dir() and (tmp_path / "run" / "model").is_dir()
 

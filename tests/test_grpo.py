@@ -192,8 +192,9 @@ def test_a_run_resumed_mid_round_on_another_flavor_trains_on_what_it_sampled(set
     r = run_recipe(*common, f"output_dir={whole}", module="recipes.grpo")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     resumed = tmp_path / "resumed"
+    # A fresh `python -m recipes.grpo` (not forked from tests/zygote.py, which imported every recipe first).
     r = run_recipe(*common, "flavor=cpu-2", "plan.replicate=false", f"resume={whole / 'checkpoints' / 'step-000001'}",
-                   f"output_dir={resumed}", module="recipes.grpo")
+                   f"output_dir={resumed}", module="recipes.grpo", isolated=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     before, after = metrics(whole), metrics(resumed)
     assert [row["step"] for row in after] == [2, 3, 4]
