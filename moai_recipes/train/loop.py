@@ -269,8 +269,12 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
     summed = _all_reduce([loss_sum.item(), *(routed.as_list() if routed else [])], world.device)
     total_loss = summed[0] / plan.tensor_parallel
     stages = world.dim("pipeline").get_group() if plan.pipeline_stages > 1 else None
+    extra = {}
     if plan.optimizer_in_backward:  # most gradients applied already: their norm was measured on the way
         grad_norm = state.optimizer.gradient_norm()
+        # What the backward applied, of this rank's trainable tensors (the rest step() applies): 1 where every
+        # tensor got its last gradient in the step's last micro-batch.
+        extra["applied_in_backward"] = state.optimizer.applied / max(len(state.optimizer.param_groups[0]["params"]), 1)
     else:
         grad_norm = clip_gradients(state.model, settings.max_grad_norm, stages=stages)
     finite = math.isfinite(total_loss) and math.isfinite(grad_norm)  # the same verdict on every rank
@@ -278,7 +282,7 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
         state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
     # Each sample's routing was added once: by the process that computes its loss (one tensor device of it).
-    extra = routed.metrics(summed[1:], global_samples) if routed else {}
+    extra.update(routed.metrics(summed[1:], global_samples) if routed else {})
     return StepResult(loss=total_loss / max(global_targets, 1), tokens=int(global_tokens),
                       target_tokens=int(global_targets), grad_norm=grad_norm, finite=finite, extra=extra)
 
