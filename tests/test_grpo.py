@@ -294,3 +294,78 @@ def test_conversational_prompts_equal_trl_with_the_chat_template_applied(setup, 
     theirs = _trl(tmp_path, transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), model, case,
                   chat=True)
     _same(ours, theirs, KEYS + ("kl",))
+
+
+SAMPLED = {  # TRL's names -> what each changes of the first token's distribution
+    "temperature 0.7": dict(temperature=0.7, top_p=1.0, top_k=0),
+    "top_k 12": dict(temperature=1.0, top_p=1.0, top_k=12),
+    "temperature 1.3, top_p 0.8": dict(temperature=1.3, top_p=0.8, top_k=0),
+}
+
+
+@pytest.mark.parametrize("name", SAMPLED)
+def test_the_sampler_draws_as_transformers_generate_draws(tmp_path, name):
+    """4,000 completions of one token from one prompt, drawn by recipes.grpo's sampler and by transformers'
+    `generate` (do_sample, the same temperature, top-k and top-p), against the exact distribution of transformers'
+    own logits processors on the model's logits: both pass a chi-square test at p > 1e-4 (cells of fewer than 5
+    expected draws pooled), neither draws a token the processors rule out, and the exact distribution of a
+    temperature 30% off is rejected (p < 1e-6: the test can tell a wrong setting). The checkpoint's output weights
+    are scaled by 10 so that its logits spread (a random tiny model's are nearly flat, and any temperature would pass)."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file, save_file
+    from scipy.stats import chi2
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from moai_recipes.planner.plan import Workload
+    from moai_recipes.planner.search import choose_plan
+    from moai_recipes.train.rollouts import Sampler, SamplingSettings
+    from tests.helpers import model_of, setup as setup_of
+
+    folder = make_hf_checkpoint(tmp_path / "hf", "llama")
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"] *= 10.0
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    s, n, prompt = SAMPLED[name], 4000, [5, 17, 42, 9]
+
+    def exact(temperature: float) -> torch.Tensor:
+        processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)]
+                                         + ([TopKLogitsWarper(s["top_k"])] if s["top_k"] else [])
+                                         + ([TopPLogitsWarper(s["top_p"])] if s["top_p"] < 1 else []))
+        ids = torch.tensor([prompt])
+        return torch.softmax(processors(ids, hf(ids).logits[:, -1].double()), dim=-1)[0]
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = exact(s["temperature"])
+        wrong = exact(s["temperature"] * 1.3)
+        torch.manual_seed(0)
+        theirs = hf.generate(torch.tensor([prompt] * n), attention_mask=torch.ones(n, len(prompt), dtype=torch.long),
+                             do_sample=True, max_new_tokens=1, min_new_tokens=1, pad_token_id=0, **s)[:, -1]
+    _, spec, flavor = setup_of("flavor=cpu", f"model.checkpoint_dir={folder}")
+    plan = replace(choose_plan(Workload(spec=spec, batch_size=8, seq_len=32), flavor).chosen.plan, generation_batch=n)
+    sampler = Sampler(SamplingSettings(**s, max_completion_length=1), stop_ids=(), pad_id=0, plan=plan,
+                      device=torch.device("cpu"), max_length=32)
+    ours = torch.tensor([c[0] for c in sampler.complete(model_of(folder)[0], [prompt] * n, seeds=list(range(n)))
+                         .completions])
+
+    def p_value(drawn: torch.Tensor, probs: torch.Tensor) -> float:
+        counts = torch.bincount(drawn, minlength=probs.numel()).double()
+        want = probs * n
+        big = want >= 5
+        observed = torch.cat([counts[big], counts[~big].sum()[None]])
+        cells = torch.cat([want[big], want[~big].sum()[None]])
+        keep = cells > 0
+        stat = float(((observed[keep] - cells[keep]) ** 2 / cells[keep]).sum())
+        return float(chi2.sf(stat, int(keep.sum()) - 1))
+
+    for who, drawn in (("ours", ours), ("transformers", theirs)):
+        assert bool((expected[drawn] > 0).all()), (who, "drew a token the processors rule out")
+        assert p_value(drawn, expected) > 1e-4, (who, p_value(drawn, expected))
+    assert p_value(ours, wrong) < 1e-6, p_value(ours, wrong)
