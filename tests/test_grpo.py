@@ -104,11 +104,15 @@ def _trl(tmp_path: Path, model, tokenizer_dir: Path, case: dict, *, lr: float = 
 def _same(ours: list[dict], theirs: list[dict], keys=KEYS) -> None:
     assert len(ours) == len(theirs) == STEPS, (len(ours), len(theirs))
     assert "num_tokens" in theirs[0] and "loss" in theirs[0], theirs[0]  # TRL logs them each step it samples
+    compared = set()
     for mine, trl in zip(ours, theirs):
         for key in keys:
-            if key not in trl:
+            if key not in trl:  # TRL logs what it measures while sampling on the steps it samples only
                 continue
             assert abs(mine[key] - trl[key]) <= 1e-4 * abs(trl[key]) + 1e-6, (mine["step"], key, mine[key], trl[key])
+            compared.add(key)
+    # Every key compared on some step: a key TRL renamed or stopped logging would otherwise drop out unseen.
+    assert compared == set(keys), set(keys) - compared
 
 
 @pytest.mark.slow
