@@ -313,3 +313,19 @@ def test_a_pairs_rows_padded_to_the_plans_sizes_give_the_same_log_probabilities(
                                                                if packed else {})), b) for b in (padded, bare)])
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(got[1], want[1]) and len(got[0]) == 4
+
+
+def test_a_mixture_of_experts_model_is_told_its_balancing_loss_is_not_added(tmp_path):
+    """recipes.dpo's step is its own loss alone: on a Mixture-of-Experts model it says so once (not silently dropping
+    what recipes.full_finetune adds), and logs no balancing metrics it did not measure."""
+    from tests.helpers import make_hf_checkpoint
+
+    model = make_hf_checkpoint(tmp_path / "moe", "qwen3_moe", num_layers=2)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(conversational=False)))
+    r = run_recipe(f"model.checkpoint_dir={model}", "dataset=preference", f"dataset.path={data}", "batch_size=4",
+                   "max_steps=1", "max_seq_len=128", "logger=stdout", f"output_dir={tmp_path / 'out'}",
+                   module="recipes.dpo")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("Load balancing: not added. recipes.dpo's step") == 1, r.stdout[-3000:]
+    assert not any("aux_loss" in row or "expert_load" in row for row in metrics(tmp_path / "out"))
