@@ -74,9 +74,19 @@ def _trl(tmp_path: Path, model, rows: list[dict], tokenizer_dir: Path, *, lr: fl
 def _same(ours: list[dict], theirs: list[dict]) -> None:
     for mine, trl in zip(ours, theirs, strict=True):
         for key in KEYS:
+            if key == "rewards/accuracies" and _all_margins_zero(mine, trl):
+                continue
             # 1e-4 relative; rewards near zero are sums of ~40 log-probabilities times beta: fp32's 1e-6 absolute.
             assert abs(mine[key] - trl[key]) <= 1e-4 * abs(trl[key]) + 1e-6, (mine["step"], key, mine[key], trl[key])
     assert ours[-1]["rewards/margins"] > 0.05 and ours[-1]["rewards/accuracies"] > 0.5  # it learned something
+
+
+def _all_margins_zero(mine: dict, trl: dict) -> bool:
+    """Whether a step's rewards are zero in exact arithmetic (its first, where the policy is the reference): each
+    pair's margin is then 0 up to rounding, and which side of 0 it falls (the accuracy) is the rounding's, which
+    differs between any two programs (seen: 0.25 against TRL's 0.0 on an AVX2-only CPU). The accuracy is compared on
+    the steps where it is defined."""
+    return all(abs(row[k]) <= 1e-6 for row in (mine, trl) for k in ("rewards/chosen", "rewards/rejected"))
 
 
 @pytest.fixture(scope="module")

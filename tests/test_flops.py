@@ -177,7 +177,8 @@ def test_a_cpu_measured_while_busy_is_said_so_and_measured_again_later(tmp_path,
     cached_as(fp32_flops=1e18, bytes_per_s=1.0, bf16_flops=1.0, measured_at=time.time() - MEASURE_BUSY_AGAIN_S - 1)
     again = cpu_speed(cores)
     assert again.fp32_flops == 1e18
-    assert 1e9 < again.bf16_flops < 1e18 and again.bytes_per_s > 1e8
+    # Measured again: not the cached 1.0 (a CPU that emulates bf16, AVX2 only, measures about 0.9e9: no more is assumed).
+    assert 1e7 < again.bf16_flops < 1e18 and again.bytes_per_s > 1e8
     assert again.measured_at > time.time() - 60
     # Quiet, however old: never measured again.
     cached_as(fp32_flops=1.0, quiet=True, measured_at=0.0)
