@@ -189,7 +189,9 @@ def test_tiles_and_offloading_are_refused_where_they_cannot_work_and_chosen_only
 def test_the_gather_ways_blocks_of_queries_attend_as_each_document_does_alone(monkeypatch):
     """Blocks of 16 queries (not GATHER_BLOCK's 1,024, which the runs above never fill), within and across
     documents, against keys from their document's start: the outputs and gradients of per-document causal
-    attention. A one-process gloo group: the gather of one is the row itself."""
+    attention, for 4 query heads on 4 key/value heads and on 2 (grouped-query: torchtune hands the attention its
+    keys and values expanded to the query heads, and the gather way moves the 2 heads only, as the all-gather's
+    own input shows). A one-process gloo group: the gather of one is the row itself."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -197,20 +199,33 @@ def test_the_gather_ways_blocks_of_queries_attend_as_each_document_does_alone(mo
     from moai_recipes.models.attention import Documents, attend_documents
 
     monkeypatch.setattr(context_parallel, "GATHER_BLOCK", 16)
+    gathered = []
+    all_gather = dist.all_gather_single
+    monkeypatch.setattr(dist, "all_gather_single", lambda out, x, group=None: (gathered.append(tuple(x.shape)),
+                                                                               all_gather(out, x, group=group))[1])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         share = context_parallel.ContextShare(documents=Documents((40, 7, 50, 3)), mesh=init_device_mesh("cpu", (1,)),
                                               way="gather")
-        g = torch.Generator().manual_seed(0)
-        inputs = [torch.randn(1, 4, 100, 8, generator=g, requires_grad=True) for _ in range(3)]
-        twins = [x.detach().clone().requires_grad_() for x in inputs]
-        blocked, whole = share.attend(*inputs, 0.0), attend_documents(*twins, share.documents, 0.0)
-        torch.testing.assert_close(blocked, whole)
-        grad = torch.randn(blocked.shape, generator=g)
-        blocked.backward(grad)
-        whole.backward(grad)
-        for a, b in zip(inputs, twins):
-            torch.testing.assert_close(a.grad, b.grad)
+        for kv_heads in (4, 2):
+            g = torch.Generator().manual_seed(kv_heads)
+            q = torch.randn(1, 4, 100, 8, generator=g, requires_grad=True)
+            k, v = (torch.randn(1, kv_heads, 100, 8, generator=g, requires_grad=True) for _ in range(2))
+            twins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+            def expanded(x):  # as torchtune's attention hands them over
+                return x.unsqueeze(2).expand(1, kv_heads, 4 // kv_heads, 100, 8).flatten(1, 2)
+
+            gathered.clear()
+            blocked = share.attend(q, expanded(k), expanded(v), 0.0, kv_groups=4 // kv_heads)
+            whole = attend_documents(twins[0], expanded(twins[1]), expanded(twins[2]), share.documents, 0.0)
+            assert gathered == [(kv_heads, 100, 16)], gathered  # k and v side by side, of the key/value heads
+            torch.testing.assert_close(blocked, whole)
+            grad = torch.randn(blocked.shape, generator=g)
+            blocked.backward(grad)
+            whole.backward(grad)
+            for a, b in zip((q, k, v), twins):
+                torch.testing.assert_close(a.grad, b.grad)
     finally:
         dist.destroy_process_group()
 

@@ -46,13 +46,16 @@ def use_document_attention(model: nn.Module) -> None:
 
     for module in model.modules():
         if isinstance(module, MultiHeadAttention):
-            module._attention_call = partial(_attention, torchtune_call=module._attention_call)
+            # Query heads per key/value head: the same after tensor parallelism divides both counts.
+            module._attention_call = partial(_attention, torchtune_call=module._attention_call,
+                                             kv_groups=module.num_heads // module.num_kv_heads)
 
 
-def _attention(q, k, v, *, mask, dropout_p: float, is_causal: bool, torchtune_call):
-    """q, k, v: [batch, heads, tokens, head_dim] (k and v already expanded to q's heads by torchtune)."""
+def _attention(q, k, v, *, mask, dropout_p: float, is_causal: bool, torchtune_call, kv_groups: int = 1):
+    """q, k, v: [batch, heads, tokens, head_dim] (k and v already expanded to q's heads by torchtune: each key/value
+    head repeated `kv_groups` times in a row)."""
     if hasattr(mask, "attend"):  # a share of a row cut over context devices (train/context_parallel.ContextShare)
-        return mask.attend(q, k, v, dropout_p)
+        return mask.attend(q, k, v, dropout_p, kv_groups=kv_groups)
     if not isinstance(mask, Documents):
         return torchtune_call(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
     return attend_documents(q, k, v, mask, dropout_p)

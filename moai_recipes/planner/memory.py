@@ -221,7 +221,7 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     # them (the gather's reduce-scatter): measured +11.8% peak without it (a 2-layer SmolLM2-wide model, one
     # 18,432-token row over cpu-4).
     # The mask is one block's of GATHER_BLOCK queries at a time (train/context_parallel.py), against at most the row.
-    gathered_kv = (2 * 2 * row * spec.num_heads * spec.head_dim * c / T + min(row / C, GATHER_BLOCK) * row * 5
+    gathered_kv = (2 * 2 * row * spec.num_kv_heads * spec.head_dim * c / T + min(row / C, GATHER_BLOCK) * row * 5
                    if plan.context_parallel_way == "gather" else 0)
     retained = L * act.kept(micro_batch_size) * share.in_flight / T / C
     if plan.offload_activations:  # on the device: the layer whose input is on its way out, or back in (prefetched)

@@ -347,12 +347,14 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
         rows = mb_bytes / T * spec.experts_per_token * imbalance
         terms["experts"] = micro * L * sparse * (count * ALLTOALL_S[kind]
                                                 + (count - 1) * rows * (ep - 1) / ep / (link_a2a * 1e9))
-    if C > 1:  # each exchange moves (C - 1) / C of the local tokens' q (or k and v: expanded to the query heads)
+    if C > 1:  # ulysses: each exchange moves (C - 1) / C of the local tokens' q (k and v: expanded to the query
+        # heads); gather: the local k and v of the key/value heads (unexpanded) to each of the C - 1 others
         link_cp = device.intra_node_gbps if C * T <= device.per_node or kind == "cpu" else device.inter_node_gbps
         exchanges = CONTEXT_EXCHANGES[plan.context_parallel_way]
         count = exchanges["forward"] * (2 if plan.recompute == "full" else 1) + exchanges["backward"]
-        qkv = tokens / micro * spec.num_heads * spec.head_dim * DTYPE_BYTES[compute_dtype] / T
-        moved = qkv * (2 * (C - 1) if plan.context_parallel_way == "gather" else (C - 1) / C)
+        per_head = tokens / micro * spec.head_dim * DTYPE_BYTES[compute_dtype] / T
+        moved = (per_head * spec.num_kv_heads * 2 * (C - 1) if plan.context_parallel_way == "gather"
+                 else per_head * spec.num_heads * (C - 1) / C)
         terms["context"] = micro * L * count * (ALLTOALL_S[kind] + moved / (link_cp * 1e9))
     if plan.pipeline_stages > 1:
         P, v = plan.pipeline_stages, plan.stages_per_device

@@ -13,9 +13,10 @@ document (Documents.positions), cut the same way. Attention is computed one of t
   tokens' outputs of every head back. C must divide the heads (a device's, under tensor parallelism); the keys and
   values arrive expanded to the query heads (torchtune expands them before the attention call), so grouped-query
   models need no rule of their own. Communication: four row-sized exchanges per layer, forward.
-- gather: every device all-gathers the keys and values of the whole row and its own queries attend to them under
-  the documents' causal mask; the gather's backward sums the keys' and values' gradients back to the devices that
-  own them (a reduce-scatter). Any head count; the whole row's keys and values are held during attention.
+- gather: every device all-gathers the keys and values of the whole row (of the model's key/value heads, not
+  expanded to the query heads) and its own queries attend to them under the documents' causal mask; the gather's
+  backward sums the keys' and values' gradients back to the devices that own them (a reduce-scatter). Any head
+  count; the whole row's keys and values are held during attention.
 
 The loss of a device is the sum over its own tokens (models/loss.py), and the step divides by the global batch's
 target tokens (train/loop.py): the same loss as one process. FSDP2 shards the model over data x context devices
@@ -110,9 +111,15 @@ class ContextShare:
         """[1, share]: RoPE's position of each of this device's tokens (its place in its own document)."""
         return self.documents.positions(device)[:, self.indices.to(device)]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        """q, k, v [1, heads, share, head_dim] of this device's tokens: their attention over the whole row."""
-        return (_ulysses if self.way == "ulysses" else _gathered)(q, k, v, self, dropout_p)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, *,
+               kv_groups: int = 1) -> torch.Tensor:
+        """q, k, v [1, heads, share, head_dim] of this device's tokens: their attention over the whole row. k and v
+        come expanded to the query heads, each key/value head repeated `kv_groups` times in a row (torchtune's
+        attention): ulysses splits them as they are, the gather way takes one head of each group, gathers those and
+        attends with the group's queries (SDPA's grouped-query attention), kv_groups times less to move and hold."""
+        if self.way == "ulysses":
+            return _ulysses(q, k, v, self, dropout_p)
+        return _gathered(q, k[:, ::kv_groups], v[:, ::kv_groups], self, dropout_p)
 
     @property
     def row_masks(self) -> dict | None:
@@ -167,7 +174,8 @@ def _ulysses(q, k, v, share: ContextShare, dropout_p: float) -> torch.Tensor:
 
 
 def _gathered(q, k, v, share: ContextShare, dropout_p: float) -> torch.Tensor:
-    """This device's queries against the whole row's keys and values, in blocks of GATHER_BLOCK queries: each block
+    """This device's queries [1, heads, share, d] against the whole row's keys and values (gathered from every device's
+    k and v [1, key/value heads, share, d], as few heads as the model has: grouped-query attention), in blocks of GATHER_BLOCK queries: each block
     against the keys from its first query's document start to its last query, under the mask of their documents and
     places, made inside the block's own checkpoint. A mask of every local query against every key (5 bytes a pair as
     SDPA takes it) grew with the square of the row and capped the rows this way splits; a block's is at most
@@ -193,4 +201,5 @@ def _block(q, k, v, places: torch.Tensor, document: torch.Tensor, first: int, dr
     own document up to its own place."""
     keys_at = torch.arange(first, first + k.shape[2], device=q.device)
     mask = (document[places, None] == document[None, keys_at]) & (keys_at[None, :] <= places[:, None])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          enable_gqa=k.shape[1] != q.shape[1])
