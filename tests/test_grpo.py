@@ -373,3 +373,48 @@ def test_the_sampler_draws_as_transformers_generate_draws(tmp_path, name):
         assert bool((expected[drawn] > 0).all()), (who, "drew a token the processors rule out")
         assert p_value(drawn, expected) > 1e-4, (who, p_value(drawn, expected))
     assert p_value(ours, wrong) < 1e-6, p_value(ours, wrong)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_decode_step_waits_on_the_device_once(tmp_path, family):
+    """recipes.grpo's sampler copies the drawn tokens to the host once a chunk, and waits once a decode step (whether
+    every row is done): counted as PyTorch's own reads of a device scalar (`aten._local_scalar_dense`, what `int()`,
+    `bool()` and `.item()` of a tensor run), 8 rows x 6 tokens, on our layers (torchtune's KV cache, whose update read
+    its position back once a layer) and on transformers' modules (Gemma 3: whether the prompts are padded, read once).
+    (It read two per row and token, 96 here, each a stall of the GPU's queue, and one a layer.) The completions are
+    those drawn, each cut after its first stop token."""
+    from dataclasses import replace
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moai_recipes.planner.plan import Workload
+    from moai_recipes.planner.search import choose_plan
+    from moai_recipes.train.rollouts import Sampler, SamplingSettings
+    from tests.helpers import model_of, setup as setup_of
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    from tests.architectures import make_checkpoint
+
+    folder = (make_hf_checkpoint(tmp_path / "hf", "llama") if family == "llama" else
+              make_checkpoint(tmp_path / "hf", family))
+    _, spec, flavor = setup_of("flavor=cpu", f"model.checkpoint_dir={folder}")
+    plan = replace(choose_plan(Workload(spec=spec, batch_size=8, seq_len=32), flavor).chosen.plan, generation_batch=8)
+    model = model_of(folder)[0]
+    common = dict(pad_id=0, plan=plan, device=torch.device("cpu"), max_length=32)
+    free = Sampler(SamplingSettings(max_completion_length=6), stop_ids=(), **common)
+    with Reads():
+        drawn = free.complete(model, [[5, 17, 42]] * 8, seeds=list(range(8))).completions
+    assert [len(c) for c in drawn] == [6] * 8
+    assert Reads.count <= 6 + 2, Reads.count  # a decode step's "all done?" (the last step asks nothing)
+    # With a stop token: each completion as drawn, up to and with its first stop.
+    stop = drawn[0][2]
+    stopped = Sampler(SamplingSettings(max_completion_length=6), stop_ids=(stop,), **common).complete(
+        model, [[5, 17, 42]] * 8, seeds=list(range(8))).completions
+    for whole, cut in zip(drawn, stopped):
+        assert cut == (whole[:whole.index(stop) + 1] if stop in whole else whole), (whole, cut)

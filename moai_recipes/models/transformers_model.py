@@ -483,7 +483,15 @@ class TransformersDecoder(nn.Module):
         out = {"use_cache": cache is not None, "cache": cache}
         if mask is not None:
             padding = mask[:, -1, :past + tokens.shape[1]]
-            if not bool(padding.all()):  # no padding: transformers' causal mask needs none (its plain triangle)
+            # No padding: transformers' causal mask needs none (its plain triangle). Whether the prompts are padded is
+            # read from the device once a sampling (its first pass): a decode step adds real tokens only.
+            holder = self.sampling.kv_cache if cache is not None else None
+            padded = holder.padded if holder is not None and past else None
+            if padded is None:
+                padded = not bool(padding.all())
+                if holder is not None:
+                    holder.padded = padded
+            if padded:
                 out["attention_mask"] = padding.to(torch.long)
         return out
 
@@ -526,6 +534,7 @@ class _Cache(nn.Module):
 
         super().__init__()
         self.cache = DynamicCache(config=config)
+        self.padded: bool | None = None  # whether the prompts sampled from are padded (TransformersDecoder._cached_inputs)
 
     def forward(self, *args):
         raise RuntimeError("transformers' cache is passed to its model, not called")

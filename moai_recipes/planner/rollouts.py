@@ -29,7 +29,9 @@ HEAD_OPS = 300
 CACHE_SQUARED_S = {"cpu": 0.72e-9, "gpu": 1e-12}
 CACHE_SQUARED_QUERY_S = {"cpu": 2.13e-11, "gpu": 2e-14}
 # Per completion and decode step, the draw: a softmax and a cumulative sum over the vocabulary in fp64
-# (train/rollouts.py), and the sampler's Python for the row.
+# (train/rollouts.py), and the row's own seeded uniform number: a generator call and its copy into the step's, two
+# small operators (on a GPU two kernel launches of about 5 us, queued: the drawn tokens stay on the device until the
+# chunk ends, and a step waits on the device once for all rows, tests/test_grpo.py counts it).
 DRAW_VALUE_S = {"cpu": 1.5e-9, "gpu": 2e-12}
 ROW_STEP_S = {"cpu": 10e-6, "gpu": 10e-6}
 

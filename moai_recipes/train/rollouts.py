@@ -13,6 +13,7 @@ A completion ends after its first stop token (included, as TRL keeps it).
 """
 
 import math
+import types
 from dataclasses import dataclass
 
 import torch
@@ -123,13 +124,16 @@ class Sampler:
                                                                     decoder_max_seq_len=total):
                 cache_bytes = sum(b.numel() * b.element_size() for name, b in model.named_buffers()
                                   if name.endswith(("kv_cache.k_cache", "kv_cache.v_cache")))
+                _unchecked_cache_updates(model)
                 logits = _last(model(tokens, mask=masks, input_pos=positions[:, :width]))
+                # The drawn tokens stay on the device until the chunk ends (one copy to the host then): a decode step
+                # waits on the host once, for whether every row is done.
+                drawn, kept = [], []
                 for t in range(new):
                     nxt = _draw(filtered_logits(logits, settings), generators, rows)
-                    for i in range(rows):
-                        if not done[i]:
-                            out[i].append(int(nxt[i]))
-                    done |= torch.isin(nxt, stops)
+                    drawn.append(nxt)
+                    kept.append(~done)  # a row's token counts until its first stop token, which it keeps
+                    done = done | torch.isin(nxt, stops)
                     if t == new - 1 or _all_done(done, device):
                         break
                     pos = width + t
@@ -139,6 +143,10 @@ class Sampler:
                     logits = _last(model(nxt.unsqueeze(1), mask=step_mask, input_pos=positions[:, pos:pos + 1]))
         finally:
             model.train(was_training)
+        if drawn:
+            for i, (row, keep) in enumerate(zip(torch.stack(drawn, 1)[:rows].tolist(),
+                                                torch.stack(kept, 1)[:rows].tolist())):
+                out[i] = [token for token, k in zip(row, keep) if k]
         return out, cache_bytes
 
 
@@ -175,8 +183,28 @@ def _longest(longest: int, device: torch.device) -> int:
     return int(t[0])
 
 
+def _unchecked_cache_updates(model: nn.Module) -> None:
+    """torchtune's KVCache.update asserts that the cache has room by reading its position back from the device: a wait
+    per layer and decode step. This sampler sized the caches for the longest prompt and every new token
+    (local_kv_cache's decoder_max_seq_len), so each cache of `model` gets the same writes without the read (until
+    local_kv_cache removes the caches)."""
+    from torchtune.modules.kv_cache import KVCache
+
+    def update(cache, k_val: torch.Tensor, v_val: torch.Tensor):
+        places = cache.cache_pos[:k_val.shape[2]]
+        cache.k_cache[:, :, places] = k_val
+        cache.v_cache[:, :, places] = v_val
+        cache.cache_pos.add_(k_val.shape[2])
+        return cache.k_cache, cache.v_cache
+
+    for module in model.modules():
+        if isinstance(module, KVCache):
+            module.update = types.MethodType(update, module)
+
+
 def _all_done(done: torch.Tensor, device: torch.device) -> bool:
-    finished = torch.tensor([float(done.all())], device=device)
+    """Whether every row of every rank is done: one wait on the device (and one all-reduce where there are ranks)."""
+    finished = done.all().float().reshape(1)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(finished, op=dist.ReduceOp.MIN)
     return bool(finished.item())
