@@ -124,6 +124,7 @@ class Writes:
 
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.full
+        # A group of NCCL alone reduces device tensors only (ours have gloo beside it for the host: flavors.backend).
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
         flag = torch.tensor([float(self.full)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -78,8 +78,10 @@ class Flavor:
 
     @property
     def backend(self) -> str:
-        # NCCL on NVIDIA, RCCL behind the same name on ROCm; gloo on the CPU.
-        return "nccl" if self.device.kind == "gpu" else "gloo"
+        # NCCL on NVIDIA, RCCL behind the same name on ROCm; gloo on the CPU. On GPUs gloo too, for what lives on the
+        # host: FSDP2 keeps CPU-offloaded state's gradients there (plan.cpu_offload), and the gradient norm reduces
+        # them (NCCL takes device tensors only), as torchtitan's cuda:nccl,cpu:gloo.
+        return "cuda:nccl,cpu:gloo" if self.device.kind == "gpu" else "gloo"
 
     def describe(self) -> str:
         cards = ""

@@ -22,7 +22,7 @@ def flavor(*overrides):
 def test_moai_flavors_are_mi250_devices_of_64gb(name, display, devices):
     f = flavor(f"flavor={name}")
     assert (f.name, f.device.name, f.num_devices, f.device_memory_gb) == (display, "mi250", devices, 64)
-    assert f.total_memory_gb == devices * 64 and f.backend == "nccl"
+    assert f.total_memory_gb == devices * 64 and f.backend == "cuda:nccl,cpu:gloo"  # gloo for host tensors (offload)
 
 
 def test_4xlarge_is_16_cards_and_the_same_memory_on_h100():

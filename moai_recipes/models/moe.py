@@ -19,6 +19,7 @@ samples, whatever the micro-batches, the ranks or the packing, like its token lo
 Test: `python -m pytest tests/test_moe.py -q`.
 """
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -149,14 +150,31 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 def _grouped(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """x @ weight[e].T for each expert's rows of x (rows ends[e-1]:ends[e]), one grouped matrix product."""
     fake = is_fake(x)
-    # torch 2.13's grouped product runs on the CPU in any float dtype and on CUDA in bf16, but its shape function
-    # (fake tensors) accepts bf16 only.
-    if x.dtype == torch.bfloat16 and x.device.type in ("cpu", "cuda") or x.device.type == "cpu" and not fake:
+    # torch 2.13's grouped product runs on the CPU in any float dtype and on CUDA in bf16 (compute capability 8.0 on:
+    # A100, RTX 4090, A6000; H100), but its shape function (fake tensors) accepts bf16 only.
+    if x.dtype == torch.bfloat16 and grouped_product_runs(x, weight) or x.device.type == "cpu" and not fake:
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)
     if fake and not torch.compiler.is_compiling():
         # The planner's trace (planner/activations.py): one product of the same shapes and FLOPs stands in.
         return F.linear(x, weight[0])
     return _per_expert(x, weight, ends)
+
+
+def grouped_product_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether PyTorch's grouped product takes these bf16 rows and stacked weights where they are: on the CPU, or on a
+    CUDA device of compute capability 8.0 or more (torch 2.9 on: Ampere, Ada, Hopper; it was Hopper alone before),
+    each row's and weight's dimensions a multiple of 16 bytes (its kernel's alignment, checked by its own shape
+    function). Elsewhere the experts run one product each (_per_expert)."""
+    if x.device.type == "cpu":
+        return True
+    if x.device.type != "cuda" or _capability(x.device.index) < (8, 0):
+        return False
+    return x.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0  # bf16: 8 values are 16 bytes
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _per_expert(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
