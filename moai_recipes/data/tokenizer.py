@@ -9,33 +9,42 @@ import json
 import os
 import re
 from datetime import datetime
+from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jinja2
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from torchtune.modules.transforms.tokenizers import HuggingFaceBaseTokenizer
-
 from moai_recipes.errors import UserError
+
+if TYPE_CHECKING:
+    from torchtune.modules.transforms.tokenizers import HuggingFaceBaseTokenizer
 
 # Roles beyond system, user and assistant that chat templates render when they name them.
 _TOOL_ROLES = ("tool", "ipython", "function", "developer", "observation")
 
 
-class _BaseTokenizer(HuggingFaceBaseTokenizer):
-    """torchtune's wrapper, tolerant of a null bos_token (Qwen) and of a list of eos ids."""
+@cache
+def _base_tokenizer() -> type:
+    """torchtune's wrapper, tolerant of a null bos_token (Qwen) and of a list of eos ids. Made when first used:
+    importing torchtune takes 2 s (torchao, dynamo), which a dry run of the planner (recipes.plan) never needs."""
+    from torchtune.modules.transforms.tokenizers import HuggingFaceBaseTokenizer
 
-    def _get_token_from_config(self, config, key):
-        return None if config.get(key) is None else super()._get_token_from_config(config, key)
+    class BaseTokenizer(HuggingFaceBaseTokenizer):
+        def _get_token_from_config(self, config, key):
+            return None if config.get(key) is None else super()._get_token_from_config(config, key)
 
-    def _infer_bos_eos_tokens(self):
-        try:
-            super()._infer_bos_eos_tokens()
-        except ValueError:
-            if self.eos_id is None:
-                raise
-        if isinstance(self.eos_id, list):  # generation_config may list several
-            self.eos_id = self.eos_id[0]
+        def _infer_bos_eos_tokens(self):
+            try:
+                super()._infer_bos_eos_tokens()
+            except ValueError:
+                if self.eos_id is None:
+                    raise
+            if isinstance(self.eos_id, list):  # generation_config may list several
+                self.eos_id = self.eos_id[0]
+
+    return BaseTokenizer
 
 
 def _compile_template(source: str) -> jinja2.Template:
@@ -68,7 +77,7 @@ def _read_chat_template(folder: Path, config: dict) -> str | None:
 class Tokenizer:
     """Encode, decode and turn conversations into (tokens, loss mask) the way the checkpoint was trained."""
 
-    def __init__(self, base: HuggingFaceBaseTokenizer, *, chat_template: str | None = None, name: str = "tokenizer"):
+    def __init__(self, base: "HuggingFaceBaseTokenizer", *, chat_template: str | None = None, name: str = "tokenizer"):
         self._base, self._hf, self.name = base, base.tokenizer, name
         config, gen = base.config or {}, base.generation_config or {}
         special = {k: base._get_token_from_config(config, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
@@ -105,7 +114,7 @@ class Tokenizer:
                     f"write it with AutoTokenizer.from_pretrained(...).save_pretrained('{folder}')")
         gen = folder / "generation_config.json"
         try:
-            base = _BaseTokenizer(str(folder / "tokenizer.json"),
+            base = _base_tokenizer()(str(folder / "tokenizer.json"),
                                   tokenizer_config_json_path=str(folder / "tokenizer_config.json"),
                                   generation_config_path=str(gen) if gen.exists() else None)
         except ValueError as e:
