@@ -197,7 +197,8 @@ def test_one_two_and_four_processes_train_alike_and_lr_zero_writes_back_every_te
         assert before[key].dtype == after[key].dtype and torch.equal(before[key], after[key]), key
 
 
-# Dense models: recipes.dpo does not add a Mixture-of-Experts model's balancing loss yet, TRL does.
+# Dense models: on a Mixture-of-Experts model recipes.dpo adds each sequence's balancing loss (the same on any flavor,
+# tests/test_dpo.py), TRL its micro-batch's.
 @pytest.mark.parametrize("name, method", [("gemma3", "full"), ("smollm3", "lora")])
 def test_dpo_equals_trl(checkpoints, name, method, tmp_path):
     pytest.importorskip("trl")

@@ -325,17 +325,24 @@ def test_a_pairs_rows_padded_to_the_plans_sizes_give_the_same_log_probabilities(
         assert torch.equal(got[1], want[1]) and len(got[0]) == 4
 
 
-def test_a_mixture_of_experts_model_is_told_its_balancing_loss_is_not_added(tmp_path):
-    """recipes.dpo's step is its own loss alone: on a Mixture-of-Experts model it says so once (not silently dropping
-    what recipes.full_finetune adds), and logs no balancing metrics it did not measure."""
+def test_a_mixture_of_experts_model_adds_each_sequences_balancing_loss_on_any_flavor(tmp_path):
+    """recipes.dpo on Qwen3-MoE adds router_aux_loss_coef x the sequences' mean balancing loss, each sequence's as
+    recipes.full_finetune counts a sample's: one process and two (FSDP2) log the same losses, aux_loss and
+    expert_load, and the balancing loss (weighed 1 here, so that its gradient matters) changes the training against
+    a run without it."""
     from tests.helpers import make_hf_checkpoint
 
     model = make_hf_checkpoint(tmp_path / "moe", "qwen3_moe", num_layers=2)
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _rows(conversational=False)))
-    r = run_recipe(f"model.checkpoint_dir={model}", "dataset=preference", f"dataset.path={data}", "batch_size=4",
-                   "max_steps=1", "max_seq_len=128", "logger=stdout", f"output_dir={tmp_path / 'out'}",
-                   module="recipes.dpo")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("Load balancing: not added. recipes.dpo's step") == 1, r.stdout[-3000:]
-    assert not any("aux_loss" in row or "expert_load" in row for row in metrics(tmp_path / "out"))
+    runs = {}
+    for name, extra in (("one", ["flavor=cpu"]), ("two", ["flavor=cpu-2", *FSDP]),
+                        ("none", ["flavor=cpu", "model.router_aux_loss_coef=0"])):
+        coef = [] if name == "none" else ["model.router_aux_loss_coef=1.0"]
+        runs[name] = _ours(tmp_path, name, model, data, *extra, *coef)
+    assert layout(tmp_path / "two") == "sharded"
+    for a, b in zip(runs["one"], runs["two"], strict=True):
+        for key in ("loss", "aux_loss", "expert_load", "rewards/margins"):
+            assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]) + 1e-6, (a["step"], key, a[key], b[key])
+    assert all(r["aux_loss"] > 0 for r in runs["one"]) and not any("aux_loss" in r for r in runs["none"])
+    assert abs(runs["one"][-1]["loss"] - runs["none"][-1]["loss"]) > 1e-4, (runs["one"], runs["none"])

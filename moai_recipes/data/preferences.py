@@ -135,7 +135,8 @@ def collate_pairs(pairs: list[dict], *, pad_id: int, packed: bool = False, padde
     rows, or (`packed`) one row of them end to end, each attending to itself only (models/attention.Documents);
     `completion` marks the tokens whose log-probabilities are summed (the label of the position before).
     `padded_row` (Plan.padded_row): the length a row of so many tokens is padded to (a packed row's padding is one
-    more document, whose tokens are no sequence's)."""
+    more document, whose tokens are no sequence's). `samples`: each token's sequence (-1: padding), for a
+    Mixture-of-Experts model's routing (models/moe.Routing)."""
     seqs = [p["prompt"] + p["chosen"] for p in pairs] + [p["prompt"] + p["rejected"] for p in pairs]
     starts = [len(p["prompt"]) for p in pairs] * 2
     padded_row = padded_row or (lambda n: n)
@@ -146,16 +147,19 @@ def collate_pairs(pairs: list[dict], *, pad_id: int, packed: bool = False, padde
         missing = padded_row(len(tokens)) - len(tokens)
         if missing:
             tokens, completion, lengths = tokens + [pad_id] * missing, completion + [False] * missing, (*lengths, missing)
+        sequence = torch.tensor([i for i, n in enumerate(lengths) for _ in range(n)])
         return {"tokens": torch.tensor([tokens]), "completion": torch.tensor([completion]),
-                "documents": Documents(lengths), "sequences": len(seqs),
-                "sequence": torch.tensor([i for i, n in enumerate(lengths) for _ in range(n)])}
+                "documents": Documents(lengths), "sequences": len(seqs), "sequence": sequence,
+                "samples": torch.where(sequence < len(seqs), sequence, -1)[None]}
     width = padded_row(max(map(len, seqs)))
     tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     completion = torch.zeros((len(seqs), width), dtype=torch.bool)
+    samples = torch.full((len(seqs), width), -1, dtype=torch.long)
     for i, (seq, start) in enumerate(zip(seqs, starts)):
         tokens[i, :len(seq)] = torch.tensor(seq)
         completion[i, start:len(seq)] = True
-    return {"tokens": tokens, "completion": completion}
+        samples[i, :len(seq)] = i
+    return {"tokens": tokens, "completion": completion, "samples": samples}
 
 
 def completion_logps(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

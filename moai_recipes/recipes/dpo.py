@@ -30,7 +30,7 @@ from moai_recipes.train.mixed_precision import in_compute_dtype
 from moai_recipes.train.optim import build_optimizer, build_scheduler
 from moai_recipes.train.out_of_memory import forced_plan
 from moai_recipes.train.plan_accuracy import report_accuracy
-from moai_recipes.train.policy import build_policy, save_policy, unbalanced, whole_on_each_device
+from moai_recipes.train.policy import build_policy, save_policy, whole_on_each_device
 from moai_recipes.train.preference_step import PreferenceObjective, Reference, cache_reference
 from moai_recipes.train.process import prepare_process
 from moai_recipes.train.world import World, decided_by_main
@@ -60,8 +60,6 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     say("\n".join(inputs.describe(cfg)))
     say("\n".join(choice.report()))
     say(f"Configuration for parallelism is selected: {plan.describe()}")
-    for line in unbalanced(inputs.spec, "recipes.dpo"):
-        say(line)
     say(f"Preference loss {loss.type} (beta {loss.beta:g}"
         + (f", label smoothing {loss.label_smoothing:g}" if loss.label_smoothing else "") + "); reference: "
         + {"none": "none (reference-free)", "copy": "the base with the adapters off, each step" if lora else
@@ -89,7 +87,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     log = MetricsLog.start(cfg, inputs, choice) if world.is_main else None
     answers = Answers.for_run(cfg, inputs.tokenizer, plan=plan, device=world.device)
     answers.take_before(model)
-    objective = PreferenceObjective(loss=loss, reference=ref)
+    objective = PreferenceObjective(loss=loss, reference=ref, spec=inputs.spec)
     result = train_loop(state, inputs, choice, LoopSettings.from_config(cfg, process, objective), world, log)
     if log and result.measured:
         report_accuracy(result.choice, result.measured, work=work, model_name=inputs.model_name,

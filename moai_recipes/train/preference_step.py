@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from moai_recipes.data.preferences import collate_pairs, completion_logps
+from moai_recipes.models.moe import Routing, RoutingTotals, routing_recorded
 from moai_recipes.models.preference_loss import PairScores, PreferenceLoss, pair_losses
 from moai_recipes.planner.plan import Plan
 from moai_recipes.train.micro_batches import micro_batch_shapes
@@ -104,10 +105,16 @@ def cache_reference(model: torch.nn.Module, dataset, *, micro_batch: int, world:
 
 @dataclass
 class PreferenceObjective:
-    """What recipes.dpo's steps optimise: the train loop calls `step` in place of the token loss's."""
+    """What recipes.dpo's steps optimise: the train loop calls `step` in place of the token loss's.
+
+    Of a Mixture-of-Experts model (`spec`), the policy's forward records its routing per sequence, and the step adds
+    router_aux_loss_coef x the sequences' mean balancing loss, each sequence's as recipes.full_finetune counts a
+    sample's (models/moe.Routing: transformers' load_balancing_loss_func on it alone, so the same on any flavor; TRL
+    adds its micro-batch's instead), and logs aux_loss and expert_load. The reference's forward records nothing."""
 
     loss: PreferenceLoss
     reference: Reference
+    spec: object = None
 
     def micro_batch_shapes(self, plan: Plan, pairs: list[dict]) -> list[tuple[int, int, int]]:
         # A pair as the planner prices it (its Workload's lengths): one sample of its two sequences' tokens.
@@ -125,24 +132,38 @@ class PreferenceObjective:
         # FSDP averages gradients over the data ranks: scaling by their number makes that a sum over the global batch.
         scale = (plan.data_parallel if plan.sharded else 1) / max(global_pairs, 1)
         sums = torch.zeros(1 + len(REWARDS) + 2, dtype=torch.float64)  # loss, rewards, completion tokens
+        spec = self.spec
+        balancing = spec is not None and spec.is_moe and spec.router_aux_loss_coef > 0
+        # The balancing loss: a mean over the global batch's sequences (two a pair), scaled as the pairs' loss is.
+        routed = RoutingTotals(spec, aux_scale=scale / 2 * spec.router_aux_loss_coef) if balancing else None
         with in_compute_dtype(state.model, plan):
             for micro in micro_batches:
                 if not micro:  # another rank's extra micro-batch: FSDP2 needs this rank in its forward and backward
                     (_logits(state.model, torch.full((1, 1), pad_id, dtype=torch.long)).sum() * 0).backward()
                     continue
                 batch = collate_pairs(micro, pad_id=pad_id, packed=plan.packing, padded_row=plan.padded_row)
-                summed, counts = completion_logps(_logits(state.model, batch["tokens"], batch.get("documents")), batch)
+                routing = (Routing(batch["samples"].to(world.device), 2 * len(micro), spec) if routed is not None
+                           else None)
+                with routing_recorded(state.model, routing):
+                    logits = _logits(state.model, batch["tokens"], batch.get("documents"))
+                summed, counts = completion_logps(logits, batch)
                 chosen, rejected = summed.chunk(2)
                 chosen_n, rejected_n = counts.chunk(2)
                 ref = self.reference.logps(state.model, micro, batch) if self.loss.uses_reference else (None, None)
                 ref = tuple(r.to(chosen.device) if r is not None else None for r in ref)
                 losses, rewards = pair_losses(PairScores(chosen, rejected, chosen_n, rejected_n, *ref), self.loss)
-                (losses.sum() * scale).backward()
+                objective = losses.sum() * scale
+                if routing is not None:
+                    stats = routing.stats()
+                    routed.add(stats)
+                    objective = objective + routed.balancing_losses(stats).sum() * routed.aux_scale
+                objective.backward()
                 sums += torch.tensor([float(losses.detach().sum()), *(float(rewards[k].sum()) for k in REWARDS),
                                       float(chosen_n.sum()), float(rejected_n.sum())], dtype=torch.float64)
         if plan.replicate:
             all_reduce_gradients(state.model)
-        total = _all_reduce(sums.tolist(), world.device)
+        total = _all_reduce(sums.tolist() + (routed.as_list() if routed else []), world.device)
+        routing_totals, total = total[len(sums):], total[:len(sums)]
         grad_norm = clip_gradients(state.model, settings.max_grad_norm, stages=None)
         loss = total[0] / max(global_pairs, 1)
         finite = bool(torch.isfinite(torch.tensor(loss))) and bool(torch.isfinite(torch.tensor(grad_norm)))
@@ -150,5 +171,7 @@ class PreferenceObjective:
             state.optimizer.step()
         state.optimizer.zero_grad(set_to_none=True)
         extra = {f"rewards/{k}": total[1 + i] / max(global_pairs, 1) for i, k in enumerate(REWARDS)}
+        if routed is not None:
+            extra.update(routed.metrics(routing_totals, 2 * global_pairs))
         return StepResult(loss=loss, tokens=int(global_tokens), target_tokens=int(total[-2] + total[-1]),
                           grad_norm=grad_norm, finite=finite, extra=extra)
