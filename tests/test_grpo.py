@@ -418,3 +418,33 @@ def test_a_decode_step_waits_on_the_device_once(tmp_path, family):
         model, [[5, 17, 42]] * 8, seeds=list(range(8))).completions
     for whole, cut in zip(drawn, stopped):
         assert cut == (whole[:whole.index(stop) + 1] if stop in whole else whole), (whole, cut)
+
+
+def test_a_mixture_of_experts_model_adds_each_completions_balancing_loss_on_any_flavor(tmp_path):
+    """recipes.grpo on Qwen3-MoE adds router_aux_loss_coef x the completions' mean balancing loss, each completion's
+    as recipes.full_finetune counts a sample's: one process and two (FSDP2) sample the same completions and log the
+    same losses, aux_loss and expert_load, and the balancing loss (weighed 1 here) is in the step's gradient (its norm
+    against a run without it)."""
+    model = make_hf_checkpoint(tmp_path / "moe", "qwen3_moe", num_layers=2)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "target": t}) + "\n" for p, t in zip(PROMPTS, TARGETS)))
+    common = [f"model.checkpoint_dir={model}", "dataset=prompt", f"dataset.path={data}", f"batch_size={BATCH}",
+              f"num_generations={GROUP}", "max_completion_length=5", "max_seq_len=32", "max_steps=3", "epochs=3",
+              "optimizer.lr=3e-2", "optimizer.warmup_steps=0", "dtype=fp32", "beta=0.0",
+              "rewards=[tests.grpo_helpers.length_reward]", "logger=stdout"]
+    runs = {}
+    for name, extra in (("one", ["flavor=cpu", "model.router_aux_loss_coef=1.0"]),
+                        ("two", ["flavor=cpu-2", "plan.replicate=false", "model.router_aux_loss_coef=1.0"]),
+                        ("none", ["flavor=cpu", "model.router_aux_loss_coef=0"])):
+        r = run_recipe(*common, *extra, f"output_dir={tmp_path / name}", module="recipes.grpo")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[name] = metrics(tmp_path / name)
+    assert plan_of(tmp_path / "two")["sharded"]
+    for a, b in zip(runs["one"], runs["two"], strict=True):
+        for key in ("loss", "aux_loss", "expert_load", "reward", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]) + 1e-6, (a["step"], key, a[key], b[key])
+    assert all(r["aux_loss"] > 0 for r in runs["one"]) and not any("aux_loss" in r for r in runs["none"])
+    # Its gradient is in the step's (the policy loss is the same at step 1, before any update).
+    first, without = runs["one"][0], runs["none"][0]
+    assert first["loss"] == pytest.approx(without["loss"], rel=1e-6)
+    assert abs(first["grad_norm"] - without["grad_norm"]) > 1e-2 * without["grad_norm"], (first, without)

@@ -33,7 +33,7 @@ from moai_recipes.train.metrics_log import MetricsLog
 from moai_recipes.train.optim import build_optimizer, build_scheduler
 from moai_recipes.train.out_of_memory import forced_plan
 from moai_recipes.train.plan_accuracy import report_accuracy
-from moai_recipes.train.policy import build_policy, save_policy, unbalanced, whole_on_each_device
+from moai_recipes.train.policy import build_policy, save_policy, whole_on_each_device
 from moai_recipes.train.preference_step import Reference
 from moai_recipes.train.process import prepare_process
 from moai_recipes.train.rewards import Rewards
@@ -67,8 +67,6 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     say("\n".join(inputs.describe(cfg)))
     say("\n".join(choice.report()))
     say(f"Configuration for parallelism is selected: {plan.describe()}")
-    for line in unbalanced(inputs.spec, "recipes.grpo"):
-        say(line)
     say(f"GRPO: {cfg.batch_size // cfg.num_generations} prompts x {cfg.num_generations} completions a step, each "
         f"generation trained on {cfg.num_iterations} time(s); loss {loss.loss_type}, beta {loss.beta:g}, epsilon "
         f"{loss.epsilon:g}/{loss.high:g}; rewards {', '.join(rewards.names)}")
@@ -90,7 +88,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
                               num_iterations=cfg.num_iterations, scale_rewards=str(cfg.scale_rewards),
                               mask_truncated_completions=cfg.mask_truncated_completions, seed=cfg.seed,
                               tokenizer=inputs.tokenizer, reference=reference, max_length=cfg.max_seq_len,
-                              completions_hook=_test_completions())
+                              completions_hook=_test_completions(), spec=inputs.spec)
     optimizer = build_optimizer(trainable, cfg.optimizer, plan)
     state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.optimizer, total_steps=inputs.total_steps),
                        objective=objective)

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from moai_recipes.models.grpo_loss import GRPOLoss, advantages, loss_sum, nanstd, normaliser, token_terms
 from moai_recipes.models.loss import IGNORE_INDEX
+from moai_recipes.models.moe import Routing, RoutingTotals, routing_recorded
 from moai_recipes.planner.plan import Plan
 from moai_recipes.train.micro_batches import micro_batch_shapes, model_inputs
 from moai_recipes.train.mixed_precision import in_compute_dtype
@@ -51,7 +52,12 @@ class Rollouts:
 
 @dataclass
 class GRPOObjective:
-    """What recipes.grpo's steps optimise: the train loop calls `step` in place of the token loss's."""
+    """What recipes.grpo's steps optimise: the train loop calls `step` in place of the token loss's.
+
+    Of a Mixture-of-Experts model (`spec`), the policy's forward in the step records its routing per completion (its
+    prompt and its tokens), and the step adds router_aux_loss_coef x the completions' mean balancing loss, each
+    completion's as recipes.full_finetune counts a sample's (the same on any flavor; TRL adds its micro-batch's),
+    and logs aux_loss and expert_load. Sampling and the old and reference log-probabilities record nothing."""
 
     loss: GRPOLoss
     sampling: SamplingSettings
@@ -65,6 +71,7 @@ class GRPOObjective:
     reference: Reference
     max_length: int  # the model's longest row (max_seq_len)
     completions_hook: object = None  # tests: fn(prompt ids, seeds) -> completions, in place of sampling
+    spec: object = None  # the model's (models/spec.ModelSpec): a Mixture-of-Experts model's routing is balanced
     rollouts: Rollouts | None = None
     restored: dict | None = None  # a checkpoint's round of completions, every rank's (load_state_dict)
     sampled_s: list = field(default_factory=list)  # (step, seconds to sample and score) of each generating step
@@ -93,6 +100,11 @@ class GRPOObjective:
         groups = plan.micro_batches([len(row["tokens"]) for row in r.rows]) if r.rows else []
         count = int(_all_reduce([len(groups)], world.device, op=dist.ReduceOp.MAX)[0])
         sums = _Sums()
+        spec = self.spec
+        balancing = spec is not None and spec.is_moe and spec.router_aux_loss_coef > 0
+        # The balancing loss: a mean over the global batch's completions, scaled as the policy loss is over the shards.
+        routed = (RoutingTotals(spec, aux_scale=plan.shards / max(r.completions, 1) * spec.router_aux_loss_coef)
+                  if balancing else None)
         with in_compute_dtype(state.model, plan):
             for k in range(count):
                 if k >= len(groups):  # another rank's extra micro-batch: FSDP2 needs this rank in it too
@@ -100,7 +112,10 @@ class GRPOObjective:
                     continue
                 picked = groups[k]
                 batch = model_inputs([r.rows[i] for i in picked], plan, pad_id)
-                logps, entropy, rows = completion_logps(state.model, batch, self.sampling.temperature)
+                routing = (Routing(batch["samples"].to(world.device), batch["sample_count"], spec)
+                           if routed is not None else None)
+                with routing_recorded(state.model, routing):
+                    logps, entropy, rows = completion_logps(state.model, batch, self.sampling.temperature)
                 index = torch.tensor(picked, device=rows.device)[rows]  # each token's completion in r.rows
                 old = torch.cat([r.old[i] for i in picked]).to(logps.device) if r.old is not None else None
                 ref = torch.cat([r.ref[i] for i in picked]).to(logps.device) if r.ref is not None else None
@@ -108,11 +123,17 @@ class GRPOObjective:
                 terms = token_terms(logps, old, ref, advantage, self.loss)
                 row_tokens = torch.bincount(rows, minlength=len(picked))
                 part = loss_sum(terms.loss, rows, row_tokens, self.loss)
-                (part * scale).backward()
+                objective = part * scale
+                if routing is not None:
+                    stats = routing.stats()
+                    routed.add(stats)
+                    objective = objective + routed.balancing_losses(stats).sum() * routed.aux_scale
+                objective.backward()
                 sums.add(part.detach(), terms, entropy, rows, row_tokens)
         if plan.replicate:
             all_reduce_gradients(state.model)
-        total = _all_reduce(sums.totals(), world.device)
+        total = _all_reduce(sums.totals() + (routed.as_list() if routed else []), world.device)
+        routing_totals = total[len(sums.totals()):]
         lows, highs = _gathered(sums.row_means(), world)
         grad_norm = clip_gradients(state.model, settings.max_grad_norm, stages=None)
         loss = total[0] / normaliser(self.loss, completions=r.completions, tokens=r.loss_tokens)
@@ -130,6 +151,8 @@ class GRPOObjective:
                  "num_tokens": self.tokens_seen}
         if self.loss.beta != 0.0:
             extra["kl"] = total[6] / tokens
+        if routed is not None:
+            extra.update(routed.metrics(routing_totals, r.completions))
         return StepResult(loss=loss, tokens=int(r.metrics["tokens"]), target_tokens=int(total[1]),
                           grad_norm=grad_norm, finite=finite, extra=extra)
 

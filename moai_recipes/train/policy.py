@@ -33,17 +33,6 @@ def whole_on_each_device(forced: dict, recipe: str) -> dict:
     return {**forced, **dict.fromkeys(_UNCUT, 1)}
 
 
-def unbalanced(spec, recipe: str) -> list[str]:
-    """What `recipe` (recipes.dpo, recipes.grpo) says once of a Mixture-of-Experts model's load-balancing loss, which its
-    step does not add (nothing for a dense model, or a coefficient of 0)."""
-    if not spec.is_moe or not spec.router_aux_loss_coef:
-        return []
-    return [f"Load balancing: not added. {recipe}'s step optimises its own loss alone, without the "
-            f"{spec.router_aux_loss_coef:g} x balancing loss that recipes.full_finetune and recipes.lora_finetune add "
-            "(TRL adds its batch's), and measures no aux_loss or expert_load: the routers are trained by the "
-            "preference or reward signal only. Watch the experts' load in a fine-tuning run of the result"]
-
-
 def build_policy(inputs, plan: Plan, world: World, *, lora, seed: int, frozen: bool = False) -> torch.nn.Module:
     """The policy (LoRA: adapters on its frozen base), or with `frozen` the reference copy, nothing of it trained."""
     with torch.device("meta"):
