@@ -1,0 +1,25 @@
+"""The prepared device check (scripts/gpu_check.py) run on the CPU at tiny sizes, so that it never rots between the
+sessions that are lent a GPU: every kernel check passes against its reference, and each shape's training run (full
+fine-tuning, two steps) runs and prints the planner's peak within 10% of the measured one.
+Run: pytest tests/test_gpu_check.py (about 25 s)"""
+
+import json
+import subprocess
+import sys
+
+from tests.helpers import ROOT, command_env
+
+
+def test_the_device_check_runs_its_whole_sequence_on_the_cpu(tmp_path):
+    out = tmp_path / "check"
+    r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu", "--out", str(out), "--methods", "full",
+                        "--steps", "2"], cwd=ROOT, env=command_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert [c["name"] for c in report["checks"]] == ["grouped_experts", "packed_attention", "fused_adamw",
+                                                     "adamw_8bit", "nf4_lora", "compile", "activation_offload"]
+    assert all(c["ok"] and c["error"] is None for c in report["checks"]), report["checks"]
+    assert len(report["runs"]) == 3 and all(run["returncode"] == 0 for run in report["runs"]), report["runs"]
+    assert all(abs(run["peak_off_pct"]) <= 10 for run in report["runs"]), report["runs"]
+    assert report["versions"]["torch"] == __import__("torch").__version__ and report["card"].startswith("CPU")
+    assert "| packed_attention | ok |" in (out / "report.md").read_text()
