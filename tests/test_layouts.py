@@ -128,27 +128,38 @@ def test_a_cut_model_exports_what_one_process_exports(model, tmp_path):
         assert (outs["cpu"] / name).read_bytes() == (outs["cpu-4"] / name).read_bytes(), name
 
 
-def test_a_tied_model_is_cut_over_its_vocabulary_once_for_embedding_and_output(model, tmp_path):
+def test_a_tied_model_is_cut_over_its_vocabulary_and_its_stages_keep_one_weight(model, tmp_path):
     """tie_word_embeddings under tensor parallelism: one weight, cut over the vocabulary, is the embedding and the
-    output projection of tensor 2 x data 2, which computes the per-step losses and gradient norms of one process.
-    Pipeline stages stay refused for it, by name."""
-    from moai_recipes.models.spec import read_spec
-    from moai_recipes.planner.layouts import why_not_pipeline, why_not_tensor
-
+    output projection of tensor 2 x data 2; under pipeline stages (2 x data 2, and 2 x tensor 2) the last stage holds a
+    copy of the first's embedding, their gradients summed, the copy counted once in the norm. Each computes the per-step losses
+    and gradient norms of one process (clipping on), and the pipelined run's step checkpoint resumes on one process
+    with the uninterrupted run's losses."""
     tied = {"checkpoint": make_hf_checkpoint(tmp_path / "hf", "qwen3", tie=True, num_layers=2, kv_heads=4),
             "data": model["data"]}
-    spec = read_spec(tied["checkpoint"])
-    assert spec.tie_word_embeddings and not why_not_tensor(spec, 2)
-    assert "the first and last stages would share it" in why_not_pipeline(spec, 2, "1f1b")
     runs = {}
-    for flavor, forced in (("cpu", []), ("cpu-4", ["plan.tensor_parallel=2", "plan.pipeline_stages=1"])):
-        _run(tied, tmp_path / flavor, "full", "packed", f"flavor={flavor}", "max_steps=3", *forced)
-        runs[flavor] = metrics(tmp_path / flavor)
-    assert layout(tmp_path / "cpu-4") == "pipeline 1 x data 2 x tensor 2"
+    meshes = {"cpu": ("single", []),
+              "tensor": ("pipeline 1 x data 2 x tensor 2", ["plan.tensor_parallel=2", "plan.pipeline_stages=1"]),
+              "pipeline": ("pipeline 2 (1f1b) x data 2 x tensor 1", [
+                  "plan.tensor_parallel=1", "plan.pipeline_stages=2", "plan.pipeline_schedule=1f1b",
+                  "checkpoint_every=2"]),
+              # The first stage's vocabulary-cut embedding gets its gradient whole, cut before the pair sums it.
+              "pipeline x tensor": ("pipeline 2 (gpipe) x data 1 x tensor 2", [
+                  "plan.tensor_parallel=2", "plan.pipeline_stages=2", "plan.pipeline_schedule=gpipe"])}
+    for name, (mesh, forced) in meshes.items():
+        flavor = "cpu" if name == "cpu" else "cpu-4"
+        _run(tied, tmp_path / name, "full", "packed", f"flavor={flavor}", "max_steps=3", *forced)
+        assert layout(tmp_path / name) == mesh
+        runs[name] = metrics(tmp_path / name)
     assert len(runs["cpu"]) == 3 and any(r["grad_norm"] > 0.5 for r in runs["cpu"])  # clipping acted
-    for a, b in zip(runs["cpu"], runs["cpu-4"], strict=True):
-        for key in ("loss", "grad_norm"):
-            assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]), (key, a, b)
+    for name in ("tensor", "pipeline", "pipeline x tensor"):
+        for a, b in zip(runs["cpu"], runs[name], strict=True):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]), (name, key, a, b)
+    resumed = tmp_path / "resumed"
+    _run(tied, resumed, "full", "packed", "flavor=cpu", "max_steps=3",
+         f"resume={tmp_path / 'pipeline' / 'checkpoints' / 'step-000002'}")
+    assert [r["step"] for r in metrics(resumed)] == [3]
+    assert abs(metrics(resumed)[0]["loss"] - runs["pipeline"][2]["loss"]) <= 1e-4 * runs["pipeline"][2]["loss"]
 
 
 @pytest.mark.parametrize("forced, message", [

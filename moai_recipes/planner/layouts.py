@@ -85,8 +85,6 @@ def why_not_pipeline(spec: ModelSpec, stages: int, schedule: str) -> str | None:
         return (f"its layers are transformers' modules (our own layers do not build {spec.family}), which are not "
                 "cut into pipeline stages yet (a stage would need the model's own masks and rotary tables passed between "
                 "stages); FSDP2 shards them over the data-parallel devices instead")
-    if spec.tie_word_embeddings:
-        return "its output projection is its embedding (tie_word_embeddings): the first and last stages would share it"
     per = stages_per_device(schedule)
     if stages * per > spec.num_layers:
         return (f"{stages * per} stages need at least as many layers, and the model has {spec.num_layers}"

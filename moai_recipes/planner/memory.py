@@ -156,7 +156,9 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     n, L = plan.shards, share.layers  # n: what the state is cut into (1 in a replica: whole on every process)
     full = sizes.trainable == sizes.total
     embedding = spec.vocab_size * spec.embed_dim
-    root = (embedding if share.embedding else 0) + (sizes.root - embedding if share.head else 0)
+    # A tied embedding is the head's weight too: the last stage holds a copy of it (train/pipeline.py).
+    holds_embedding = share.embedding or (share.head and spec.tie_word_embeddings)
+    root = (embedding if holds_embedding else 0) + (sizes.root - embedding if share.head else 0)
     # Parameters on this device, before FSDP2 shards them (the whole model's count exactly, without a pipeline). A
     # sparse layer's experts are not cut by tensor parallelism (each device routes its own tokens to them whole);
     # FSDP2 shards them over the data-parallel devices as it shards the rest, split over the expert dimension or not.

@@ -270,7 +270,8 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     # The device's part of the parameters: its layers and root, cut by the tensor degree.
     embedding = spec.vocab_size * spec.embed_dim
     part = (1.0 if L == spec.num_layers else (L * sizes.per_layer + has_head * (sizes.root - embedding)
-                                                + share.embedding * embedding) / sizes.total) / T
+                                                + (share.embedding or has_head and spec.tie_word_embeddings)
+                                                * embedding) / sizes.total) / T
     trainable, total = sizes.trainable * part, sizes.total * part
     if not plan.cpu_offload:  # offloaded, the optimizer runs on the host (below)
         terms["memory"] += optimizer_s(plan, kind, trainable / plan.shards, memory_speed)

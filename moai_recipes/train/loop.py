@@ -276,7 +276,11 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
         # tensor got its last gradient in the step's last micro-batch.
         extra["applied_in_backward"] = state.optimizer.applied / max(len(state.optimizer.param_groups[0]["params"]), 1)
     else:
-        grad_norm = clip_gradients(state.model, settings.max_grad_norm, stages=stages)
+        pipelined = plan.pipeline_stages > 1
+        if pipelined:  # a tied embedding's two copies, the first stage's and the last's, take the same step
+            state.model.sync_tied_gradients()
+        grad_norm = clip_gradients(state.model, settings.max_grad_norm, stages=stages,
+                                   counted_elsewhere=state.model.counted_elsewhere() if pipelined else ())
     finite = math.isfinite(total_loss) and math.isfinite(grad_norm)  # the same verdict on every rank
     if finite:  # a NaN/inf step is never applied: the weights stay those of the last good step
         state.optimizer.step()

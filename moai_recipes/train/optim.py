@@ -82,15 +82,19 @@ def _quiet_redistribution():
         log.setLevel(level)
 
 
-def clip_gradients(model: nn.Module, max_norm: float | None, *, stages=None) -> float:
+def clip_gradients(model: nn.Module, max_norm: float | None, *, stages=None, counted_elsewhere=()) -> float:
     """Clip to `max_norm` (None: measure only) and return the total gradient norm before clipping: over every
-    shard (DTensor), and over the pipeline's `stages` (a process group: each stage holds its own layers)."""
+    shard (DTensor), and over the pipeline's `stages` (a process group: each stage holds its own layers).
+    `counted_elsewhere`: parameters another stage holds too (a tied embedding's copy, train/pipeline.py), clipped here
+    but counted in the norm there."""
     # DTensors on different meshes (split experts beside FSDP2's shards) are measured and scaled mesh by mesh.
     by_mesh: dict = {}
     for p in model.parameters():
         if p.grad is not None:
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0) for group in by_mesh.values()]
+    skip = {id(p) for p in counted_elsewhere}
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group if id(p) not in skip], norm_type=2.0)
+             for group in by_mesh.values()]
     with _quiet_redistribution():
         norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
     norm = norms[0] if len(norms) == 1 else torch.stack([n.double() for n in norms]).norm().to(norms[0].dtype)

@@ -45,7 +45,11 @@ class Stage(nn.Module):
     def __init__(self, decoder: nn.Module, layers: range, *, first: bool, last: bool, spec=None, tensor=None,
                  context=None, way: str = "none"):
         super().__init__()
-        self.tok_embeddings = decoder.tok_embeddings if first else None
+        # A tied output projection (tie_word_embeddings) is the embedding's weight: the last stage holds a copy of it,
+        # under the same name, kept equal to the first stage's (PipelinedModel.sync_tied_gradients).
+        tied = last and not first and not isinstance(decoder.output, nn.Module)
+        self.tok_embeddings = decoder.tok_embeddings if first or tied else None
+        self.embeds = first
         self.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layers})
         self.norm = decoder.norm if last else None
         self.output = decoder.output if last else None
@@ -57,7 +61,7 @@ class Stage(nn.Module):
     def forward(self, h: torch.Tensor, routed: torch.Tensor | None = None, *,
                 document_lengths: torch.Tensor | None = None, input_pos: torch.Tensor | None = None,
                 samples: torch.Tensor | None = None, sample_slots: torch.Tensor | None = None):
-        first = self.tok_embeddings is not None
+        first = self.embeds
         if first:
             h = self.tok_embeddings(h)
         mask = None
@@ -94,6 +98,27 @@ class PipelinedModel(nn.Module):
         self.__dict__["stages"] = stages
         self.__dict__["decoder"] = decoder  # on the meta device: the whole model's names and shapes
         self.world, self.plan = world, plan
+        self.__dict__["tied_group"] = _tied_group(decoder, world, plan)
+
+    def sync_tied_gradients(self) -> None:
+        """A tied embedding's gradient, the first stage's (its lookups) and the last's (the output projection),
+        summed on both devices of each pair: their copies take the same step and stay equal. Every device of a pair
+        calls it after the backward (its local shard: both stages shard it alike)."""
+        p = self._params.get("tok_embeddings.weight") if self.tied_group is not None else None
+        if p is None or p.grad is None:  # no copy here, or frozen (LoRA)
+            return
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            # Tensor parallelism's vocabulary-cut embedding gets its lookups' gradient whole (Replicate): cut as
+            # the weight is, as the output projection's is, before the two are summed.
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=self.tied_group)
+
+    def counted_elsewhere(self) -> list[nn.Parameter]:
+        """The tied embedding's copy on the last stage's device: its gradient norm is the first stage's."""
+        if self.tied_group is None or any(s.embeds for s in self.stages):
+            return []
+        p = self._params.get("tok_embeddings.weight")
+        return [p] if p is not None else []
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipelined model runs through its schedule (train/pipeline.py), not as a module")
@@ -150,6 +175,20 @@ def pipeline_stages(decoder: nn.Module, plan: Plan, world: World, spec=None) -> 
     stages = [Stage(decoder, split[s], first=s == 0, last=s == len(split) - 1, spec=spec, tensor=tensor,
                     context=context, way=plan.context_parallel_way) for s in _stage_ids(plan, world)]
     return PipelinedModel(decoder, stages, world=world, plan=plan)
+
+
+def _tied_group(decoder: nn.Module, world: World, plan: Plan):
+    """For a tied model, this device's pair of first-stage and last-stage devices (the same data, context, expert and
+    tensor place), as a process group (None: untied, or this device holds neither). Every rank makes every pair's."""
+    if isinstance(decoder.output, nn.Module) or plan.pipeline_stages < 2:
+        return None
+    ranks = world.mesh.mesh  # [pipeline, replica, context, expert, tensor]
+    mine = None
+    for a, b in zip(ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()):
+        group = dist.new_group([a, b])
+        if world.rank in (a, b):
+            mine = group
+    return mine
 
 
 def _stage_ids(plan: Plan, world: World) -> range:
