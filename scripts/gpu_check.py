@@ -340,7 +340,7 @@ def main() -> int:
     name = torch.cuda.get_device_name(device).lower() if gpu else ""
     kind = "h200" if "h200" in name else "a100" if "a100" in name else "h100"
     memory = torch.cuda.get_device_properties(device).total_memory / 1e9 if gpu else None
-    flavor = [f"flavor=small", f"flavor.device={kind}", f"flavor.memory_gb={memory:.0f}"] if gpu else ["flavor=cpu"]
+    flavor = ["flavor=small", f"flavor.device={kind}", f"flavor.memory_gb={memory:.0f}"] if gpu else ["flavor=cpu"]
     precision = ["dtype=bf16"] if gpu else []
     steps = args.steps or (6 if gpu else 3)
     for shape, (model_type, device_fields, cpu_fields) in SHAPES.items():

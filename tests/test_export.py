@@ -52,6 +52,25 @@ def checkpoints(tmp_path_factory):
             "mixtral": make_hf_checkpoint(root / "mixtral", "mixtral", seed=5)}
 
 
+def _expert_adapter(base: Path, folder: Path):
+    """peft's LoRA of a transformers MoE checkpoint on q_proj and its stacked experts (target_parameters), B drawn so
+    that it changes the model, saved in `folder`; the peft model."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                      target_parameters=["mlp.experts.gate_up_proj",
+                                                                         "mlp.experts.down_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    lora.save_pretrained(folder)
+    return lora
+
+
 def _export(*args):
     r = run_recipe(*args, module="recipes.export")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -131,22 +150,12 @@ def test_an_adapter_is_merged_as_peft_merges_it(tmp_path):
 def test_an_adapter_of_every_expert_is_merged_as_peft_merges_it(tmp_path, checkpoints):
     """A PEFT adapter of transformers' Qwen3-MoE (its attention and its stacked experts' parameters) merged into the
     GGUF file: llama.cpp's greedy tokens are those of peft's merged model in transformers."""
-    import peft
     import transformers
 
     from moai_recipes.inference.llama_cpp import greedy_tokens
 
     base = checkpoints["qwen3_moe"]
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
-                                                      target_parameters=["mlp.experts.gate_up_proj",
-                                                                         "mlp.experts.down_proj"]))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in lora.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
-    lora.save_pretrained(tmp_path / "adapter")
+    lora = _expert_adapter(base, tmp_path / "adapter")
     ids = [3, 40, 77, 120, 9, 250, 31, 8]
     with torch.no_grad():
         merged = lora.merge_and_unload().eval()
@@ -279,23 +288,13 @@ def test_llama_cpps_converter_writes_a_file_llama_cpp_runs_as_we_do(name, tmp_pa
 def test_an_adapter_of_transformers_stacked_experts_is_merged_as_peft_merges_it(tmp_path, converter_cache):
     """A PEFT adapter of Qwen3.5-MoE (attention and stacked experts, PEFT's target_parameters) merged into the file
     llama.cpp's converter writes: llama.cpp's logits are those of peft's merged model in transformers."""
-    import peft
     import transformers
 
     from moai_recipes.inference.llama_cpp import logits
     from tests.architectures import make_checkpoint
 
     base = make_checkpoint(tmp_path / "base", "qwen3_5_moe", **CONVERTED["qwen3_5_moe"])
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
-                                                      target_parameters=["mlp.experts.gate_up_proj",
-                                                                         "mlp.experts.down_proj"]))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in lora.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
-    lora.save_pretrained(tmp_path / "adapter")
+    lora = _expert_adapter(base, tmp_path / "adapter")
     ids = [3, 40, 77, 120, 9, 250, 31, 8]
     with torch.no_grad():
         expected = lora.merge_and_unload()(torch.tensor([ids])).logits[0].numpy()

@@ -31,7 +31,6 @@ import sys
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moai_recipes.errors import UserError
