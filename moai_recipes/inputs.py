@@ -26,6 +26,7 @@ from moai_recipes.checkpoint.output_dir import (
     verified,
 )
 from moai_recipes.config.schema import DEFAULT_MODEL
+from moai_recipes.data.images import image_samples
 from moai_recipes.data.training_data import RunData, read_data
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
@@ -140,7 +141,8 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
     data = None
     if tokenizer is not None:
         main = not dist.is_initialized() or dist.get_rank() == 0
-        data = read_data(cfg, tokenizer, dry=dry, progress=main and not dry)
+        data = read_data(cfg, tokenizer, dry=dry, progress=main and not dry,
+                         images=image_samples(hf.folder) if spec.reads_images else None)
     workload = Workload(spec=spec, batch_size=cfg.batch_size, seq_len=cfg.max_seq_len, lora=lora, dtype=cfg.dtype,
                         precision=str(cfg.precision), states=str(cfg.optimizer.states),
                         clips=cfg.optimizer.max_grad_norm is not None, rollout=_rollout(cfg),

@@ -31,7 +31,7 @@ from moai_recipes.errors import UserError
 from moai_recipes.models.tiny import DEMO_DATA
 from moai_recipes.models.loss import IGNORE_INDEX
 
-COLUMNS = {"instruct": ("instruction", "input", "output"), "chat": ("messages",), "text": ("text",),
+COLUMNS = {"instruct": ("instruction", "input", "output"), "chat": ("messages", "images"), "text": ("text",),
            "preference": ("prompt", "chosen", "rejected"), "prompt": ("prompt",)}
 KINDS = ("demo", "instruct", "chat", "text", "preference", "prompt")
 # ShareGPT speaks of human and gpt, some exports of bot; a role not named here (tool, ipython, function) goes to
@@ -127,17 +127,22 @@ class SFTDataset(torch.utils.data.Dataset):
 
     def split_off(self, fraction: float, *, seed: int) -> tuple["SFTDataset", "SFTDataset"]:
         """(train, validation): a seeded `fraction` of the samples held out, the same whatever the flavor."""
-        g = torch.Generator().manual_seed(seed * 1_000_003 + 7919)
-        order = torch.randperm(len(self), generator=g).numpy()
-        n_val = round(fraction * len(self))
-        if n_val == 0 or n_val == len(self):
-            raise UserError(f"dataset.val_split={fraction:g} of {len(self)} samples leaves "
-                            f"{'no validation sample' if n_val == 0 else 'nothing to train on'}; use a fraction "
-                            f"that keeps both (at least {1 / len(self):.2g})" if len(self) > 1 else
-                            "dataset.val_split needs at least 2 samples; give a validation file with dataset.val_path")
-        val, train = np.sort(order[:n_val]), np.sort(order[n_val:])
+        train, val = held_out(len(self), fraction, seed=seed)
         return (SFTDataset(self._a, self._index[train], origin=self.origin),
                 SFTDataset(self._a, self._index[val], origin=self.origin))
+
+
+def held_out(count: int, fraction: float, *, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) sample indices: a seeded `fraction` of `count` samples held out, the same on any flavor."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 7919)
+    order = torch.randperm(count, generator=g).numpy()
+    n_val = round(fraction * count)
+    if n_val == 0 or n_val == count:
+        raise UserError(f"dataset.val_split={fraction:g} of {count} samples leaves "
+                        f"{'no validation sample' if n_val == 0 else 'nothing to train on'}; use a fraction "
+                        f"that keeps both (at least {1 / count:.2g})" if count > 1 else
+                        "dataset.val_split needs at least 2 samples; give a validation file with dataset.val_path")
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
 
 
 def collate(samples: list[dict], *, pad_id: int) -> dict:
@@ -148,6 +153,10 @@ def collate(samples: list[dict], *, pad_id: int) -> dict:
     for row, s in enumerate(samples):
         tokens[row, : len(s["tokens"])] = torch.tensor(s["tokens"], dtype=torch.long)
         labels[row, : len(s["labels"])] = torch.tensor(s["labels"], dtype=torch.long)
+    if any("images" in s for s in samples):  # an image-text model's samples (data/images.py)
+        from moai_recipes.data.images import collate_images
+
+        return {"tokens": tokens, "labels": labels, "images": collate_images(samples, width)}
     return {"tokens": tokens, "labels": labels}
 
 

@@ -14,6 +14,7 @@ from moai_recipes.data.preferences import load_pairs
 from moai_recipes.data.prompts import load_prompts
 from moai_recipes.data.datasets import DataSource, SFTDataset, load_dataset
 from moai_recipes.data.hf_datasets import HFSplit
+from moai_recipes.data.images import ImageSamples, load_image_dataset
 from moai_recipes.data.stream import StreamedBatches
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
@@ -67,9 +68,11 @@ RECIPE_KINDS = {
 }
 
 
-def read_data(cfg: DictConfig, tokenizer: Tokenizer, *, dry: bool, progress: bool) -> RunData:
+def read_data(cfg: DictConfig, tokenizer: Tokenizer, *, dry: bool, progress: bool,
+              images: ImageSamples | None = None) -> RunData:
     """Read and tokenise (or map from the cache) the training and validation data; the global batches.
-    `dry`: write no cache (a plan or a validation reads only)."""
+    `dry`: write no cache (a plan or a validation reads only). `images`: an image-text model's processor, which
+    makes the samples of its chat rows (data/images.py)."""
     d = cfg.dataset
     source = _source(d, d.path, d.split)
     start = time.perf_counter()
@@ -88,6 +91,11 @@ def read_data(cfg: DictConfig, tokenizer: Tokenizer, *, dry: bool, progress: boo
     elif prompts:
         load = lambda s: load_prompts(s, tokenizer, max_seq_len=cfg.max_seq_len,  # noqa: E731
                                       max_completion_length=cfg.max_completion_length, progress=progress)
+    elif images is not None:
+        if d.streaming:
+            raise UserError("dataset.streaming=true is not offered for an image-text model's rows yet; leave it "
+                            "false (its images are read when a sample is, not held in memory)")
+        load = lambda s: load_image_dataset(s, images, max_seq_len=cfg.max_seq_len, progress=progress)  # noqa: E731
     else:
         load = lambda s: load_dataset(s, tokenizer, max_seq_len=cfg.max_seq_len, cache=d.cache,  # noqa: E731
                                       write_cache=not dry, progress=progress)

@@ -102,10 +102,13 @@ def output_weight(model: nn.Module) -> torch.Tensor | None:
 
 
 def token_loss_sum(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, chunked: bool = False,
-                   documents=None) -> torch.Tensor:
+                   documents=None, images: dict | None = None) -> torch.Tensor:
     """The summed loss of a torchtune decoder on a micro-batch; `chunked` never materialises all logits.
-    `documents` (models.attention.Documents): `tokens` is one packed row of them, each attending to itself."""
+    `documents` (models.attention.Documents): `tokens` is one packed row of them, each attending to itself.
+    `images`: an image-text model's inputs for the rows' images (data/images.collate_images)."""
     kwargs = {} if documents is None else {"mask": documents, "input_pos": documents.positions(tokens.device)}
+    if images:
+        kwargs["images"] = {k: v.to(tokens.device) for k, v in images.items()}
     if not chunked:
         return cross_entropy_sum(model(tokens, **kwargs), labels)
     from moai_recipes.models.build import head_skipped

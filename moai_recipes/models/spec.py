@@ -88,6 +88,8 @@ class ModelSpec:
     hf_config: str = ""
     code_dir: str | None = None
     parts: Parts | None = None
+    # An image-text model (Qwen2.5-VL, Gemma 3...): its rows hold images, read by its processor (data/images.py).
+    reads_images: bool = False
 
     @property
     def is_moe(self) -> bool:

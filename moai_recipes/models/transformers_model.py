@@ -337,15 +337,37 @@ def causal_lm_class(config, *, trust_remote_code: bool = False):
         cls = mapping[type(config)]
         if "ConditionalGeneration" not in cls.__name__:  # a multimodal checkpoint's language model trains alone
             return cls
-        raise UserError(f"model_type {config.model_type!r} is an image-text model ({cls.__name__}); its images are "
-                        "not trained here. A text-only checkpoint of its language model trains (model_type "
-                        f"{config.get_text_config().model_type!r})")
+    image_text = image_text_class(config)
+    if image_text is not None:
+        return image_text
+    if type(config) in mapping:
+        raise UserError(f"model_type {config.model_type!r} is a multimodal model ({mapping[type(config)].__name__}) "
+                        "whose other inputs are not trained here. A text-only checkpoint of its language model trains "
+                        f"(model_type {config.get_text_config().model_type!r})")
     auto_map = getattr(config, "auto_map", None) or {}
     if trust_remote_code and "AutoModelForCausalLM" in auto_map:
         return None  # built by AutoModelForCausalLM.from_config(trust_remote_code=True)
     raise UserError(f"model_type {config.model_type!r} has no causal language model in transformers (not a "
                     "decoder-only LM: an encoder, a sequence-to-sequence or a vision model?); only causal LMs are "
                     "fine-tuned here")
+
+
+def image_text_class(config):
+    """transformers' image-text-to-text class of a config (Qwen2.5-VL, Qwen3-VL, Gemma 3...) whose images reach its
+    language model as embeddings among the text's (self-attention over both); None for any other config. A model that
+    reads images through cross-attention layers (Llama 3.2 Vision) is refused by name: its images are not tokens of
+    the row."""
+    from transformers import AutoModelForImageTextToText
+
+    cls = AutoModelForImageTextToText._model_mapping.get(type(config), None) if hasattr(
+        AutoModelForImageTextToText, "_model_mapping") else None
+    if cls is None:
+        return None
+    if getattr(config.get_text_config(), "cross_attention_layers", None):
+        raise UserError(f"model_type {config.model_type!r} ({cls.__name__}) reads its images through cross-attention "
+                        "layers, which are not trained here yet; image-text models whose images are tokens of the "
+                        "row train (Qwen2.5-VL, Qwen3-VL, Gemma 3)")
+    return cls
 
 
 class TransformersDecoder(nn.Module):
@@ -363,7 +385,11 @@ class TransformersDecoder(nn.Module):
         embeddings = causal_lm.get_input_embeddings()
         self.base_name = next(name for name, child in causal_lm.named_children()
                               if any(m is embeddings for m in child.modules()))
-        base = self._modules[self.base_name]
+        # The language model: the module whose own child the embeddings are (the base itself, or an image-text
+        # model's language_model beside its vision tower).
+        self.text_name = next(name for name, m in self._modules[self.base_name].named_modules()
+                              if any(c is embeddings for c in m.children()))
+        base = self.text_model
         lists = [(sum(p.numel() for p in child.parameters()), name) for name, child in base.named_children()
                  if isinstance(child, nn.ModuleList)]
         self.layers_name = max(lists)[1]
@@ -385,6 +411,13 @@ class TransformersDecoder(nn.Module):
                                        if getattr(text, n, None)), 0)
         self.sampling = _CacheSlot()  # transformers' cache while sampling (setup_caches)
         self.decoder_max_cache_seq_len = None
+        # An image-text model: its image inputs (models/images.ImageInputs) come with the row. Its positions are the
+        # model's own (Qwen's multimodal rotary positions, computed from where the images are in the row), so its
+        # documents do not share rows.
+        self.reads_images = self.text_name != ""
+        if self.reads_images:
+            self.unpackable = ("an image-text model computes its positions from where the images are in the row "
+                               "(multimodal rotary positions), one sample a row")
 
     # The parts, under the names the library's layouts use.
     @property
@@ -392,26 +425,39 @@ class TransformersDecoder(nn.Module):
         return self._modules[self.base_name]
 
     @property
+    def text_model(self) -> nn.Module:
+        """The language model (the base, or an image-text model's language_model)."""
+        return self.base.get_submodule(self.text_name)
+
+    @property
+    def layers_path(self) -> str:
+        """The decoder layers' name among the model's modules (`model.layers`, `model.language_model.layers`)."""
+        return ".".join(n for n in (self.base_name, self.text_name, self.layers_name) if n)
+
+    @property
     def tok_embeddings(self) -> nn.Module:
         return self.base.get_input_embeddings()
 
     @property
     def layers(self) -> nn.ModuleList:
-        return self.base._modules[self.layers_name]
+        return self.text_model._modules[self.layers_name]
 
     @property
     def norm(self) -> nn.Module:
-        return self.base._modules[self.norm_name]
+        return self.text_model._modules[self.norm_name]
 
     @property
     def output(self) -> nn.Module:
         return self._modules[self.head_name]
 
-    def forward(self, tokens: torch.Tensor, *, mask=None, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, *, mask=None, input_pos: torch.Tensor | None = None,
+                images: Mapping | None = None) -> torch.Tensor:
         """Logits of `tokens` [batch, tokens]. `mask`: a packed row's Documents (each document attends to itself; then
         `input_pos` restarts at each), or while sampling with the cache (setup_caches) torchtune's [batch, tokens,
-        cache length] boolean mask of what each token attends to; None: causal over the row."""
-        kwargs: dict = {"use_cache": False}
+        cache length] boolean mask of what each token attends to; None: causal over the row. `images`: an image-text
+        model's inputs besides the tokens, as its processor makes them (pixel_values, image_grid_thw,
+        token_type_ids...), for the images in these rows."""
+        kwargs: dict = {"use_cache": False, **(images or {})}
         if isinstance(mask, Documents) or hasattr(mask, "attend"):  # a packed row, or a context device's share of one
             kwargs[DOCUMENTS] = mask
             if input_pos is None:
@@ -422,9 +468,18 @@ class TransformersDecoder(nn.Module):
             kwargs.update(self._cached_inputs(tokens, mask))
         if input_pos is not None and input_pos.dim() < 2:  # torchtune's generate squeezes a single row's positions
             input_pos = input_pos.reshape(1, tokens.shape[1]).expand(tokens.shape[0], -1)
-        with _swapped(self.base, self.norm_name, _NO_NORM):  # the final norm runs in unembed (the chunked loss's head)
+        with _swapped(self.text_model, self.norm_name, _NO_NORM):  # the final norm runs in unembed (the chunked loss's head)
             hidden = self.base(input_ids=tokens, position_ids=input_pos, **kwargs).last_hidden_state
+        if self.reads_images and not images and torch.is_grad_enabled():
+            # Rows without images leave the vision tower out of the graph; each of its weights still gets a (zero)
+            # gradient, so that every device of a sharded model reduces the same gradients in a step.
+            hidden = hidden + sum(p.reshape(-1)[:1].sum() for p in self.image_parameters()) * 0
         return self.unembed(hidden)
+
+    def image_parameters(self):
+        """An image-text model's weights outside its language model and head (its vision tower and projector)."""
+        text = {id(p) for p in self.text_model.parameters()} | {id(p) for p in self.output.parameters()}
+        return (p for p in self.base.parameters() if id(p) not in text and p.requires_grad)
 
     def _row_masks(self, share, device) -> None:
         """The whole row's masks of a context device's share (train/context_parallel.ContextShare), each layer's as
@@ -436,7 +491,7 @@ class TransformersDecoder(nn.Module):
         stand_ins = nn.ModuleList(_MaskRecorder(i, masks) for i in range(len(self.layers)))
         row = share.documents
         ids = torch.zeros(1, row.offsets[-1], dtype=torch.long, device=device)
-        with _swapped(self.base, self.layers_name, stand_ins), _swapped(self.base, self.norm_name, _NO_NORM), \
+        with _swapped(self.text_model, self.layers_name, stand_ins), _swapped(self.text_model, self.norm_name, _NO_NORM), \
                 torch.no_grad():
             self.base(input_ids=ids, position_ids=row.positions(device), use_cache=False, **{DOCUMENTS: row})
         share.keep_row_masks(masks)
@@ -617,7 +672,8 @@ def _record_routing(model: TransformersDecoder) -> None:
     give what it decides to the routing a training step records (models/moe.Routing: the balancing loss and the
     experts' load): each token's router probabilities (softmax of its logits) and its top-k experts by them, as
     transformers' load_balancing_loss_func reads the logits."""
-    recorder = type(model.base).__dict__.get("_can_record_outputs") or getattr(model.base, "_can_record_outputs", {})
+    text = model.text_model
+    recorder = type(text).__dict__.get("_can_record_outputs") or getattr(text, "_can_record_outputs", {})
     recorder = (recorder or {}).get("router_logits")
     if recorder is None:
         return
@@ -646,6 +702,10 @@ def _causal_lm(config, *, trust_remote_code: bool = False) -> nn.Module:
     cls = causal_lm_class(config, trust_remote_code=trust_remote_code)
     if cls is None:
         causal_lm = AutoModelForCausalLM.from_config(config, trust_remote_code=True, attn_implementation=ATTENTION)
+    elif image_text_class(config) is cls:  # an image-text model: our attention in its language model, its vision
+        # tower's own (SDPA over each image's patches)
+        sub = {name: ("sdpa" if name != "text_config" else ATTENTION) for name in config.sub_configs}
+        causal_lm = cls._from_config(config, attn_implementation={"": ATTENTION, **sub})
     else:  # a multimodal config's language model takes its text config (Qwen3.5's)
         text = config if isinstance(config, cls.config_class) else config.get_text_config()
         causal_lm = cls._from_config(text, attn_implementation=ATTENTION)
@@ -659,15 +719,22 @@ def _causal_lm(config, *, trust_remote_code: bool = False) -> nn.Module:
 def _real_buffers(causal_lm: nn.Module) -> None:
     """A causal LM built on the meta device given its buffers (rotary tables, embedding scales) on the CPU, computed by
     transformers' own initialisation, as its from_pretrained does after building on meta."""
+    from transformers import PreTrainedModel
+
+    # Each module is initialised by the nearest model that holds it (an image-text model's vision tower is a model of
+    # its own, whose initialisation knows its embeddings' positions).
+    models = [(name, m) for name, m in causal_lm.named_modules() if isinstance(m, PreTrainedModel)]
     owners = {}
     for name, buffer in list(causal_lm.named_buffers()):
         owner, _, leaf = name.rpartition(".")
         module = causal_lm.get_submodule(owner)
         module._buffers[leaf] = torch.zeros_like(buffer, device="cpu")
-        owners[id(module)] = module
+        holder = max(((n, m) for n, m in models if not n or owner == n or owner.startswith(n + ".")),
+                     key=lambda item: len(item[0]))[1]
+        owners[id(module)] = (module, holder)
     with torch.device("cpu"):  # what the initialisation computes on the default device (the caller's meta)
-        for module in owners.values():
-            causal_lm._init_weights(module)
+        for module, holder in owners.values():
+            holder._init_weights(module)
 
 
 def _config_of(spec):
@@ -800,7 +867,7 @@ def transformers_spec(config: Mapping, *, trust_remote_code: bool = False, folde
         moe_layers=tuple(i for i, kind in enumerate(parts.kinds) if ", sparse" in kind),
         router_aux_loss_coef=float(field("router_aux_loss_coef", default=0.0) or 0.0) if _balances(obj) else 0.0,
         implementation="transformers", hf_config=json.dumps(_plain(config), sort_keys=True),
-        code_dir=str(folder) if remote else None, parts=parts)
+        code_dir=str(folder) if remote else None, parts=parts, reads_images=model.reads_images)
 
 
 def experts_of(layer: nn.Module) -> nn.Module | None:
@@ -880,7 +947,7 @@ def adapted_linears(model: TransformersDecoder, targets) -> list[str]:
     (and the output projection with apply_to_output)."""
     names = []
     for i, layer in enumerate(model.layers):
-        prefix = f"{model.base_name}.{model.layers_name}.{i}."
+        prefix = f"{model.layers_path}.{i}."
         for name, module in layer.named_modules():
             if isinstance(module, nn.Linear) and _adapted(name, layer, targets):
                 names.append(prefix + name)
@@ -915,7 +982,7 @@ def add_adapters(model: TransformersDecoder, lora: dict, *, quantize_base: bool)
     targets = LoraOptions.from_builder_kwargs(lora)
     adapted = set(adapted_linears(model, targets))
     unquantized = set(targets.unquantized)  # too small for whole NF4 blocks (models/lora._unquantized)
-    layer_prefixes = tuple(f"{model.base_name}.{model.layers_name}.{i}." for i in range(len(model.layers)))
+    layer_prefixes = tuple(f"{model.layers_path}.{i}." for i in range(len(model.layers)))
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
@@ -974,7 +1041,7 @@ def _meta_of(spec) -> TransformersDecoder:
 def linear_shapes(spec) -> dict[str, tuple[int, int]]:
     """The weight shape [out, in] of every linear module of the decoder layers (QLoRA keeps them in NF4)."""
     model = _meta_of(spec)
-    return {f"{model.base_name}.{model.layers_name}.{i}.{name}": (m.out_features, m.in_features)
+    return {f"{model.layers_path}.{i}.{name}": (m.out_features, m.in_features)
             for i, layer in enumerate(model.layers) for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
 
 

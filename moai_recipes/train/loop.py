@@ -167,7 +167,8 @@ def _losses(model: torch.nn.Module, batches: list[dict], *, plan: Plan, world: W
         with parallel_loss(tensor is not None):  # vocabulary-cut logits: the loss and its backward
             with routing_recorded(model, routing):
                 loss = token_loss_sum(model, batch["tokens"].to(world.device), batch["labels"].to(world.device),
-                                      chunked=plan.chunked_loss, documents=batch.get("documents"))
+                                      chunked=plan.chunked_loss, documents=batch.get("documents"),
+                                      images=batch.get("images"))
             objective = loss * scale if scale is not None else None
             if routing is not None:
                 # Under sequence or context parallelism a sample's tokens are spread over the tensor and context

@@ -1,0 +1,419 @@
+"""Chat rows with images, made into samples by the checkpoint's own processor (an image-text model's).
+
+Rows are as TRL and the Hub keep them: `messages` whose user turns hold `{"type": "image"}` parts beside
+`{"type": "text", "text": ...}` ones, and an `images` column with one image per image part, in order: a path (relative
+to the data file's folder, or absolute), bytes, `{"bytes": ..., "path": ...}` as the datasets library stores an Image
+feature, or a PIL image. A part may name its image itself (`{"type": "image", "image": PATH}`).
+
+The processor (transformers' AutoProcessor of the checkpoint: its image processor, tokenizer and chat template) renders
+the conversation, sizes each image as its rules say and puts the image's tokens in the row. Only the assistant turns
+are trained on: a token is trained where it is the same token at the same place of the conversation tokenised without
+its images, inside an assistant turn (what the images add is never a target). A sample keeps its tokens and labels;
+its pixels are made again each time it is read (as TRL's collator does), so a dataset of scanned pages is not held in
+memory. A missing or unreadable image is a UserError naming its row, before the first step.
+
+Test: `python -m pytest tests/test_vision.py -q`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import io
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from moai_recipes.data.local_files import type_name
+from moai_recipes.errors import UserError
+from moai_recipes.models.loss import IGNORE_INDEX
+
+# A processor's outputs that are the text's own (the tokens and their mask); the rest are the images', or one value
+# per token (Gemma 3's token_type_ids: which tokens are an image's).
+_TEXT_KEYS = ("input_ids", "attention_mask")
+
+
+def _without_video_check() -> None:
+    """transformers 5 checks a processor's video processor against VideoProcessorMixin even when it has none, and that
+    class exists only with torchvision: without it an image-text processor cannot be made. The check skips an argument
+    that is None (images are what we train; videos are not read)."""
+    from transformers import processing_utils
+
+    check = processing_utils.ProcessorMixin.check_argument_for_proper_class
+    if getattr(check, "moai", False):
+        return
+
+    def checked(self, name, argument):
+        return None if argument is None else check(self, name, argument)
+
+    checked.moai = True
+    processing_utils.ProcessorMixin.check_argument_for_proper_class = checked
+
+
+def load_processor(folder: Path):
+    """The checkpoint's processor. Without torchvision (transformers' video processors need it) the processor is
+    made of its image processor (transformers' PIL one), its tokenizer and its chat template, without videos."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    folder = Path(folder)
+    if not any((folder / f).exists() for f in ("preprocessor_config.json", "processor_config.json")):
+        raise UserError(f"checkpoint folder {folder} has no preprocessor_config.json: an image-text model's images are "
+                        "read by its processor; save it there with AutoProcessor.from_pretrained(...)"
+                        f".save_pretrained('{folder}')")
+    try:
+        return AutoProcessor.from_pretrained(str(folder))
+    except ImportError as e:
+        if "torchvision" not in str(e).lower():
+            raise
+    _without_video_check()
+    from transformers.models.auto.processing_auto import processor_class_from_name
+
+    named = {}
+    for f in ("processor_config.json", "preprocessor_config.json"):
+        if (folder / f).exists():
+            named = json.loads((folder / f).read_text())
+            if "processor_class" in named:
+                break
+    cls = processor_class_from_name(named.get("processor_class", ""))
+    if cls is None:
+        raise UserError(f"{folder}: its processor_class {named.get('processor_class')!r} is not known to the "
+                        "installed transformers")
+    template = folder / "chat_template.jinja"
+    kwargs = {"chat_template": template.read_text()} if template.exists() else {}
+    import inspect
+
+    if "video_processor" in inspect.signature(cls.__init__).parameters:
+        kwargs["video_processor"] = None
+    return cls(image_processor=AutoImageProcessor.from_pretrained(str(folder)),
+               tokenizer=AutoTokenizer.from_pretrained(str(folder)), **kwargs)
+
+
+def image_samples(folder: Path) -> "ImageSamples":
+    """What makes an image-text checkpoint's rows into samples: its processor."""
+    return ImageSamples(load_processor(folder), name=str(folder))
+
+
+def open_image(value, *, base: Path | None):
+    """An image of the `images` column (or an image part) as an RGB PIL image; a UserError saying what is wrong."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        source, name = io.BytesIO(value), f"{len(value)} bytes"
+    elif isinstance(value, str):
+        if value.startswith(("http://", "https://")):
+            raise UserError(f"image {value} is a URL: download the images and name their files")
+        path = Path(value)
+        if not path.is_absolute() and base is not None:
+            path = base / path
+        if not path.is_file():
+            raise UserError(f"image {value} is not a file" + (f" (looked for {path})" if str(path) != value else ""))
+        source, name = path, str(path)
+    else:
+        raise UserError(f"an image must be a path, bytes or a PIL image, got {type_name(value)}")
+    try:
+        with Image.open(source) as image:
+            return image.convert("RGB")
+    except Exception as e:  # noqa: BLE001 - what PIL says of a damaged or foreign file
+        raise UserError(f"image {name} cannot be read: {e}") from None
+
+
+def _messages_and_images(row: dict, column_map: dict, base: Path | None) -> tuple[list[dict], list]:
+    """The row's conversation (each message's content a list of parts) and its images, opened, in order."""
+    col = column_map.get("messages", "messages")
+    if col not in row:
+        raise UserError(f"no '{col}' column (columns present: {', '.join(map(str, row))}); map it with "
+                        "dataset.column_map.messages=NAME")
+    value = row[col]
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise UserError(f"column '{col}' holds text that is not a valid JSON list of messages: {e.msg}") from None
+    if not isinstance(value, list) or not value:
+        raise UserError(f"column '{col}' must be a non-empty list of messages, got {type_name(value)}")
+    images_col = column_map.get("images", "images")
+    listed = row.get(images_col)
+    listed = [] if listed is None else listed if isinstance(listed, (list, tuple)) else [listed]
+    messages, images, used = [], [], 0
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise UserError(f"message {j} of '{col}' must be an object with a role and content")
+        content = m.get("content")
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list):
+            raise UserError(f"message {j} of '{col}' must have string content or a list of parts, got "
+                            f"{type_name(content)}")
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image":
+                own = next((part[k] for k in ("image", "path", "url") if part.get(k) is not None), None)
+                if own is None:
+                    if used >= len(listed):
+                        raise UserError(f"message {j} has image part {used + 1}, but column '{images_col}' holds "
+                                        f"{len(listed)} image(s): give one image per image part")
+                    own, used = listed[used], used + 1
+                images.append(open_image(own, base=base))
+                parts.append({"type": "image"})
+            elif kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise UserError(f"a text part of message {j} has no string 'text'")
+                parts.append({"type": "text", "text": part["text"]})
+            else:
+                raise UserError(f"message {j} of '{col}' has a part of type {kind!r}; parts are image or text")
+        messages.append({"role": m["role"], "content": parts})
+    if used != len(listed):
+        raise UserError(f"column '{images_col}' holds {len(listed)} image(s) but the messages have {used} image "
+                        "part(s) that take one: give one image per image part")
+    return messages, images
+
+
+def has_images(row: dict, column_map: dict) -> bool:
+    """Whether a row holds images (an images column with any, or an image part)."""
+    listed = row.get(column_map.get("images", "images"))
+    if listed:
+        return True
+    value = row.get(column_map.get("messages", "messages"))
+    return isinstance(value, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
+        isinstance(p, dict) and p.get("type") == "image" for p in m["content"]) for m in value)
+
+
+class ImageSamples:
+    """Rows made into samples by an image-text model's processor."""
+
+    def __init__(self, processor, *, name: str):
+        self.processor, self.name = processor, name
+
+    def fingerprint(self) -> str:
+        """What the samples depend on: the processor's settings and chat template."""
+        digest = hashlib.sha256(self.processor.to_json_string().encode())
+        digest.update(str(getattr(self.processor, "chat_template", "")).encode())
+        return digest.hexdigest()
+
+    def _process(self, messages: list[dict], images: list) -> dict:
+        try:
+            text = self.processor.apply_chat_template(messages, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - the template's own refusal
+            raise UserError(f"the chat template of {self.name} rejects this conversation: {e}") from None
+        out = self.processor(text=[text], images=images or None, return_tensors="pt")
+        return {"text": text, **out}
+
+    def sample(self, row: dict, *, column_map: dict, base: Path | None, max_seq_len: int,
+               train_on_input: bool) -> dict | None:
+        """{tokens, labels, per_token, images: the row's image values}; None when no target token is left within
+        max_seq_len. A row cut short of its images' tokens is refused (its images would be half in the row)."""
+        messages, images = _messages_and_images(row, column_map, base)
+        out = self._process(messages, images)
+        ids = out["input_ids"][0].tolist()
+        trained = self._trained(messages, out["text"], ids) if not train_on_input else None
+        if len(ids) > max_seq_len:
+            if images and _image_token_ids(self.processor) & set(ids[max_seq_len:]):
+                raise UserError(f"the sample is {len(ids)} tokens with its images, more than max_seq_len="
+                                f"{max_seq_len}, and cutting it would cut an image; raise max_seq_len or use smaller "
+                                "images")
+            ids = ids[:max_seq_len]
+            trained = trained[:max_seq_len] if trained is not None else None
+        masked = [False] * len(ids) if trained is None else [not t for t in trained]
+        labels = [IGNORE_INDEX if m else t for t, m in zip(ids[1:], masked[1:])] + [IGNORE_INDEX]
+        if all(label == IGNORE_INDEX for label in labels):
+            return None
+        return {"tokens": ids, "labels": labels, "text": out["text"], "images": images}
+
+    def _trained(self, messages: list[dict], text: str, ids: list[int]) -> list[bool]:
+        """Per token of `ids` (the conversation with its images' tokens): whether it is an assistant turn's."""
+        tokenizer = self.processor.tokenizer
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        plain, offsets = enc["input_ids"], enc["offset_mapping"]
+        spans = self._assistant_spans(messages, text)
+        in_turn = [any(s <= a and b <= e for s, e in spans) for a, b in offsets]
+        trained = [False] * len(ids)
+        # The tokens the images added (or turned into others) are the difference between the two tokenisations.
+        for block in difflib.SequenceMatcher(a=plain, b=ids, autojunk=False).get_matching_blocks():
+            for k in range(block.size):
+                trained[block.b + k] = in_turn[block.a + k]
+        return trained
+
+    def _assistant_spans(self, messages: list[dict], text: str) -> list[tuple[int, int]]:
+        spans, cursor = [], 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self.processor.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            upto = self.processor.apply_chat_template(messages[: i + 1], tokenize=False)
+            if text.startswith(upto) and upto.startswith(before):
+                start, end = len(before), len(upto)
+            else:
+                import os
+
+                turn = upto[len(os.path.commonprefix([before, upto])):]
+                start = text.find(turn, cursor)
+                if start < 0:
+                    raise UserError(f"cannot find assistant turn {i} where the chat template of {self.name} renders "
+                                    "the conversation")
+                end = start + len(turn)
+            spans.append((start, end))
+            cursor = end
+        return spans
+
+    def image_inputs(self, text: str, images: list, tokens: list[int]) -> dict:
+        """A sample's inputs besides its tokens, made again by the processor from its text and images: the images'
+        (pixel_values, image_grid_thw...) and those with a value per token (token_type_ids), cut as the tokens are."""
+        out = self.processor(text=[text], images=images, return_tensors="pt")
+        made = out["input_ids"][0]
+        assert made[:len(tokens)].tolist() == tokens, "the processor made other tokens of a sample than it did before"
+        inputs = {}
+        for k, v in out.items():
+            if k in _TEXT_KEYS or not torch.is_tensor(v):
+                continue
+            per_token = v.dim() == 2 and v.shape == (1, len(made))
+            inputs[k] = v[0, :len(tokens)].tolist() if per_token else v
+        return inputs
+
+
+def _image_token_ids(processor) -> set[int]:
+    tokenizer = processor.tokenizer
+    ids = set()
+    for attr in ("image_token", "boi_token", "eoi_token", "vision_start_token", "vision_end_token"):
+        token = getattr(processor, attr, None) or getattr(tokenizer, attr, None)
+        if isinstance(token, str):
+            i = tokenizer.convert_tokens_to_ids(token)
+            if isinstance(i, int) and i >= 0:
+                ids.add(i)
+    for attr in ("image_token_id", "image_token_index"):
+        i = getattr(processor, attr, None)
+        if isinstance(i, int):
+            ids.add(i)
+    return ids
+
+
+@dataclass
+class ImageSample:
+    tokens: np.ndarray
+    labels: np.ndarray
+    text: str  # the conversation as the chat template renders it (the processor makes the images' inputs from it)
+    images: list  # the row's image values as the data holds them (paths, bytes...), opened when read
+    base: Path | None
+
+
+class ImageTextDataset(torch.utils.data.Dataset):
+    """Samples of an image-text model: tokens and labels made once; their images opened and processed when a sample
+    is read (`images`: the processor's image inputs for it)."""
+
+    def __init__(self, samples: list[ImageSample], maker: ImageSamples, *, rows: int, dropped: int,
+                 origin: str = "memory"):
+        self._samples, self.maker = samples, maker
+        self.rows, self.dropped, self.origin = rows, dropped, origin
+
+    def __len__(self):
+        return len(self._samples)
+
+    def __getitem__(self, i) -> dict:
+        s = self._samples[i]
+        tokens = s.tokens.tolist()
+        images = [open_image(v, base=s.base) for v in s.images]
+        return {"tokens": tokens, "labels": s.labels.tolist(),
+                "images": self.maker.image_inputs(s.text, images, tokens) if images else {}}
+
+    def length(self, i) -> int:
+        return len(self._samples[i].tokens)
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(len(s.tokens) for s in self._samples)
+
+    def num_target_tokens(self, i) -> int:
+        return int((self._samples[i].labels != IGNORE_INDEX).sum())
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256(self.maker.fingerprint().encode())
+        for s in self._samples:
+            digest.update(s.tokens.tobytes())
+            digest.update(s.labels.tobytes())
+        return digest.hexdigest()
+
+    def split_off(self, fraction: float, *, seed: int):
+        from moai_recipes.data.datasets import held_out
+
+        train, val = held_out(len(self), fraction, seed=seed)
+        pick = lambda index: ImageTextDataset([self._samples[j] for j in index], self.maker,  # noqa: E731
+                                              rows=self.rows, dropped=self.dropped, origin=self.origin)
+        return pick(train), pick(val)
+
+
+def load_image_dataset(source, maker: ImageSamples, *, max_seq_len: int, progress: bool = False) -> ImageTextDataset:
+    """Every row of `source` (data/datasets.DataSource, kind chat) made into a sample by the processor; a row's
+    problem is a UserError naming it."""
+    if source.reads != "chat":
+        raise UserError(f"dataset={source.kind}: an image-text model trains on chat rows (dataset=chat), whose "
+                        "messages hold image parts and an images column")
+    rows, _, total = source.open()
+    base = Path(source.path).resolve().parent if source.path else None
+    samples, n_rows, dropped = [], 0, 0
+    bar = tqdm(rows, total=total, unit=" rows", desc=f"Processing {source.describe()}", disable=not progress,
+               file=sys.stderr, mininterval=1 if sys.stderr.isatty() else 15, leave=False)
+    for where, row in bar:
+        n_rows += 1
+        try:
+            s = maker.sample(row, column_map=source.column_map, base=base, max_seq_len=max_seq_len,
+                             train_on_input=source.train_on_input)
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
+        if s is None:
+            dropped += 1
+            continue
+        listed = _image_values(row, source.column_map)
+        samples.append(ImageSample(np.asarray(s["tokens"], dtype=np.int64), np.asarray(s["labels"], dtype=np.int64),
+                                   s["text"], listed, base))
+    bar.close()
+    if n_rows == 0:
+        raise UserError(f"{source.describe()} holds no rows; check dataset.split and dataset.data_files")
+    if not samples:
+        raise UserError(f"no row of {source.describe()} keeps a token to train on within max_seq_len={max_seq_len} "
+                        f"({dropped} dropped); raise max_seq_len, or check that the rows have answers")
+    return ImageTextDataset(samples, maker, rows=n_rows, dropped=dropped)
+
+
+def _image_values(row: dict, column_map: dict) -> list:
+    """The row's images in the order of its image parts, as the data holds them."""
+    listed = row.get(column_map.get("images", "images"))
+    listed = [] if listed is None else list(listed) if isinstance(listed, (list, tuple)) else [listed]
+    value = row.get(column_map.get("messages", "messages"))
+    if isinstance(value, str):
+        value = json.loads(value)
+    out, used = [], 0
+    for m in value:
+        for part in m.get("content") if isinstance(m.get("content"), list) else ():
+            if isinstance(part, dict) and part.get("type") == "image":
+                own = next((part[k] for k in ("image", "path", "url") if part.get(k) is not None), None)
+                if own is None:
+                    own, used = listed[used], used + 1
+                out.append(own)
+    return out
+
+
+def collate_images(samples: list[dict], width: int) -> dict:
+    """A micro-batch's image inputs: each image input of its samples concatenated along the images (as the processor
+    makes them for several images), each one with a value per token (a list) padded with 0 to the rows' width."""
+    out: dict[str, torch.Tensor] = {}
+    for k in sorted({k for s in samples for k in s.get("images", {})}):
+        values = [s["images"][k] for s in samples if k in s.get("images", {})]
+        if torch.is_tensor(values[0]):
+            out[k] = torch.cat(values)
+            continue
+        rows = torch.zeros(len(samples), width, dtype=torch.long)
+        for r, s in enumerate(samples):
+            row = s.get("images", {}).get(k)
+            if row:
+                rows[r, :len(row)] = torch.tensor(row, dtype=torch.long)
+        out[k] = rows
+    return out

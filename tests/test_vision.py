@@ -1,0 +1,124 @@
+"""Image-text models (Qwen2.5-VL, Gemma 3) trained on chat rows with images, read by the checkpoint's own processor.
+
+Each model is a tiny random checkpoint written by transformers with a processor of its own (tests/vision_models.py);
+the rows are generated pictures of coloured shapes.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moai_recipes.data.datasets import DataSource, collate
+from moai_recipes.data.images import image_samples, load_image_dataset
+from moai_recipes.models.hf_format import HFFolder
+from moai_recipes.models.loss import IGNORE_INDEX, token_loss_sum
+from tests.helpers import FSDP, layout, metrics, plan_of, run_recipe, tensors
+from tests.test_architectures import _loaded
+from tests.vision_models import VISION, make_vision_checkpoint, write_picture_rows
+
+NAMES = list(VISION)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("vision")
+    return {name: make_vision_checkpoint(base / name, name) for name in NAMES}
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory) -> Path:
+    return write_picture_rows(tmp_path_factory.mktemp("pictures"), 16)
+
+
+def _unshifted(labels: torch.Tensor) -> torch.Tensor:
+    """transformers' labels (the token at each position, shifted by the model) of our shifted ones."""
+    return torch.cat([torch.full_like(labels[:, :1], IGNORE_INDEX), labels[:, :-1]], dim=1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_samples_are_the_processors_and_the_loss_is_transformers(checkpoints, pictures, name):
+    from transformers import AutoModelForImageTextToText
+
+    folder = checkpoints[name]
+    hf = HFFolder.open(folder)
+    assert hf.spec.reads_images and hf.spec.parts.unpackable
+    maker = image_samples(folder)
+    data = load_image_dataset(DataSource(kind="chat", path=str(pictures)), maker, max_seq_len=128)
+    rows = [json.loads(line) for line in pictures.read_text().splitlines()]
+    tokenizer = maker.processor.tokenizer
+    samples = [data[i] for i in range(3)]
+    for row, sample in zip(rows, samples):
+        # The tokens are the processor's own for the conversation and its picture; the targets its answer alone.
+        messages = row["messages"]
+        text = maker.processor.apply_chat_template(messages, tokenize=False)
+        from PIL import Image
+
+        image = Image.open(pictures.parent / row["images"][0]).convert("RGB")
+        theirs = maker.processor(text=[text], images=[image], return_tensors="pt")
+        assert sample["tokens"] == theirs["input_ids"][0].tolist()
+        answer = messages[1]["content"][0]["text"]
+        assert tokenizer.decode([t for t in sample["labels"] if t != IGNORE_INDEX]).startswith(answer)
+        assert torch.equal(sample["images"]["pixel_values"], theirs["pixel_values"])
+
+    reference = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    model = _loaded(hf)
+    batch = collate(samples, pad_id=tokenizer.pad_token_id)  # right-padded rows, as a micro-batch
+    count = int((batch["labels"] != IGNORE_INDEX).sum())
+    with torch.no_grad():
+        theirs = float(reference(input_ids=batch["tokens"], labels=_unshifted(batch["labels"]),
+                                 **batch["images"]).loss)
+        for chunked in (False, True):
+            ours = float(token_loss_sum(model, batch["tokens"], batch["labels"], chunked=chunked,
+                                        images=batch["images"])) / count
+            assert abs(ours - theirs) <= 1e-5, (chunked, ours, theirs)
+        # The pictures matter: without them the loss is another.
+        blind = float(reference(input_ids=batch["tokens"], labels=_unshifted(batch["labels"])).loss)
+        assert abs(blind - theirs) > 1e-4
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_and_two_processes_train_alike_and_lr_zero_writes_back_every_tensor_and_the_processor(
+        checkpoints, pictures, name, tmp_path):
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    common = [f"model.checkpoint_dir={checkpoints[name]}", "dataset=chat", f"dataset.path={pictures}", "max_steps=2",
+              "batch_size=4", "max_seq_len=64", "logger=stdout", "sample_max_new_tokens=0"]
+    curves = {}
+    for flavor, forced in (("cpu", ("optimizer.lr=1e-3",)), ("cpu-2", (*FSDP, "optimizer.lr=1e-3")),
+                           ("cpu-2-lr0", (*FSDP, "optimizer.lr=0", "max_steps=1", "measure_memory=false"))):
+        out = tmp_path / flavor
+        r = run_recipe(*common, f"flavor={flavor.removesuffix('-lr0')}", *forced, f"output_dir={out}")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert layout(out) == ("single" if flavor == "cpu" else "sharded")
+        assert not plan_of(out)["packing"]  # a row's positions are the model's own, from where its images are
+        curves[flavor] = metrics(out)
+    assert len(curves["cpu"]) == len(curves["cpu-2"]) == 2
+    for flavor, steps in (("cpu-2", 2), ("cpu-2-lr0", 1)):  # at lr 0 the first step is before any update
+        for one, other in zip(curves["cpu"][:steps], curves[flavor][:steps]):
+            for key in ("loss", "grad_norm"):
+                assert abs(one[key] - other[key]) <= 1e-4 * max(1.0, abs(one[key])), (flavor, key, curves)
+    # The vision tower trained too: its weights moved in the full fine-tune.
+    before, moved = tensors(checkpoints[name]), tensors(tmp_path / "cpu" / "model")
+    vision = [k for k in before if "visual" in k or "vision" in k]
+    assert vision and all(not torch.equal(before[k], moved[k]) for k in vision[:4])
+    written = tmp_path / "cpu-2-lr0" / "model"
+    after = tensors(written)
+    assert before.keys() == after.keys()
+    for key in before:
+        assert before[key].dtype == after[key].dtype and torch.equal(before[key], after[key]), key
+    # The processor's files beside it: transformers reads the folder as it reads the checkpoint, with the same logits.
+    for f in ("preprocessor_config.json", "processor_config.json", "chat_template.jinja", "tokenizer.json"):
+        assert (written / f).read_bytes() == (checkpoints[name] / f).read_bytes(), f
+    row = json.loads(pictures.read_text().splitlines()[0])
+    image = Image.open(pictures.parent / row["images"][0]).convert("RGB")
+    logits = []
+    for folder in (checkpoints[name], written):
+        model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+        text = image_samples(folder).processor.apply_chat_template(row["messages"], tokenize=False)
+        inputs = image_samples(folder).processor(text=[text], images=[image], return_tensors="pt")
+        with torch.no_grad():
+            logits.append(model(**inputs).logits)
+    assert torch.equal(*logits)
