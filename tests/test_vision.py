@@ -5,6 +5,7 @@ the rows are generated pictures of coloured shapes.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,82 @@ def test_one_and_two_processes_train_alike_and_lr_zero_writes_back_every_tensor_
         with torch.no_grad():
             logits.append(model(**inputs).logits)
     assert torch.equal(*logits)
+
+
+@pytest.mark.parametrize("name", ["gemma3_vl", "qwen2_5_vl"])
+def test_lora_on_the_language_model_loads_in_peft_with_our_logits(checkpoints, pictures, name, tmp_path):
+    """LoRA adapts the language model alone (the vision tower frozen, as it is by default); PEFT puts the adapters
+    where we did, though SigLIP's attention has projections of the same names, and computes our logits."""
+    import peft
+    from transformers import AutoModelForImageTextToText
+
+    from moai_recipes.models.lora import gather_adapters, lora_options, save_adapter
+
+    hf = HFFolder.open(checkpoints[name])
+    opts = lora_options({"apply_to_output": False, "rank": 4, "alpha": 8, "dropout": 0.0, "quantize_base": False,
+                         "attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "apply_to_mlp": True},
+                        spec=hf.spec)
+    model = _loaded(hf, lora=opts.builder_kwargs())
+    assert all(".language_model." in n for n, p in model.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_b." in n:  # B starts at zero: make the adapters change something
+                p.normal_(0, 0.1)
+    save_adapter(gather_adapters(model), opts=opts, out_dir=tmp_path / "adapter", base_model=str(hf.folder))
+    batch = collate([load_image_dataset(DataSource(kind="chat", path=str(pictures)), image_samples(hf.folder),
+                                        max_seq_len=128)[0]], pad_id=0)
+    base = AutoModelForImageTextToText.from_pretrained(hf.folder, dtype=torch.float32)
+    with torch.no_grad():
+        before = base(input_ids=batch["tokens"], **batch["images"]).logits
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    adapted_modules = [n for n, m in adapted.named_modules() if hasattr(m, "lora_A")]
+    assert adapted_modules and all(".language_model." in n for n in adapted_modules)
+    with torch.no_grad():
+        ours = model(batch["tokens"], images=batch["images"])
+        theirs = adapted(input_ids=batch["tokens"], **batch["images"]).logits
+    assert (ours - theirs).abs().max() <= 1e-5
+    assert (ours - before).abs().max() > 1e-3
+
+
+def test_a_missing_or_damaged_image_or_a_miscounted_row_is_named_before_any_step(checkpoints, pictures, tmp_path):
+    from moai_recipes.errors import UserError
+
+    maker = image_samples(checkpoints["qwen2_5_vl"])
+    rows = [json.loads(line) for line in pictures.read_text().splitlines()]
+
+    def refusal(row) -> str:
+        path = tmp_path / "rows.jsonl"
+        path.write_text(json.dumps(rows[0]) + "\n" + json.dumps(row) + "\n")
+        for image in rows[0]["images"] + rows[1]["images"]:
+            (tmp_path / image).parent.mkdir(exist_ok=True)
+            shutil.copy(pictures.parent / image, tmp_path / image)
+        with pytest.raises(UserError) as e:
+            load_image_dataset(DataSource(kind="chat", path=str(path)), maker, max_seq_len=128)
+        assert f"{path}:2" in str(e.value)  # the file and the row
+        return str(e.value)
+
+    assert "pictures/404.png is not a file" in refusal({**rows[1], "images": ["pictures/404.png"]})
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    assert "broken.png cannot be read" in refusal({**rows[1], "images": ["broken.png"]})
+    assert "holds 2 image(s) but the messages have 1 image part" in refusal(
+        {**rows[1], "images": rows[1]["images"] * 2})
+    assert "holds 0 image(s)" in refusal({**rows[1], "images": []})
+    # Through a recipe: exit 2, one line, nothing written; and a text model given rows with images says so.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**rows[1], "images": ["pictures/404.png"]}) + "\n")
+    for checkpoint, said in ((checkpoints["qwen2_5_vl"], "404.png is not a file"), (None, "reads text only")):
+        r = run_recipe(*([f"model.checkpoint_dir={checkpoint}"] if checkpoint else []), "dataset=chat",
+                       f"dataset.path={pictures if checkpoint is None else bad}", "max_steps=1", "batch_size=2",
+                       f"output_dir={tmp_path / 'out'}")
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_model_that_reads_images_by_cross_attention_is_refused_by_name():
+    import transformers
+
+    from moai_recipes.errors import UserError
+    from moai_recipes.models.transformers_model import causal_lm_class
+
+    with pytest.raises(UserError, match="cross-attention"):
+        causal_lm_class(transformers.AutoConfig.for_model("mllama"))

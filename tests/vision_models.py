@@ -87,7 +87,32 @@ def _gemma3(tokenizer):
     return config, images, _GEMMA_TEMPLATE, "Gemma3Processor", {"image_seq_length": 4, "extra": extra}
 
 
-VISION = {"qwen2_5_vl": (_qwen2_5_vl, _QWEN_TOKENS), "gemma3_vl": (_gemma3, _GEMMA_TOKENS)}
+def _qwen3_vl(tokenizer):
+    """Qwen3-VL: 16-pixel patches, learned position embeddings, and the deep-stack (features of the vision tower's
+    middle layers added to the language model's first layers at the images' places)."""
+    import transformers
+    from transformers import Qwen2VLImageProcessor
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + _QWEN_TOKENS}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+                bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD])
+    config = transformers.AutoConfig.for_model(
+        "qwen3_vl", text_config=text,
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0, 1]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    images = Qwen2VLImageProcessor(min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 16, patch_size=16, merge_size=2,
+                                   temporal_patch_size=2)
+    return config, images, _QWEN_TEMPLATE, "Qwen3VLProcessor", {}
+
+
+VISION = {"qwen2_5_vl": (_qwen2_5_vl, _QWEN_TOKENS), "qwen3_vl": (_qwen3_vl, _QWEN_TOKENS),
+          "gemma3_vl": (_gemma3, _GEMMA_TOKENS)}
 
 
 def make_vision_checkpoint(folder: Path, name: str, *, seed: int = 0) -> Path:

@@ -293,6 +293,12 @@ def _chat_messages(row: dict, column_map: dict) -> list[dict]:
         if not isinstance(role, str) or not role:
             raise UserError(f"message {j} of '{col}' has role {role!r}; give each message a role (system, user, "
                             "assistant, or one the model's chat template knows, such as tool)")
+        if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+            if any(p.get("type") == "image" for p in content):
+                raise UserError(f"message {j} of '{col}' holds an image, and this model reads text only; train an "
+                                "image-text model (Qwen2.5-VL, Qwen3-VL, Gemma 3) on rows with images")
+            if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                content = "".join(p["text"] for p in content)  # text parts, as TRL's conversational rows hold them
         if not isinstance(content, str):
             raise UserError(f"message {j} of '{col}' must have string content, got {type_name(content)}")
         # Other keys (name, tool_calls) are kept for templates that render them.

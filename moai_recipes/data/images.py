@@ -163,7 +163,7 @@ def _messages_and_images(row: dict, column_map: dict, base: Path | None) -> tupl
                         raise UserError(f"message {j} has image part {used + 1}, but column '{images_col}' holds "
                                         f"{len(listed)} image(s): give one image per image part")
                     own, used = listed[used], used + 1
-                images.append(open_image(own, base=base))
+                images.append(own)
                 parts.append({"type": "image"})
             elif kind == "text":
                 if not isinstance(part.get("text"), str):
@@ -175,7 +175,7 @@ def _messages_and_images(row: dict, column_map: dict, base: Path | None) -> tupl
     if used != len(listed):
         raise UserError(f"column '{images_col}' holds {len(listed)} image(s) but the messages have {used} image "
                         "part(s) that take one: give one image per image part")
-    return messages, images
+    return messages, [open_image(image, base=base) for image in images]
 
 
 def has_images(row: dict, column_map: dict) -> bool:

@@ -297,7 +297,7 @@ def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_di
 
 
 def _write_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_dir: Path, base_model: str) -> None:
-    tensors, targets, experts, stacked = {}, set(), {}, {}
+    tensors, targets, experts, stacked, modules = {}, set(), {}, {}, set()
     for name, t in adapters.items():
         m = _TRANSFORMERS_EXPERTS.fullmatch(name)
         if m:  # transformers' modules: model.layers.1.mlp.experts.lora_a.gate_up_proj, by module and weight
@@ -317,6 +317,8 @@ def _write_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_
         tensors[peft] = t.contiguous()
         leaf = stem.rsplit(".", 1)[-1]
         targets.add(_PEFT_TARGETS.get(leaf, leaf))
+        modules.add(r"\.".join(r"\d+" if part.isdigit() else re.escape(part)
+                                for part in base.removesuffix(".weight").split(".")))
     for layer, adapters_of in experts.items():
         tensors.update(_peft_experts(f"base_model.model.model.{layer}.experts", adapters_of))
     parameters = []
@@ -331,6 +333,10 @@ def _write_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
         "modules_to_save": None, "use_dora": False, "use_rslora": False, "layers_to_transform": None,
     }
+    if any(r"\.language_model\." in m for m in modules):
+        # An image-text model's vision tower has linear modules of the names adapted in its language model (SigLIP's
+        # q_proj): PEFT matches a string of target_modules as a regular expression on the whole module name.
+        config.update(target_modules="|".join(sorted(modules)))
     if parameters:  # transformers' modules: PEFT adapts each stacked weight as it is (its ParamWrapper)
         config.update(target_parameters=parameters)
     if experts:

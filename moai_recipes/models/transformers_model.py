@@ -335,8 +335,9 @@ def causal_lm_class(config, *, trust_remote_code: bool = False):
     mapping = AutoModelForCausalLM._model_mapping
     if type(config) in mapping:
         cls = mapping[type(config)]
-        if "ConditionalGeneration" not in cls.__name__:  # a multimodal checkpoint's language model trains alone
-            return cls
+        if "ConditionalGeneration" not in cls.__name__ and not getattr(config.get_text_config(),
+                                                                     "cross_attention_layers", None):
+            return cls  # a multimodal checkpoint's language model trains alone
     image_text = image_text_class(config)
     if image_text is not None:
         return image_text
