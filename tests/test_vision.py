@@ -79,7 +79,7 @@ def test_samples_are_the_processors_and_the_loss_is_transformers(checkpoints, pi
         assert abs(blind - theirs) > 1e-4
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "gemma3_vl"])  # Qwen3-VL computes as Qwen2.5-VL lays out
 def test_one_and_two_processes_train_alike_and_lr_zero_writes_back_every_tensor_and_the_processor(
         checkpoints, pictures, name, tmp_path):
     from PIL import Image
