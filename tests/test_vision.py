@@ -186,7 +186,7 @@ def test_a_missing_or_damaged_image_or_a_miscounted_row_is_named_before_any_step
     # Through a recipe: exit 2, one line, nothing written; and a text model given rows with images says so.
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({**rows[1], "images": ["pictures/404.png"]}) + "\n")
-    for checkpoint, said in ((checkpoints["qwen2_5_vl"], "404.png is not a file"), (None, "reads text only")):
+    for checkpoint, said in ((checkpoints["qwen2_5_vl"], "404.png is not a file"), (None, "this model or recipe reads text only")):
         r = run_recipe(*([f"model.checkpoint_dir={checkpoint}"] if checkpoint else []), "dataset=chat",
                        f"dataset.path={pictures if checkpoint is None else bad}", "max_steps=1", "batch_size=2",
                        f"output_dir={tmp_path / 'out'}")

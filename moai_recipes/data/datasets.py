@@ -271,6 +271,13 @@ def _instruct_messages(row: dict, column_map: dict) -> list[dict]:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": _string(row, "output", column_map)}]
 
 
+def image_refusal(j: int, col: str) -> UserError:
+    """What a text recipe or model says of a message holding an image part."""
+    return UserError(f"message {j} of '{col}' holds an image: images are trained by recipes.full_finetune and "
+                     "recipes.lora_finetune, with an image-text model (Qwen2.5-VL, Qwen3-VL, Gemma 3) as "
+                     "model.checkpoint_dir; this model or recipe reads text only")
+
+
 def _chat_messages(row: dict, column_map: dict) -> list[dict]:
     if "messages" not in column_map and "messages" not in row and "conversations" in row:
         column_map = {"messages": "conversations"}  # ShareGPT files name the column so
@@ -295,8 +302,7 @@ def _chat_messages(row: dict, column_map: dict) -> list[dict]:
                             "assistant, or one the model's chat template knows, such as tool)")
         if isinstance(content, list) and all(isinstance(p, dict) for p in content):
             if any(p.get("type") == "image" for p in content):
-                raise UserError(f"message {j} of '{col}' holds an image, and this model reads text only; train an "
-                                "image-text model (Qwen2.5-VL, Qwen3-VL, Gemma 3) on rows with images")
+                raise image_refusal(j, col)
             if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 content = "".join(p["text"] for p in content)  # text parts, as TRL's conversational rows hold them
         if not isinstance(content, str):

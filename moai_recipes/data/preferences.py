@@ -18,7 +18,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from moai_recipes.data.datasets import DataSource, column
+from moai_recipes.data.datasets import DataSource, column, image_refusal
 from moai_recipes.data.local_files import type_name
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
@@ -126,6 +126,9 @@ def _check_messages(col: str, value: list) -> None:
     if not value:
         raise UserError(f"column '{col}' holds no messages")
     for j, m in enumerate(value):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+            raise image_refusal(j, col)
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise UserError(f"message {j} of '{col}' must be an object with a string role and content, got {m!r}"[:300])
 
