@@ -147,7 +147,9 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
                         precision=str(cfg.precision), states=str(cfg.optimizer.states),
                         clips=cfg.optimizer.max_grad_norm is not None, rollout=_rollout(cfg),
                         lengths=data.lengths if data is not None else None,
-                        steps=data.total_steps if data is not None else cfg.max_steps)
+                        steps=data.total_steps if data is not None else cfg.max_steps,
+                        images=data.train.image_load() if data is not None and hasattr(data.train, "image_load")
+                        else None)
     eval_tasks = None
     if cfg.eval_tasks and not dry:  # their data read now: a task missing is said before step 1, not at its first eval
         from moai_recipes.inference.harness import Tasks, load_tasks  # lm-eval: imported by the runs that use it

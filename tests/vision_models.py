@@ -170,7 +170,7 @@ def draw(shape: str, colour: str, *, size: int = 56, seed: int = 0):
     return image
 
 
-def write_picture_rows(folder: Path, count: int, *, seed: int = 0) -> Path:
+def write_picture_rows(folder: Path, count: int, *, seed: int = 0, size: int = 56) -> Path:
     """`count` rows of a picture and a question about it (its shape or its colour) and the answer, as TRL's
     convention has them: messages with an image part, an images column of paths relative to the file."""
     folder = Path(folder)
@@ -179,7 +179,7 @@ def write_picture_rows(folder: Path, count: int, *, seed: int = 0) -> Path:
     for i in range(count):
         shape, colour = SHAPES[(i + seed) % len(SHAPES)], list(COLOURS)[(i // 3 + seed) % len(COLOURS)]
         path = f"pictures/{i}.png"
-        draw(shape, colour, seed=seed * 1000 + i).save(folder / path)
+        draw(shape, colour, seed=seed * 1000 + i, size=size).save(folder / path)
         ask_shape = (i + seed) % 2 == 0
         rows.append({"messages": [
             {"role": "user", "content": [{"type": "image"},

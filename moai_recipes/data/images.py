@@ -95,7 +95,10 @@ def load_processor(folder: Path):
 
 def image_samples(folder: Path) -> "ImageSamples":
     """What makes an image-text checkpoint's rows into samples: its processor."""
-    return ImageSamples(load_processor(folder), name=str(folder))
+    config = json.loads((Path(folder) / "config.json").read_text())
+    token_id = next((config[k] for k in ("image_token_id", "image_token_index") if isinstance(config.get(k), int)),
+                    None)
+    return ImageSamples(load_processor(folder), name=str(folder), image_token_id=token_id)
 
 
 def open_image(value, *, base: Path | None):
@@ -189,10 +192,12 @@ def has_images(row: dict, column_map: dict) -> bool:
 
 
 class ImageSamples:
-    """Rows made into samples by an image-text model's processor."""
+    """Rows made into samples by an image-text model's processor. `image_token_id`: the token each of an image's
+    features takes the place of (Qwen's <|image_pad|>, Gemma's soft token), as the model's config.json names it."""
 
-    def __init__(self, processor, *, name: str):
-        self.processor, self.name = processor, name
+    def __init__(self, processor, *, name: str, image_token_id: int | None = None):
+        self.processor, self.name, self.image_token_id = processor, name, image_token_id
+
 
     def fingerprint(self) -> str:
         """What the samples depend on: the processor's settings and chat template."""
@@ -326,6 +331,23 @@ class ImageTextDataset(torch.utils.data.Dataset):
 
     def length(self, i) -> int:
         return len(self._samples[i].tokens)
+
+    def image_load(self):
+        """What the planner prices the vision tower by (planner/plan.ImageLoad): each sample's image tokens, and the
+        image inputs of the sample with the most."""
+        from moai_recipes.planner.plan import ImageLoad
+
+        image_id = self.maker.image_token_id
+        if image_id is None:
+            return None
+        tokens = tuple(int((s.tokens == image_id).sum()) for s in self._samples)
+        most = max(range(len(tokens)), key=tokens.__getitem__)
+        if not tokens[most]:
+            return None
+        example = tuple((k, tuple(v.shape), str(v.dtype).removeprefix("torch."),
+                         tuple(v.flatten().tolist()) if not v.is_floating_point() else None)
+                        for k, v in self[most]["images"].items() if torch.is_tensor(v))
+        return ImageLoad(example=example, example_tokens=tokens[most], tokens=tokens)
 
     @property
     def lengths(self) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from moai_recipes.errors import UserError
 from moai_recipes.models.attention import Documents
@@ -476,6 +477,17 @@ class TransformersDecoder(nn.Module):
             # gradient, so that every device of a sharded model reduces the same gradients in a step.
             hidden = hidden + sum(p.reshape(-1)[:1].sum() for p in self.image_parameters()) * 0
         return self.unembed(hidden)
+
+    def image_features(self, images: Mapping) -> list[torch.Tensor]:
+        """What the vision tower and projector make of a micro-batch's image inputs (the tensors the language model
+        takes in place of the images' tokens, and Qwen3-VL's deep-stack features beside them), as the model's own
+        get_image_features computes them."""
+        import inspect
+
+        accepted = inspect.signature(self.base.get_image_features).parameters
+        out = self.base.get_image_features(**{k: v for k, v in images.items() if k in accepted})
+        return [t for t in tree_leaves(out if not hasattr(out, "to_tuple") else out.to_tuple())
+                if torch.is_tensor(t) and t.is_floating_point()]
 
     def image_parameters(self):
         """An image-text model's weights outside its language model and head (its vision tower and projector)."""

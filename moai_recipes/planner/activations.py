@@ -44,7 +44,7 @@ from moai_recipes.planner.live_storages import LiveStorages
 from moai_recipes.models.recompute import apply_recompute
 from moai_recipes.models.tiled_mlp import apply_tiled_mlp
 
-_VERSION = 17  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 18  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,52 @@ def trace_layer(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.d
     # adds its operators (a tile's MLP is a dozen of them), not its traffic (the same tokens).
     whole, tiled = traced(0), traced(FEWEST_TILES)
     return replace(tiled, ops=tiled.ops + (form.tiles - FEWEST_TILES) * max(0, tiled.ops - whole.ops) // FEWEST_TILES)
+
+
+@dataclass(frozen=True)
+class ImageTrace:
+    """An image-text model's vision tower and projector on one sample's images (planner/plan.ImageLoad.example)."""
+
+    retained: int  # bytes kept from the forward for the backward (the features handed to the language model too)
+    flops: int  # matmul and attention FLOPs of forward and backward
+    inputs: int = 0  # bytes of the image inputs themselves (pixel values), alive for the step
+
+
+def trace_images(spec: ModelSpec, example: tuple, *, dtype: torch.dtype, lora: tuple | None = None) -> ImageTrace:
+    """The vision tower and projector, forward and backward, on the image inputs `example` (ImageLoad.example), in
+    `dtype`, frozen as LoRA freezes them (then nothing is kept for a backward)."""
+    return _cached(ImageTrace, ("images", spec, example, dtype, lora),
+                   lambda: _trace_images(spec, example, dtype=dtype, lora=lora))
+
+
+def _trace_images(spec: ModelSpec, example: tuple, *, dtype: torch.dtype, lora: tuple | None) -> ImageTrace:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from moai_recipes.models.lora import freeze_base
+
+    with torch.device("meta"):
+        model = build_model(spec, max_seq_len=8, lora=dict(lora) if lora else None)
+    model.to(dtype)
+    if lora:
+        freeze_base(model)
+    _transformers_formulas()
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        _on_fake_storage(model, dtype=dtype)
+        pixels = {name: torch.empty(shape, dtype=dtype) for name, shape, kind, values in example if values is None}
+    # Integer inputs (Qwen's grid of patches per image) are real, and so is what the tower computes from them (its
+    # positions, its windows): the mode is not entered, the fake weights and pixels bring it to the ops they are in.
+    inputs = {name: pixels[name] if values is None else torch.tensor(values, dtype=getattr(torch, kind)).reshape(shape)
+              for name, shape, kind, values in example}
+    count = OpCounter(existing=[*model.parameters(), *model.buffers(), *inputs.values()])
+    trains = any(p.requires_grad for p in model.image_parameters())
+    with warnings.catch_warnings(), count, torch.set_grad_enabled(trains):
+        warnings.simplefilter("ignore")
+        features = model.image_features(inputs)
+        retained = count.storages.current if trains else 0
+        if trains:
+            torch.autograd.backward(features, [torch.empty_like(f) for f in features])
+    return ImageTrace(retained=retained, flops=count.flops, inputs=_nbytes(inputs.values()))
 
 
 # Rows longer than this are extrapolated by trace_head rather than traced whole (8K: Llama 3's rows are traced).

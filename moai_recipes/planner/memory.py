@@ -12,7 +12,7 @@ import torch
 from moai_recipes.models.build import nf4_weights
 from moai_recipes.models.spec import ModelSpec
 from moai_recipes.models.attention import GATHER_BLOCK
-from moai_recipes.planner.activations import RowForm, trace_head, trace_layer
+from moai_recipes.planner.activations import RowForm, trace_head, trace_images, trace_layer
 from moai_recipes.planner.layouts import DeviceShare, device_shares
 from moai_recipes.planner.plan import Plan, Workload
 
@@ -226,6 +226,15 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     gathered_kv = (2 * 2 * row * spec.num_kv_heads * spec.head_dim * c / T + min(row / C, GATHER_BLOCK) * row * 5
                    if plan.context_parallel_way == "gather" else 0)
     retained = L * act.kept(micro_batch_size) * share.in_flight / T / C
+    # An image-text model's vision tower and projector (beside the embeddings): what they keep from the forward for
+    # the backward, for a micro-batch of the samples with the most image tokens, until the backward reaches them
+    # (after the first layer's), and the images' pixels. Traced on one sample's images, counted per image token.
+    images_kept = 0
+    if work.images is not None and work.images.example_tokens and share.embedding:
+        seen = trace_images(spec, work.images.example, dtype=dtype, lora=lora)
+        images_kept = ((seen.retained + seen.inputs) * micro_batch_size * work.images.most / work.images.example_tokens
+                       * share.in_flight)
+    retained += images_kept
     if plan.offload_activations:  # on the device: the layer whose input is on its way out, or back in (prefetched)
         retained = min(2, L * share.in_flight) * act.kept(micro_batch_size) / T / C
     layer_backward = (act.backward_transient(micro_batch_size) / C + act.grads_at_peak) / T + gathered_kv + reduce_copy
@@ -253,7 +262,8 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
                                     activations=retained + layer_backward, logits=0),
         "first layer backward": dict(gathered=root_gathered + layers_gathered(1) + output_grad,
                                      grads=max(earlier_grads, later_grads),
-                                     activations=act.kept(micro_batch_size) / T / C + layer_backward,
+                                     activations=act.kept(micro_batch_size) / T / C + layer_backward
+                                     + images_kept,
                                      logits=0),
         # (In the backward, nothing is left to it: a parameter at a time, its temporaries a parameter's.)
         "optimizer step": dict(gathered=0, grads=sharded_grads, logits=0,

@@ -22,6 +22,21 @@ class Rollout:
 
 
 @dataclass(frozen=True)
+class ImageLoad:
+    """An image-text model's images in the data, as the planner prices them: one sample's image inputs (the vision
+    tower is traced on them: `example`, each input's name, shape, dtype and, for an integer one such as Qwen's grid
+    sizes, its values), the image tokens that sample makes, and every sample's image tokens."""
+
+    example: tuple
+    example_tokens: int
+    tokens: tuple[int, ...]
+
+    @property
+    def most(self) -> int:
+        return max(self.tokens, default=0)
+
+
+@dataclass(frozen=True)
 class Workload:
     """A model (with its LoRA adapters, if any) trained on global batches of `batch_size` sequences of up to
     `seq_len` tokens, in the compute dtype the user asked for (auto: bf16 on GPUs, fp32 on the CPU)."""
@@ -40,6 +55,7 @@ class Workload:
     reference: str = "none"
     clips: bool = True  # gradients clipped to a total norm (optimizer.max_grad_norm): then no optimizer in the backward
     rollout: Rollout | None = None  # recipes.grpo: the completions sampled before training on them
+    images: ImageLoad | None = None  # an image-text model's images (their vision tower's activations priced)
 
     @cached_property
     def sizes(self):
