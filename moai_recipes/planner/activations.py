@@ -44,7 +44,7 @@ from moai_recipes.planner.live_storages import LiveStorages
 from moai_recipes.models.recompute import apply_recompute
 from moai_recipes.models.tiled_mlp import apply_tiled_mlp
 
-_VERSION = 18  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 19  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,7 @@ class ImageTrace:
     retained: int  # bytes kept from the forward for the backward (the features handed to the language model too)
     flops: int  # matmul and attention FLOPs of forward and backward
     inputs: int = 0  # bytes of the image inputs themselves (pixel values), alive for the step
+    ops: int = 0  # operators dispatched (each costs a launch), per micro-batch
 
 
 def trace_images(spec: ModelSpec, example: tuple, *, dtype: torch.dtype, lora: tuple | None = None) -> ImageTrace:
@@ -166,7 +167,7 @@ def _trace_images(spec: ModelSpec, example: tuple, *, dtype: torch.dtype, lora: 
         retained = count.storages.current if trains else 0
         if trains:
             torch.autograd.backward(features, [torch.empty_like(f) for f in features])
-    return ImageTrace(retained=retained, flops=count.flops, inputs=_nbytes(inputs.values()))
+    return ImageTrace(retained=retained, flops=count.flops, inputs=_nbytes(inputs.values()), ops=count.ops)
 
 
 # Rows longer than this are extrapolated by trace_head rather than traced whole (8K: Llama 3's rows are traced).

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moai_recipes.flavors import Device
-from moai_recipes.planner.activations import RowForm, trace_head, trace_layer
+from moai_recipes.planner.activations import RowForm, trace_head, trace_images, trace_layer
 from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
 from moai_recipes.planner.layouts import device_shares, stage_costs
 from moai_recipes.planner.memory import DTYPE_BYTES, STATE_BYTES
@@ -242,6 +242,10 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     fused_traffic, fused_ops = COMPILED[kind, compute_dtype] if plan.compile else (1.0, 1.0)
     attention_flops = sequences * L * layer.attention_flops / T
     flops = (sequences * L * layer.flops + has_head * heads * head.flops) / T - attention_flops
+    images, seen = work.images, None
+    if images is not None and images.example_tokens:  # an image-text model's vision tower, on its samples' images
+        seen = trace_images(spec, images.example, dtype=dtype, lora=lora)
+        flops += seen.flops * plan.batch_per_device * sum(images.tokens) / len(images.tokens) / images.example_tokens
     if plan.context_parallel_way == "gather":
         # Each block of local queries against the keys from its document's start to its last query, under a mask,
         # once more in the backward (the block's checkpoint): more than causal attention's kernel (GATHERED_ATTENTION).
@@ -278,7 +282,7 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     if plan.casts_copies:  # train/mixed_precision.py: each trained weight cast once a step (a frozen one once a run),
         c = DTYPE_BYTES[compute_dtype]  # each gradient once a micro-batch
         terms["memory"] += (trainable * (4 + c) + micro * trainable * (c + 8)) / memory_speed
-    ops = micro * (L * layer.ops * fused_ops + has_head * head.ops)
+    ops = micro * (L * layer.ops * fused_ops + has_head * head.ops + (seen.ops if seen is not None else 0))
     # Attention kernel calls, forward and backward: one per layer and micro-batch, or per document of a packed row
     # where attention runs document by document (models/attention.py: slices, a kernel, a concatenation each).
     calls = micro * L
