@@ -96,11 +96,17 @@ class RunInputs:
             o = self.lora
             targets = [*(o.target_modules or o.attn_modules), *(["the MLP"] if o.apply_to_mlp else []),
                        *(["every expert's projections"] if o.apply_to_experts else []),
-                       *(["the output"] if o.apply_to_output else [])]
+                       *(["the output"] if o.apply_to_output else []),
+                       *([f"the {part}'s linear modules" for part in ("vision tower", "projector")
+                          if getattr(o, part.split()[0]) == "lora"])]
             small = (f", but for {len(o.unquantized)} linear weights too small for whole NF4 blocks (kept in the "
                      "compute dtype)") if o.unquantized else ""
+            whole = [{"vision": "vision tower"}.get(part, part) for part in ("vision", "projector")
+                     if getattr(o, part) == "full"]
             lines.append(f"LoRA: rank {o.rank} on {', '.join(targets)}, alpha {o.alpha:g}; "
-                         + (f"the base frozen in NF4 (QLoRA){small}" if o.quantize_base else "the base frozen"))
+                         + (f"the base frozen in NF4 (QLoRA){small}" if o.quantize_base else "the base frozen")
+                         + (f", but the {' and '.join(whole)} trained whole ({', '.join(o.trained_whole)})"
+                            if whole else ""))
         if self.data is not None:
             lines += self.data.describe(cfg)
         if self.out is not None:

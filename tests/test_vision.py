@@ -129,25 +129,43 @@ def test_one_and_two_processes_train_alike_and_lr_zero_writes_back_every_tensor_
     assert torch.equal(*logits)
 
 
-@pytest.mark.parametrize("name", ["gemma3_vl", "qwen2_5_vl"])
-def test_lora_on_the_language_model_loads_in_peft_with_our_logits(checkpoints, pictures, name, tmp_path):
-    """LoRA adapts the language model alone (the vision tower frozen, as it is by default); PEFT puts the adapters
-    where we did, though SigLIP's attention has projections of the same names, and computes our logits."""
+@pytest.mark.parametrize("name, vision, projector", [("gemma3_vl", "frozen", "frozen"),
+                                                     ("qwen2_5_vl", "frozen", "frozen"),
+                                                     ("gemma3_vl", "lora", "full"), ("qwen2_5_vl", "full", "lora")])
+def test_lora_loads_in_peft_with_our_logits_the_vision_tower_and_projector_as_asked(checkpoints, pictures, name,
+                                                                                   vision, projector, tmp_path):
+    """LoRA adapts the language model, and the vision tower and projector each stay frozen (the default), get
+    adapters, or train whole (PEFT's modules_to_save); PEFT puts the adapters where we did, though SigLIP's attention
+    has projections of the same names as the language model's, and computes our logits."""
     import peft
     from transformers import AutoModelForImageTextToText
 
-    from moai_recipes.models.lora import gather_adapters, lora_options, save_adapter
+    from moai_recipes.models.lora import freeze_base, gather_adapters, lora_options, save_adapter
+    from moai_recipes.models.transformers_model import image_part
 
     hf = HFFolder.open(checkpoints[name])
     opts = lora_options({"apply_to_output": False, "rank": 4, "alpha": 8, "dropout": 0.0, "quantize_base": False,
-                         "attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "apply_to_mlp": True},
-                        spec=hf.spec)
+                         "attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "apply_to_mlp": True,
+                         "vision": vision, "projector": projector}, spec=hf.spec)
     model = _loaded(hf, lora=opts.builder_kwargs())
-    assert all(".language_model." in n for n, p in model.named_parameters() if p.requires_grad)
+    freeze_base(model)
+    trained = {part: [n for n, p in model.named_parameters() if p.requires_grad and image_part(model, n) == part]
+               for part in ("vision", "projector", None)}
+    for part, setting in (("vision", vision), ("projector", projector)):
+        params = [n for n, _ in model.named_parameters() if image_part(model, n) == part and ".lora_" not in n]
+        assert params  # the model has such a part
+        if setting == "frozen":
+            assert not trained[part]
+        elif setting == "lora":
+            assert trained[part] and all(".lora_" in n for n in trained[part])
+        else:
+            assert sorted(trained[part]) == sorted(params)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if ".lora_b." in n:  # B starts at zero: make the adapters change something
                 p.normal_(0, 0.1)
+            elif p.requires_grad and ".lora_a." not in n:  # a module trained whole, as if trained
+                p.add_(torch.randn_like(p) * 0.05)
     save_adapter(gather_adapters(model), opts=opts, out_dir=tmp_path / "adapter", base_model=str(hf.folder))
     batch = collate([load_image_dataset(DataSource(kind="chat", path=str(pictures)), image_samples(hf.folder),
                                         max_seq_len=128)[0]], pad_id=0)
@@ -156,7 +174,9 @@ def test_lora_on_the_language_model_loads_in_peft_with_our_logits(checkpoints, p
         before = base(input_ids=batch["tokens"], **batch["images"]).logits
     adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     adapted_modules = [n for n, m in adapted.named_modules() if hasattr(m, "lora_A")]
-    assert adapted_modules and all(".language_model." in n for n in adapted_modules)
+    assert adapted_modules
+    on_images = [n for n in adapted_modules if ".language_model." not in n]
+    assert bool(on_images) == ("lora" in (vision, projector))
     with torch.no_grad():
         ours = model(batch["tokens"], images=batch["images"])
         theirs = adapted(input_ids=batch["tokens"], **batch["images"]).logits
@@ -206,3 +226,24 @@ def test_a_model_that_reads_images_by_cross_attention_is_refused_by_name():
 
     with pytest.raises(UserError, match="cross-attention"):
         causal_lm_class(transformers.AutoConfig.for_model("mllama"))
+
+
+def test_lora_with_the_projector_trained_whole_and_the_vision_tower_adapted_trains_alike_on_two_processes(
+        checkpoints, pictures, tmp_path):
+    common = [f"model.checkpoint_dir={checkpoints['gemma3_vl']}", "dataset=chat", f"dataset.path={pictures}",
+              "max_steps=2", "batch_size=4", "max_seq_len=96", "logger=stdout", "sample_max_new_tokens=0",
+              "lora.vision=lora", "lora.projector=full", "optimizer.lr=1e-2"]
+    curves = {}
+    for flavor in ("cpu", "cpu-2"):
+        out = tmp_path / flavor
+        r = run_recipe(*common, f"flavor={flavor}", *(FSDP if flavor != "cpu" else ()), f"output_dir={out}",
+                       module="recipes.lora_finetune")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "the vision tower's linear modules" in r.stdout and "the projector trained whole" in r.stdout
+        assert abs(peak_error(r.stdout)) <= 0.10, r.stdout
+        curves[flavor] = metrics(out)
+    for one, other in zip(*curves.values()):
+        for key in ("loss", "grad_norm"):
+            assert abs(one[key] - other[key]) <= 1e-4 * max(1.0, abs(one[key])), (key, curves)
+    config = json.loads((tmp_path / "cpu-2" / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["model.multi_modal_projector"]

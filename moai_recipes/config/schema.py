@@ -79,6 +79,12 @@ class Method(Choice):
     lora = "lora"
 
 
+class ImagePart(Choice):
+    frozen = "frozen"
+    lora = "lora"
+    full = "full"
+
+
 class Quantize(Choice):
     none = "none"
     int8 = "int8"  # weight-only int8, per output channel (torchao)
@@ -315,6 +321,10 @@ class LoraConfig:
     alpha: float = setting(16.0, "the adapters' scale is alpha / rank")
     dropout: float = setting(0.0, "dropout on the adapters' input")
     quantize_base: bool = setting(False, "QLoRA: the frozen base weights in NF4")
+    vision: ImagePart = setting(ImagePart.frozen, "an image-text model's vision tower: frozen | lora (adapters on its "
+                                                  "linear modules) | full (trained whole, PEFT's modules_to_save)")
+    projector: ImagePart = setting(ImagePart.frozen, "an image-text model's projector (the vision features into the "
+                                                     "language model's width): frozen | lora | full")
 
 
 @dataclass

@@ -55,6 +55,11 @@ class LoraOptions:
     # instead of attn_modules and apply_to_mlp; under QLoRA the linear weights NF4 cannot hold (lora_options)
     target_modules: tuple[str, ...] | None = None
     unquantized: tuple[str, ...] = ()
+    # An image-text model's vision tower and projector: frozen, adapted ("lora") or trained whole ("full": these
+    # modules, PEFT's modules_to_save).
+    vision: str = "frozen"
+    projector: str = "frozen"
+    trained_whole: tuple[str, ...] = ()
 
     @property
     def scale(self) -> float:
@@ -67,7 +72,10 @@ class LoraOptions:
                     apply_lora_to_output=self.apply_to_output, lora_rank=self.rank, lora_alpha=self.alpha,
                     lora_dropout=self.dropout, apply_lora_to_experts=self.apply_to_experts,
                     **({"target_modules": list(self.target_modules)} if self.target_modules is not None else {}),
-                    **({"unquantized": list(self.unquantized)} if self.unquantized else {}))
+                    **({"unquantized": list(self.unquantized)} if self.unquantized else {}),
+                    **({"vision": self.vision} if self.vision != "frozen" else {}),
+                    **({"projector": self.projector} if self.projector != "frozen" else {}),
+                    **({"trained_whole": list(self.trained_whole)} if self.trained_whole else {}))
 
     @classmethod
     def from_builder_kwargs(cls, kwargs: Mapping) -> "LoraOptions":
@@ -75,7 +83,8 @@ class LoraOptions:
         return cls(tuple(kwargs["lora_attn_modules"]), kwargs["apply_lora_to_mlp"], kwargs["apply_lora_to_output"],
                    kwargs["lora_rank"], kwargs["lora_alpha"], kwargs["lora_dropout"], False,
                    kwargs.get("apply_lora_to_experts", False), None if targets is None else tuple(targets),
-                   tuple(kwargs.get("unquantized", ())))
+                   tuple(kwargs.get("unquantized", ())), kwargs.get("vision", "frozen"),
+                   kwargs.get("projector", "frozen"), tuple(kwargs.get("trained_whole", ())))
 
 
 def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> LoraOptions:
@@ -104,7 +113,9 @@ def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> 
     bad = [m for m in modules if m not in ATTN_MODULES]
     if bad:
         raise UserError(f"lora.attn_modules: {', '.join(bad)} is not an attention module; valid: {', '.join(ATTN_MODULES)}")
-    if not modules and not apply_to_mlp and not apply_to_output and not apply_to_experts and not targets:
+    images_trained = s.get("vision", "frozen") != "frozen" or s.get("projector", "frozen") != "frozen"
+    if not modules and not apply_to_mlp and not apply_to_output and not apply_to_experts and not targets \
+            and not images_trained:
         raise UserError("LoRA needs at least one target: set lora.attn_modules=[q_proj,v_proj] or lora.apply_to_mlp=true")
     if apply_to_experts and not spec.is_moe:
         raise UserError(f"lora.apply_to_experts=true adapts a Mixture-of-Experts model's experts, and this "
@@ -125,8 +136,21 @@ def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> 
     if apply_to_output and spec.tie_word_embeddings:
         raise UserError("lora.apply_to_output=true is not possible for a model whose output shares the embedding "
                         "weights (tie_word_embeddings); leave it false")
+    vision, projector = str(s.get("vision", "frozen")), str(s.get("projector", "frozen"))
+    for key, value in (("vision", vision), ("projector", projector)):
+        if value not in ("frozen", "lora", "full"):
+            raise UserError(f"lora.{key}={value}: use frozen, lora or full")
+        if value != "frozen" and not spec.reads_images:
+            raise UserError(f"lora.{key}={value}: this {spec.family} model reads no images (it has no vision tower "
+                            "or projector); leave it frozen")
+    whole = ()
+    if "full" in (vision, projector):
+        from moai_recipes.models.transformers_model import image_modules
+
+        whole = tuple(m for part in ("vision", "projector") if (vision, projector)[part == "projector"] == "full"
+                      for m in image_modules(spec, part))
     opts = LoraOptions(modules, apply_to_mlp, apply_to_output, rank, float(alpha), float(dropout), quantize_base,
-                       apply_to_experts, targets)
+                       apply_to_experts, targets, vision=vision, projector=projector, trained_whole=whole)
     if quantize_base and spec.native:
         _check_nf4(spec, opts, world_size)
     if quantize_base and not spec.native:
@@ -189,10 +213,16 @@ def is_adapter(name: str) -> bool:
     return ".lora_a." in name or ".lora_b." in name
 
 
+def trained_under_lora(model: nn.Module, name: str) -> bool:
+    """Whether a parameter trains under LoRA: an adapter's, or one of a module trained whole (an image-text model's
+    vision tower or projector with lora.vision=full or lora.projector=full: models/transformers_model.add_adapters)."""
+    return is_adapter(name) or name.startswith(tuple(f"{m}." for m in getattr(model, "trained_whole", ())))
+
+
 def freeze_base(model: nn.Module) -> None:
-    """Only adapter parameters get gradients (and so optimizer state)."""
+    """Only adapter parameters (and those of modules trained whole) get gradients, and so optimizer state."""
     for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name))
+        p.requires_grad_(trained_under_lora(model, name))
 
 
 def init_adapters(model: nn.Module, *, seed: int) -> None:
@@ -210,7 +240,8 @@ def init_adapters(model: nn.Module, *, seed: int) -> None:
 def gather_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every adapter tensor whole, on every rank (a collective; adapters are small); under pipeline parallelism
     on rank 0 only (hf_format.whole_parameter)."""
-    names = [name for name, _ in whole_model(model).named_parameters() if is_adapter(name)]
+    whole = whole_model(model)
+    names = [name for name, _ in whole.named_parameters() if trained_under_lora(whole, name)]
     params = dict(model.named_parameters())
     return {name: whole_parameter(model, name, params) for name in names}
 
@@ -296,6 +327,10 @@ def save_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_di
         raise disk_full(out_dir.parent, f"the adapter {out_dir}", needed=sum(t.nbytes for t in adapters.values() if t is not None))
 
 
+# What a model's list of layers is called (transformers' decoders, vision towers' blocks).
+_LAYER_LISTS = ("layers", "blocks", "h", "layer", "block")
+
+
 def _write_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_dir: Path, base_model: str) -> None:
     tensors, targets, experts, stacked, modules = {}, set(), {}, {}, set()
     for name, t in adapters.items():
@@ -308,6 +343,9 @@ def _write_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_
             layer, _, leaf = name.partition(".experts.")
             experts.setdefault(layer, {})[leaf] = t
             continue
+        if not is_adapter(name):  # a module trained whole (opts.trained_whole): PEFT's modules_to_save, as it is
+            tensors["base_model.model." + name] = t.contiguous()
+            continue
         stem, kind = name.rsplit(".lora_", 1)  # layers.0.attn.q_proj, a.weight
         try:
             base = hf_name(f"{stem}.weight")
@@ -317,8 +355,9 @@ def _write_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_
         tensors[peft] = t.contiguous()
         leaf = stem.rsplit(".", 1)[-1]
         targets.add(_PEFT_TARGETS.get(leaf, leaf))
-        modules.add(r"\.".join(r"\d+" if part.isdigit() else re.escape(part)
-                                for part in base.removesuffix(".weight").split(".")))
+        parts = base.removesuffix(".weight").split(".")  # a layer's number is any layer's (not an MLP's 0 and 2)
+        modules.add(r"\.".join(r"\d+" if part.isdigit() and parts[i - 1] in _LAYER_LISTS else re.escape(part)
+                                for i, part in enumerate(parts)))
     for layer, adapters_of in experts.items():
         tensors.update(_peft_experts(f"base_model.model.model.{layer}.experts", adapters_of))
     parameters = []
@@ -331,7 +370,8 @@ def _write_adapter(adapters: dict[str, torch.Tensor], *, opts: LoraOptions, out_
         "r": opts.rank, "lora_alpha": opts.alpha, "lora_dropout": opts.dropout,
         "target_modules": sorted(targets) or None,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-        "modules_to_save": None, "use_dora": False, "use_rslora": False, "layers_to_transform": None,
+        "modules_to_save": list(opts.trained_whole) or None, "use_dora": False, "use_rslora": False,
+        "layers_to_transform": None,
     }
     if any(r"\.language_model\." in m for m in modules):
         # An image-text model's vision tower has linear modules of the names adapted in its language model (SigLIP's

@@ -957,7 +957,8 @@ _ROUTERS = ("gate", "router")
 
 def adapted_linears(model: TransformersDecoder, targets) -> list[str]:
     """The names of the linear modules `targets` (models/lora.LoraOptions) puts adapters on, in the decoder layers
-    (and the output projection with apply_to_output)."""
+    (and the output projection with apply_to_output), and every one of an image-text model's vision tower or projector
+    where lora.vision or lora.projector is lora."""
     names = []
     for i, layer in enumerate(model.layers):
         prefix = f"{model.layers_path}.{i}."
@@ -966,7 +967,54 @@ def adapted_linears(model: TransformersDecoder, targets) -> list[str]:
                 names.append(prefix + name)
     if targets.apply_to_output:
         names.append(model.head_name)
+    adapted_parts = {part for part in ("vision", "projector") if getattr(targets, part, "frozen") == "lora"}
+    if adapted_parts:
+        names += [name for name, module in model.named_modules()
+                  if isinstance(module, nn.Linear) and image_part(model, name) in adapted_parts]
     return names
+
+
+# What an image-text model's projector (the vision features into the language model's width) is called, where it is
+# not inside the vision tower (Gemma's multi_modal_projector) or is (Qwen's merger and deep-stack mergers).
+_PROJECTORS = ("multi_modal_projector", "mm_projector", "merger", "deepstack_merger_list", "connector", "projector")
+
+
+def image_part(model: TransformersDecoder, name: str) -> str | None:
+    """"vision" or "projector" for a module or parameter of an image-text model's vision side; None for the
+    language model's and the head's."""
+    if not model.reads_images or not name.startswith(f"{model.base_name}."):
+        return None
+    if name.startswith(f"{model.base_name}.{model.text_name}."):
+        return None
+    return "projector" if any(part in _PROJECTORS for part in name.split(".")) else "vision"
+
+
+def _whole_modules(model: TransformersDecoder, part: str) -> list[str]:
+    """The fewest modules that hold every parameter of `part` and nothing else (PEFT's modules_to_save)."""
+    out = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        names = [f"{prefix}.{n}" for n, _ in module.named_parameters()]
+        container = isinstance(module, (nn.ModuleList, nn.ModuleDict))  # PEFT wraps a module, not a list of them
+        if names and not container and all(image_part(model, n) == part for n in names):
+            out.append(prefix)
+            return
+        if any(image_part(model, f"{prefix}.{n}") == part for n, _ in module.named_parameters(recurse=False)):
+            raise UserError(f"{prefix} holds weights of the {part} beside others; lora.{part}=full cannot train it "
+                            "whole here (use lora)")
+        for n, child in module.named_children():
+            visit(f"{prefix}.{n}", child)
+
+    for n, child in model.base.named_children():
+        if n != model.text_name.split(".")[0]:
+            visit(f"{model.base_name}.{n}", child)
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def image_modules(spec, part: str) -> tuple[str, ...]:
+    """The modules an image-text model's `part` ("vision" or "projector") is trained whole as (lora.<part>=full)."""
+    return tuple(_whole_modules(_meta_of(spec), part))
 
 
 def _adapted(name: str, layer: nn.Module, targets) -> bool:
@@ -993,6 +1041,7 @@ def add_adapters(model: TransformersDecoder, lora: dict, *, quantize_base: bool)
     from moai_recipes.models.lora import LoraOptions
 
     targets = LoraOptions.from_builder_kwargs(lora)
+    model.trained_whole = targets.trained_whole  # models/lora.freeze_base leaves them trainable
     adapted = set(adapted_linears(model, targets))
     unquantized = set(targets.unquantized)  # too small for whole NF4 blocks (models/lora._unquantized)
     layer_prefixes = tuple(f"{model.layers_path}.{i}." for i in range(len(model.layers)))
@@ -1070,9 +1119,9 @@ def adapter_sizes(spec, lora: tuple | None, quantize_base: bool) -> tuple[int, i
     model with the adapters of `lora` (Workload.lora_key); without LoRA every parameter trains."""
     with torch.device("meta"):
         model = model_of(spec, lora=dict(lora) if lora else None, quantize_base=quantize_base)
-    from moai_recipes.models.lora import is_adapter
+    from moai_recipes.models.lora import trained_under_lora
 
-    trainable = [p for n, p in model.named_parameters() if lora is None or is_adapter(n)]
+    trainable = [p for n, p in model.named_parameters() if lora is None or trained_under_lora(model, n)]
     nf4 = tuple(m.weight.numel() for m in model.modules() if type(m).__name__ == "FrozenNF4Linear"
                 or (getattr(m, "_quantize_base", False) and hasattr(m, "weight")))
     return sum(p.numel() for p in trainable), len(trainable), nf4

@@ -68,7 +68,8 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     load_weights(model, inputs.hf, allow_missing=(".lora_a.", ".lora_b."))
     init_adapters(model, seed=cfg.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    say(f"Trainable: {sum(p.numel() for p in trainable) / 1e6:.3f}M adapter parameters")
+    whole = f", and {', '.join(lora.trained_whole)} whole" if lora.trained_whole else ""
+    say(f"Trainable: {sum(p.numel() for p in trainable) / 1e6:.3f}M parameters (adapters{whole})")
 
     # 4. Only the adapters are trained: only they get gradients and optimizer state.
     optimizer = build_optimizer(trainable, cfg.optimizer, plan)
