@@ -19,7 +19,7 @@ BASE := $(VENV)/.installed-base-$(SUM)
 GGUF := $(VENV)/.installed-gguf-$(SUM)
 TESTS := $(VENV)/.installed-test-$(SUM)
 
-.PHONY: install demo demo-gguf demo-dpo demo-grpo demo-tiny test test-fast bench clean
+.PHONY: install demo demo-gguf demo-dpo demo-grpo demo-tiny demo-vision test test-fast bench clean
 
 $(BASE): pyproject.toml
 	@test -x $(PY) || { echo "== make: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
@@ -53,6 +53,11 @@ demo-gguf: $(GGUF)
 	test -n "$$run" || { echo "no demo run in outputs/lora_finetune: make demo first"; exit 2; }; \
 	$(PY) -m recipes.export adapter_dir=$$run outtype=q8_0 \
 		'prompts=["What is the capital of Zorbania?","What color is the sky on planet Vex?","What is the capital of France?"]'
+
+# Images: a tiny Qwen2.5-VL-shaped model, trained from scratch on 2,000 generated pictures of coloured shapes, answers
+# questions about four pictures it never saw (about 35 s on two cores, the pictures drawn once into the cache).
+demo-vision: $(BASE)
+	$(PY) -m recipes.full_finetune model=tiny_vl dataset=shapes flavor=cpu epochs=4 batch_size=32 optimizer.lr=2e-3
 
 # Preference tuning of the real model: DPO with LoRA teaches SmolLM2 to answer as a pirate (about three minutes),
 # its answers to questions the pairs do not hold printed before and after, the reward margin growing step by step.

@@ -21,6 +21,11 @@ from moai_recipes.errors import UserError, is_disk_full
 cache_dir = env.cache_dir  # this machine's cache: where it is, env.py says
 
 
+def demo_pictures_dir() -> Path:
+    """Where the image-text demo's pictures are drawn into (data/pictures.demo_pictures), in this machine's cache."""
+    return cache_dir() / "pictures-v2-2000-112"
+
+
 def sha256_of(path: str | Path) -> str:
     """The SHA-256 of a file's bytes, read in chunks."""
     digest = hashlib.sha256()

@@ -38,7 +38,7 @@ from moai_recipes.models.lora import LoraOptions, lora_options
 from moai_recipes.models.peft_adapter import PeftAdapter
 from moai_recipes.models.sources import model_source, resolve_model_dir
 from moai_recipes.models.spec import ModelSpec, check_context, spec_for, with_aux_loss_coef
-from moai_recipes.planner.plan import Rollout, Workload
+from moai_recipes.planner.plan import ImageLoad, Rollout, Workload
 
 if TYPE_CHECKING:
     from moai_recipes.inference.harness import Tasks
@@ -62,6 +62,11 @@ class RunInputs:
     out_of_memory_hint: dict | None = None  # the smaller plan an out-of-memory step of this run left (restarts)
     identity: dict | None = None  # what a checkpoint of this run belongs to: model, tokenizer, data, global batch
     eval_tasks: "Tasks | None" = None  # eval_tasks=, their data read (inference/harness.py)
+
+    @property
+    def image_samples(self):
+        """An image-text model's processor, as its data was made with it (data/images.ImageSamples); else None."""
+        return getattr(self.data.train, "maker", None) if self.data is not None else None
 
     @property
     def batches(self):
@@ -154,8 +159,7 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
                         clips=cfg.optimizer.max_grad_norm is not None, rollout=_rollout(cfg),
                         lengths=data.lengths if data is not None else None,
                         steps=data.total_steps if data is not None else cfg.max_steps,
-                        images=data.train.image_load() if data is not None and hasattr(data.train, "image_load")
-                        else None)
+                        images=_image_load(data))
     eval_tasks = None
     if cfg.eval_tasks and not dry:  # their data read now: a task missing is said before step 1, not at its first eval
         from moai_recipes.inference.harness import Tasks, load_tasks  # lm-eval: imported by the runs that use it
@@ -262,3 +266,9 @@ def _rollout(cfg: DictConfig) -> Rollout | None:
     # (Workload.reference, set by the recipe).
     return Rollout(completion_length=cfg.max_completion_length, num_iterations=cfg.num_iterations,
                    extra_passes=int(cfg.num_iterations > 1) + int(cfg.beta != 0 and cfg.method == "lora"))
+
+
+def _image_load(data: RunData | None) -> ImageLoad | None:
+    """An image-text model's images as the planner prices them (data/images.ImageTextDataset.image_load)."""
+    load = data.train.image_load() if data is not None and hasattr(data.train, "image_load") else None
+    return ImageLoad(**load) if load else None

@@ -102,7 +102,8 @@ def placeholders(tmp_path_factory) -> dict[str, str]:
                              for i in range(40)))
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{i} + 2 =", "answer": str(i + 2)}) + "\n" for i in range(40)))
-    from tests.vision_models import make_vision_checkpoint, write_picture_rows
+    from moai_recipes.data.pictures import write_picture_rows
+    from tests.vision_models import make_vision_checkpoint
 
     vision = make_vision_checkpoint(root / "qwen2_5_vl", "qwen2_5_vl")
     invoices = write_picture_rows(root / "invoices", 20)

@@ -17,7 +17,8 @@ from moai_recipes.models.hf_format import HFFolder
 from moai_recipes.models.loss import IGNORE_INDEX, token_loss_sum
 from tests.helpers import FSDP, layout, metrics, peak_error, plan_of, run_recipe, tensors
 from tests.test_architectures import _loaded
-from tests.vision_models import VISION, make_vision_checkpoint, write_picture_rows
+from moai_recipes.data.pictures import write_picture_rows
+from tests.vision_models import VISION, make_vision_checkpoint
 
 NAMES = list(VISION)
 
@@ -247,3 +248,37 @@ def test_lora_with_the_projector_trained_whole_and_the_vision_tower_adapted_trai
             assert abs(one[key] - other[key]) <= 1e-4 * max(1.0, abs(one[key])), (key, curves)
     config = json.loads((tmp_path / "cpu-2" / "adapter" / "adapter_config.json").read_text())
     assert config["modules_to_save"] == ["model.multi_modal_projector"]
+
+
+def test_the_answers_about_sample_pictures_are_what_transformers_generates_from_the_saved_model(
+        checkpoints, pictures, tmp_path):
+    """The before/after answers of an image-text run (dataset.sample_images) are greedy answers about each picture:
+    those after training equal transformers' greedy `generate` on the saved model, given the same picture."""
+    import re
+
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    folder = checkpoints["qwen2_5_vl"]
+    picture = pictures.parent / json.loads(pictures.read_text().splitlines()[0])["images"][0]
+    out = tmp_path / "run"
+    r = run_recipe(f"model.checkpoint_dir={folder}", "dataset=chat", f"dataset.path={pictures}", "max_steps=3",
+                   "batch_size=4", "max_seq_len=96", "logger=stdout", "flavor=cpu", "optimizer.lr=1e-2",
+                   "sample_max_new_tokens=5", "dataset.sample_prompts=[What colour is it?]",
+                   f"dataset.sample_images=[{picture}]", f"output_dir={out}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    after = re.search(r"Sample 'What colour is it\? \[\d+\.png\]'\n  before: .*\n  after:  '(.*)'", r.stdout)
+    assert after, r.stdout
+    processor = image_samples(folder).processor
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[Image.open(picture).convert("RGB")], return_tensors="pt")
+    model = AutoModelForImageTextToText.from_pretrained(out / "model", dtype=torch.float32).eval()
+    generated = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+    theirs = processor.tokenizer.decode(generated[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert f"'{after.group(1)}'" == repr(theirs)  # the step line prints each answer's repr
+    # A text model given pictures to ask about says so.
+    r = run_recipe("dataset.sample_prompts=[Hi]", f"dataset.sample_images=[{picture}]", "max_steps=1",
+                   f"output_dir={tmp_path / 'text'}")
+    assert r.returncode == 2 and "this model reads no images" in r.stderr, r.stderr

@@ -20,10 +20,16 @@ from omegaconf.errors import OmegaConfBaseException
 from moai_recipes.config.schema import SCHEMAS, RecipeConfig
 from moai_recipes.config.user_settings import switched_flavor
 from moai_recipes.errors import UserError
+from moai_recipes.files import demo_pictures_dir
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 # ${asset:facts.jsonl}: a file shipped in the package (moai_recipes/assets), for configs that name embedded data.
 OmegaConf.register_new_resolver("asset", lambda name: str(ASSETS / name), replace=True)
+
+
+# ${pictures:shapes.jsonl}: the image-text demo's pictures in the cache (files.demo_pictures_dir), drawn by the data
+# layer when a run first reads them (data/pictures.made_if_demo).
+OmegaConf.register_new_resolver("pictures", lambda name: str(demo_pictures_dir() / name), replace=True)
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("model", "dataset", "optimizer", "flavor", "logger")

@@ -185,6 +185,8 @@ class DatasetConfig:
                                      "disk; needs max_steps where the data does not say its size")
     shuffle_buffer: int = setting(10_000, "streaming: rows shuffled together, a block at a time (1: the data's order)")
     sample_prompts: list[str] = setting([], "answered by the model before and after training, to show what changed")
+    sample_images: list[str] = setting([], "an image-text model: a picture for each of sample_prompts, asked about "
+                                           "with it")
 
 
 @dataclass

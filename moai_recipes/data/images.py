@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from moai_recipes.data.local_files import type_name
+from moai_recipes.data.pictures import made_if_demo
 from moai_recipes.errors import UserError
 from moai_recipes.models.loss import IGNORE_INDEX
 
@@ -270,6 +271,13 @@ class ImageSamples:
             cursor = end
         return spans
 
+    def prompt(self, question: str, picture: str) -> tuple[list[int], dict]:
+        """(tokens, image inputs) of a question about a picture (a path), as the model is asked for its answer."""
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out = self.processor(text=[text], images=[open_image(picture, base=None)], return_tensors="pt")
+        return out["input_ids"][0].tolist(), {k: v for k, v in out.items() if k not in _TEXT_KEYS and torch.is_tensor(v)}
+
     def image_inputs(self, text: str, images: list, tokens: list[int]) -> dict:
         """A sample's inputs besides its tokens, made again by the processor from its text and images: the images'
         (pixel_values, image_grid_thw...) and those with a value per token (token_type_ids), cut as the tokens are."""
@@ -332,11 +340,9 @@ class ImageTextDataset(torch.utils.data.Dataset):
     def length(self, i) -> int:
         return len(self._samples[i].tokens)
 
-    def image_load(self):
-        """What the planner prices the vision tower by (planner/plan.ImageLoad): each sample's image tokens, and the
-        image inputs of the sample with the most."""
-        from moai_recipes.planner.plan import ImageLoad
-
+    def image_load(self) -> dict | None:
+        """What the planner prices the vision tower by (the fields of planner/plan.ImageLoad): each sample's image
+        tokens, and the image inputs of the sample with the most; None without images."""
         image_id = self.maker.image_token_id
         if image_id is None:
             return None
@@ -347,7 +353,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         example = tuple((k, tuple(v.shape), str(v.dtype).removeprefix("torch."),
                          tuple(v.flatten().tolist()) if not v.is_floating_point() else None)
                         for k, v in self[most]["images"].items() if torch.is_tensor(v))
-        return ImageLoad(example=example, example_tokens=tokens[most], tokens=tokens)
+        return dict(example=example, example_tokens=tokens[most], tokens=tokens)
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -378,6 +384,8 @@ def load_image_dataset(source, maker: ImageSamples, *, max_seq_len: int, progres
     if source.reads != "chat":
         raise UserError(f"dataset={source.kind}: an image-text model trains on chat rows (dataset=chat), whose "
                         "messages hold image parts and an images column")
+    if source.path:
+        made_if_demo(source.path)
     rows, _, total = source.open()
     base = Path(source.path).resolve().parent if source.path else None
     samples, n_rows, dropped = [], 0, 0

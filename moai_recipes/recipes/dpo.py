@@ -85,7 +85,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.optimizer, total_steps=inputs.total_steps))
     process = prepare_process(plan, work, flavor, world)
     log = MetricsLog.start(cfg, inputs, choice) if world.is_main else None
-    answers = Answers.for_run(cfg, inputs.tokenizer, plan=plan, device=world.device)
+    answers = Answers.for_run(cfg, inputs.tokenizer, plan=plan, device=world.device, images=inputs.image_samples)
     answers.take_before(model)
     objective = PreferenceObjective(loss=loss, reference=ref, spec=inputs.spec)
     result = train_loop(state, inputs, choice, LoopSettings.from_config(cfg, process, objective), world, log)

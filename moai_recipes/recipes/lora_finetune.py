@@ -79,7 +79,7 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
     #    loss and gradients on any flavor; the measured against the planned at its end.
     process = prepare_process(plan, inputs.workload, flavor, world)
     log = MetricsLog.start(cfg, inputs, choice) if world.is_main else None
-    answers = Answers.for_run(cfg, inputs.tokenizer, plan=plan, device=world.device)
+    answers = Answers.for_run(cfg, inputs.tokenizer, plan=plan, device=world.device, images=inputs.image_samples)
     answers.take_before(model)
     result = train_loop(state, inputs, choice, LoopSettings.from_config(cfg, process), world, log)
     if log and result.measured:
