@@ -47,7 +47,7 @@ def test_samples_are_the_processors_and_the_loss_is_transformers(checkpoints, pi
 
     folder = checkpoints[name]
     hf = HFFolder.open(folder)
-    assert hf.spec.reads_images and hf.spec.parts.unpackable
+    assert hf.spec.reads_images and not hf.spec.parts.unpackable
     maker = image_samples(folder)
     data = load_image_dataset(DataSource(kind="chat", path=str(pictures)), maker, max_seq_len=128)
     rows = [json.loads(line) for line in pictures.read_text().splitlines()]
@@ -80,6 +80,18 @@ def test_samples_are_the_processors_and_the_loss_is_transformers(checkpoints, pi
         # The pictures matter: without them the loss is another.
         blind = float(reference(input_ids=batch["tokens"], labels=_unshifted(batch["labels"])).loss)
         assert abs(blind - theirs) > 1e-4
+        # A packed row: the three samples end to end, each attending to itself with its own positions (Qwen's
+        # multimodal rotary positions computed for it alone), against each alone through transformers.
+        from moai_recipes.models.attention import Documents
+        from moai_recipes.train.micro_batches import collate_images
+
+        row = torch.tensor([[t for s in samples for t in s["tokens"]]])
+        lengths = [len(s["tokens"]) for s in samples]
+        logits = model(row, mask=Documents(tuple(lengths)), images=collate_images(samples, None))[0].split(lengths)
+        for sample, ours in zip(samples, logits):
+            alone = collate([sample], pad_id=tokenizer.pad_token_id)
+            theirs = reference(input_ids=alone["tokens"], **alone["images"]).logits[0]
+            assert (ours - theirs).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("name", ["qwen2_5_vl", "gemma3_vl"])  # Qwen3-VL computes as Qwen2.5-VL lays out
@@ -90,18 +102,21 @@ def test_one_and_two_processes_train_alike_and_lr_zero_writes_back_every_tensor_
 
     common = [f"model.checkpoint_dir={checkpoints[name]}", "dataset=chat", f"dataset.path={pictures}", "max_steps=2",
               "batch_size=4", "max_seq_len=96", "logger=stdout", "sample_max_new_tokens=0"]
-    curves = {}
-    for flavor, forced in (("cpu", ("optimizer.lr=1e-3",)), ("cpu-2", (*FSDP, "optimizer.lr=1e-3")),
+    curves, packed = {}, {}
+    # cpu-2 packs its rows (each sample attending to itself, Qwen's positions computed for each), cpu pads them.
+    for flavor, forced in (("cpu", ("optimizer.lr=1e-3", "plan.packing=false")),
+                           ("cpu-2", (*FSDP, "optimizer.lr=1e-3", "plan.packing=true")),
                            ("cpu-2-lr0", (*FSDP, "optimizer.lr=0", "max_steps=1", "measure_memory=false"))):
         out = tmp_path / flavor
         r = run_recipe(*common, f"flavor={flavor.removesuffix('-lr0')}", *forced, f"output_dir={out}")
         assert r.returncode == 0, r.stdout + r.stderr
         assert layout(out) == ("single" if flavor == "cpu" else "sharded")
-        assert not plan_of(out)["packing"]  # a row's positions are the model's own, from where its images are
+        packed[flavor] = plan_of(out)["packing"]
         if flavor != "cpu-2-lr0":  # the planner's peak of a device, the vision tower's share included
             assert abs(peak_error(r.stdout)) <= 0.10, r.stdout
         curves[flavor] = metrics(out)
-    assert len(curves["cpu"]) == len(curves["cpu-2"]) == 2
+    assert len(curves["cpu"]) == len(curves["cpu-2"]) == 2 and packed == {"cpu": False, "cpu-2": True,
+                                                                            "cpu-2-lr0": packed["cpu-2-lr0"]}
     for flavor, steps in (("cpu-2", 2), ("cpu-2-lr0", 1)):  # at lr 0 the first step is before any update
         for one, other in zip(curves["cpu"][:steps], curves[flavor][:steps]):
             for key in ("loss", "grad_norm"):

@@ -431,14 +431,22 @@ def _image_values(row: dict, column_map: dict) -> list:
     return out
 
 
-def collate_images(samples: list[dict], width: int) -> dict:
+def collate_images(samples: list[dict], width: int | None) -> dict:
     """A micro-batch's image inputs: each image input of its samples concatenated along the images (as the processor
-    makes them for several images), each one with a value per token (a list) padded with 0 to the rows' width."""
+    makes them for several images); each one with a value per token (a list) padded with 0 to the rows' `width`, or
+    (`width` None) laid end to end as the samples' tokens are in a packed row."""
     out: dict[str, torch.Tensor] = {}
     for k in sorted({k for s in samples for k in s.get("images", {})}):
         values = [s["images"][k] for s in samples if k in s.get("images", {})]
         if torch.is_tensor(values[0]):
             out[k] = torch.cat(values)
+            continue
+        if width is None:
+            row = []
+            for s in samples:
+                own = list(s.get("images", {}).get(k) or [])
+                row += own + [0] * (len(s["tokens"]) - len(own))
+            out[k] = torch.tensor([row], dtype=torch.long)
             continue
         rows = torch.zeros(len(samples), width, dtype=torch.long)
         for r, s in enumerate(samples):

@@ -53,20 +53,23 @@ def image_text_tokenizer(extra: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
 
-def qwen2_5_vl_parts(tokenizer, *, max_tokens: int = 16):
+def qwen2_5_vl_parts(tokenizer, *, max_tokens: int = 16, scale: int = 1):
     """(config, image processor) of a tiny Qwen2.5-VL: two text layers of width 64, a two-block vision tower of width
-    32, images sized to at most `max_tokens` tokens (4 patches of 14 pixels each)."""
+    32 (each `scale` times as many and as wide), images sized to at most `max_tokens` tokens (4 patches of 14 pixels
+    each)."""
     import transformers
     from transformers import Qwen2VLImageProcessor
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + QWEN_TOKENS}
-    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    text = dict(vocab_size=len(tokenizer), hidden_size=64 * scale, intermediate_size=96 * scale,
+                num_hidden_layers=2 * scale,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
-                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=ids[BOS],
-                eos_token_id=ids[EOS], pad_token_id=ids[PAD])
+                rope_scaling={"type": "mrope", "mrope_section": [2 * scale, 3 * scale, 3 * scale]},
+                bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD])
     config = transformers.AutoConfig.for_model(
         "qwen2_5_vl", text_config=text,
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        vision_config=dict(depth=2 * scale, hidden_size=32 * scale, intermediate_size=64 * scale, num_heads=2,
+                           out_hidden_size=64 * scale,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                            fullatt_block_indexes=[1]),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],

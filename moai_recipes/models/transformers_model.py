@@ -417,9 +417,6 @@ class TransformersDecoder(nn.Module):
         # model's own (Qwen's multimodal rotary positions, computed from where the images are in the row), so its
         # documents do not share rows.
         self.reads_images = self.text_name != ""
-        if self.reads_images:
-            self.unpackable = ("an image-text model computes its positions from where the images are in the row "
-                               "(multimodal rotary positions), one sample a row")
 
     # The parts, under the names the library's layouts use.
     @property
@@ -462,7 +459,9 @@ class TransformersDecoder(nn.Module):
         kwargs: dict = {"use_cache": False, **(images or {})}
         if isinstance(mask, Documents) or hasattr(mask, "attend"):  # a packed row, or a context device's share of one
             kwargs[DOCUMENTS] = mask
-            if input_pos is None:
+            if images and isinstance(mask, Documents) and hasattr(self.base, "get_rope_index"):
+                input_pos = self._packed_positions(tokens, mask, images)
+            elif input_pos is None:
                 input_pos = mask.positions(tokens.device)
             if hasattr(mask, "attend"):
                 self._row_masks(mask, tokens.device)
@@ -477,6 +476,24 @@ class TransformersDecoder(nn.Module):
             # gradient, so that every device of a sharded model reduces the same gradients in a step.
             hidden = hidden + sum(p.reshape(-1)[:1].sum() for p in self.image_parameters()) * 0
         return self.unembed(hidden)
+
+    def _packed_positions(self, tokens: torch.Tensor, documents: Documents, images: Mapping) -> torch.Tensor:
+        """A packed row's multimodal rotary positions ([3, 1, row]: Qwen's time, height and width), each document's
+        as the model computes them for the document alone (get_rope_index, given the document's own images: each
+        image one run of image tokens in mm_token_type_ids), a document without images counting its tokens."""
+        kinds, grid = images["mm_token_type_ids"], images.get("image_grid_thw")
+        out, used = [], 0
+        for start, n in zip(documents.offsets, documents.lengths):
+            ids, own = tokens[:, start:start + n], kinds[:, start:start + n]
+            starts = int(((own[0] == 1) & (torch.nn.functional.pad(own[0], (1, 0))[:-1] != 1)).sum())
+            if starts:
+                positions, _ = self.base.get_rope_index(ids, mm_token_type_ids=own,
+                                                        image_grid_thw=grid[used:used + starts])
+                used += starts
+            else:
+                positions = torch.arange(n, device=tokens.device).view(1, 1, n).expand(3, 1, n)
+            out.append(positions)
+        return torch.cat(out, dim=2)
 
     def image_features(self, images: Mapping) -> list[torch.Tensor]:
         """What the vision tower and projector make of a micro-batch's image inputs (the tensors the language model

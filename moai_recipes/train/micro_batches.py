@@ -7,6 +7,7 @@ the shares into micro-batches; the training step and the validation loss both ru
 import torch
 
 from moai_recipes.data.datasets import collate
+from moai_recipes.data.images import collate_images
 from moai_recipes.train.world import World
 from moai_recipes.models.attention import Documents
 from moai_recipes.planner.plan import Plan
@@ -63,6 +64,8 @@ def model_inputs(micro: list[dict] | None, plan: Plan, pad_id: int) -> dict:
         docs = Documents(tuple(len(s["tokens"]) for s in micro))
         batch = {"tokens": torch.tensor([[t for s in micro for t in s["tokens"]]]),
                  "labels": torch.tensor([[t for s in micro for t in s["labels"]]]), "documents": docs}
+        if any("images" in s for s in micro):  # an image-text model's samples, end to end (data/images.py)
+            batch["images"] = collate_images(micro, None)
         samples = torch.full_like(batch["tokens"], -1)
         samples[0, :sum(real)] = torch.repeat_interleave(torch.arange(len(real)), torch.tensor(real, dtype=torch.long))
     return {**batch, "samples": samples, "sample_count": len(real)}
