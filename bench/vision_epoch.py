@@ -11,9 +11,11 @@ read by /usr/bin/time:
   trl   bench/trl_vision_sft.py: SFTTrainer on the same rows as prompt-completion rows with their pictures (the loss
         on the completions, as ours is on the assistant turns), the same processor
 What is the same: the checkpoint (models/tiny_vision at --scale: four text layers of width 256 and a four-block vision
-tower of width 128 at scale 4), the rows and pictures (data/pictures.py, 112 pixels high: 16 image tokens each), the
+tower of width 128 at scale 4), the rows and pictures (data/pictures.py, 56 to 392 pixels high: 4 to ~200 image tokens
+each, Qwen's dynamic resolution), the
 processor (so the same tokens: both tools' totals are checked equal), fp32, AdamW (betas 0.9, 0.95), a cosine schedule
-after 2 warm-up steps, clipping at 1.0, batches of --batch-size rows, padded. Each job runs once untimed before the
+after 2 warm-up steps, clipping at 1.0, batches of --batch-size rows (TRL pads them; ours packs or pads them as its
+planner decides). Each job runs once untimed before the
 rounds (ours measures the CPU and traces its layers once per machine). Medians over rounds with their spread; exit 1
 if a job fails or the tokens differ.
 """
@@ -38,6 +40,10 @@ from vs_torchtune import ROOT, child_env  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
+# Pictures of 56 to 392 pixels high, as a dataset of photos and scans comes in sizes: Qwen's processor makes each into
+# as many image tokens as its size asks (4 to about 200 here), up to MAX_IMAGE_TOKENS.
+SIZES, MAX_IMAGE_TOKENS = (56, 392), 256
+
 
 def checkpoint(folder: Path, scale: int) -> Path:
     """A small random Qwen2.5-VL-shaped model with its processor (models/tiny_vision.py, `scale` times the tiny one)."""
@@ -48,7 +54,7 @@ def checkpoint(folder: Path, scale: int) -> Path:
         qwen2_5_vl_parts
 
     tokenizer = image_text_tokenizer(QWEN_TOKENS)
-    config, images = qwen2_5_vl_parts(tokenizer, scale=scale)
+    config, images = qwen2_5_vl_parts(tokenizer, scale=scale, max_tokens=MAX_IMAGE_TOKENS)
     torch.manual_seed(0)
     model = transformers.AutoModelForImageTextToText.from_config(config)
     model.save_pretrained(folder)
@@ -61,7 +67,7 @@ def command(name: str, args, *, model: Path, rows: Path, out: Path, steps: int |
         return [sys.executable, str(BENCH / "trl_vision_sft.py"), str(model), str(rows), str(out),
                 f"--batch-size={args.batch_size}", f"--lr={args.lr}", f"--seed={args.seed}"]
     return [sys.executable, "-m", "recipes.full_finetune", "flavor=cpu", f"model.checkpoint_dir={model}", "dataset=chat",
-            f"dataset.path={rows}", f"batch_size={args.batch_size}", "max_seq_len=256", "epochs=1", "dtype=fp32",
+            f"dataset.path={rows}", f"batch_size={args.batch_size}", "max_seq_len=512", "epochs=1", "dtype=fp32",
             "logger=stdout", f"output_dir={out}", f"seed={args.seed}", f"optimizer.lr={args.lr}",
             f"optimizer.betas=[{BETAS[0]},{BETAS[1]}]", f"optimizer.eps={EPS}", "optimizer.weight_decay=0.0",
             f"optimizer.warmup_steps={WARMUP}", f"optimizer.max_grad_norm={MAX_GRAD_NORM}", "sample_max_new_tokens=0",
@@ -92,7 +98,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     env = child_env(work, pythonpath=None, threads=None)
     model = checkpoint(work / "checkpoint", args.scale)
-    rows = write_picture_rows(work / "rows", args.rows, seed=args.seed, size=112)
+    rows = write_picture_rows(work / "rows", args.rows, seed=args.seed, size=SIZES)
     names = ["ours", "trl"]
     print(f"{args.rows} picture rows, batches of {args.batch_size}, scale {args.scale}; {os.cpu_count()} cores; "
           f"load {os.getloadavg()[0]:.1f}", flush=True)

@@ -37,8 +37,10 @@ def draw(shape: str, colour: str, *, size: int = 56, seed: int = 0):
     return image
 
 
-def write_picture_rows(folder: Path, count: int, *, seed: int = 0, size: int = 56, name: str = "pictures") -> Path:
-    """`count` rows of a picture, a question about it (its shape or its colour) and the answer; returns the file."""
+def write_picture_rows(folder: Path, count: int, *, seed: int = 0, size: int | tuple[int, int] = 56,
+                       name: str = "pictures") -> Path:
+    """`count` rows of a picture, a question about it (its shape or its colour) and the answer; returns the file.
+    `size`: the pictures' height in pixels, or (lowest, highest) for pictures of sizes drawn between them."""
     folder = Path(folder)
     (folder / name).mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -46,7 +48,8 @@ def write_picture_rows(folder: Path, count: int, *, seed: int = 0, size: int = 5
     for i in range(count):
         shape, colour, kind = rng.choice(SHAPES), rng.choice(list(COLOURS)), rng.choice(list(QUESTIONS))
         path = f"{name}/{i}.png"
-        draw(shape, colour, seed=seed * 100_003 + i, size=size).save(folder / path)
+        high = size if isinstance(size, int) else rng.randrange(size[0], size[1] + 1)
+        draw(shape, colour, seed=seed * 100_003 + i, size=high).save(folder / path)
         rows.append({"messages": [
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[kind]}]},
             {"role": "assistant", "content": [{"type": "text", "text": answer(kind, shape, colour)}]}],
