@@ -73,7 +73,10 @@ def test_model_config_builds_on_meta_and_matches_transformers(path):
     spec = spec_for(architecture=top["architecture"], checkpoint_dir=top["checkpoint_dir"])
     with torch.device("meta"):
         model = build_model(spec, max_seq_len=4096)
-        reference = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**top["architecture"]))
+        config = transformers.AutoConfig.for_model(**top["architecture"])
+        image_text = type(config) in transformers.AutoModelForImageTextToText._model_mapping  # tiny_vl
+        reference = (transformers.AutoModelForImageTextToText if image_text and not spec.native else
+                     transformers.AutoModelForCausalLM).from_config(config)
     assert all(p.is_meta for p in model.parameters())
     assert spec.num_params() == sum(p.numel() for p in model.parameters())
     assert spec.num_params() == sum(p.numel() for p in reference.parameters())
@@ -96,6 +99,15 @@ def test_known_sizes(name, billions):
 def test_tiny_config_is_the_embedded_checkpoint():
     planned = spec_for(architecture=architecture(MODEL_CONFIGS[0].parent / "tiny.yaml"), checkpoint_dir=None)
     assert read_spec(tiny_checkpoint_dir()) == planned
+
+
+def test_tiny_vl_config_counts_the_embedded_image_text_checkpoint():
+    from moai_recipes.models.tiny_vision import tiny_vl_checkpoint_dir
+
+    planned = spec_for(architecture=architecture(MODEL_CONFIGS[0].parent / "tiny_vl.yaml"), checkpoint_dir=None)
+    made = read_spec(tiny_vl_checkpoint_dir())
+    assert planned.reads_images and made.reads_images
+    assert (planned.num_params(), planned.parts) == (made.num_params(), made.parts)
 
 
 def test_scaled_rope_frequencies_equal_transformers():
