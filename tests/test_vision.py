@@ -297,3 +297,27 @@ def test_the_answers_about_sample_pictures_are_what_transformers_generates_from_
     r = run_recipe("dataset.sample_prompts=[Hi]", f"dataset.sample_images=[{picture}]", "max_steps=1",
                    f"output_dir={tmp_path / 'text'}")
     assert r.returncode == 2 and "this model reads no images" in r.stderr, r.stderr
+
+
+def test_processed_rows_are_cached_until_a_picture_or_the_processor_changes(checkpoints, tmp_path):
+    from moai_recipes.data.pictures import draw
+    from moai_recipes.errors import UserError
+
+    rows = write_picture_rows(tmp_path / "rows", 6, size=56)
+    maker = image_samples(checkpoints["qwen2_5_vl"])
+    source = DataSource(kind="chat", path=str(rows))
+    first = load_image_dataset(source, maker, max_seq_len=128, cache=True)
+    again = load_image_dataset(source, maker, max_seq_len=128, cache=True)
+    assert (first.origin, again.origin) == ("tokenised", "cache")
+    assert [again[i]["tokens"] for i in range(6)] == [first[i]["tokens"] for i in range(6)]
+    assert torch.equal(again[0]["images"]["pixel_values"], first[0]["images"]["pixel_values"])
+    # A picture drawn larger makes more image tokens: the cache does not answer for it.
+    before = len(first[0]["tokens"])
+    path = json.loads(rows.read_text().splitlines()[0])["images"][0]
+    draw("circle", "red", size=112).save(rows.parent / path)
+    grown = load_image_dataset(source, maker, max_seq_len=256, cache=True)
+    assert grown.origin == "tokenised" and len(grown[0]["tokens"]) > before
+    with pytest.raises(UserError, match="changed during the run"):  # what was processed before no longer holds
+        first[0]
+    assert load_image_dataset(source, image_samples(checkpoints["qwen3_vl"]), max_seq_len=256,
+                              cache=True).origin == "tokenised"  # another processor

@@ -283,7 +283,9 @@ class ImageSamples:
         (pixel_values, image_grid_thw...) and those with a value per token (token_type_ids), cut as the tokens are."""
         out = self.processor(text=[text], images=images, return_tensors="pt")
         made = out["input_ids"][0]
-        assert made[:len(tokens)].tolist() == tokens, "the processor made other tokens of a sample than it did before"
+        if made[:len(tokens)].tolist() != tokens:
+            raise UserError("a sample's pictures make other tokens than when its row was processed (a picture was "
+                            "changed during the run?); run again to process the rows anew")
         inputs = {}
         for k, v in out.items():
             if k in _TEXT_KEYS or not torch.is_tensor(v):
@@ -378,16 +380,71 @@ class ImageTextDataset(torch.utils.data.Dataset):
         return pick(train), pick(val)
 
 
-def load_image_dataset(source, maker: ImageSamples, *, max_seq_len: int, progress: bool = False) -> ImageTextDataset:
+def load_image_dataset(source, maker: ImageSamples, *, max_seq_len: int, progress: bool = False,
+                       cache: bool = False, write_cache: bool = True) -> ImageTextDataset:
     """Every row of `source` (data/datasets.DataSource, kind chat) made into a sample by the processor; a row's
-    problem is a UserError naming it."""
+    problem is a UserError naming it. `cache`: a local file's samples (their tokens, labels, texts and the paths of
+    their pictures) kept in this machine's cache, as text data's tokens are (data/token_cache.py), keyed by the file,
+    the pictures' sizes and times, the processor and the settings: a second run, and every other rank of a run, reads
+    them instead of processing every picture again. `write_cache`: a dry read writes none."""
     if source.reads != "chat":
         raise UserError(f"dataset={source.kind}: an image-text model trains on chat rows (dataset=chat), whose "
                         "messages hold image parts and an images column")
     if source.path:
         made_if_demo(source.path)
-    rows, _, total = source.open()
     base = Path(source.path).resolve().parent if source.path else None
+    rows, digest, total = source.open()
+    key = _cache_key(source, maker, base, digest, max_seq_len) if cache and source.path and digest else None
+    if key is None:
+        return _processed(rows, source, maker, base, max_seq_len=max_seq_len, progress=progress, total=total)
+    from moai_recipes.data.token_cache import cached_tokens, existing_tokens
+
+    def build(writer) -> dict:
+        data = _processed(rows, source, maker, base, max_seq_len=max_seq_len, progress=progress, total=total)
+        for sample in data._samples:
+            writer.add(sample.tokens.tolist(), sample.labels.tolist())
+        return {"rows": data.rows, "dropped": data.dropped, "texts": [s.text for s in data._samples],
+                "images": [s.images for s in data._samples]}
+
+    if write_cache:
+        arrays, built = cached_tokens(key, build)
+    else:
+        arrays, built = existing_tokens(key), False
+        if arrays is None:
+            return _processed(rows, source, maker, base, max_seq_len=max_seq_len, progress=progress, total=total)
+    meta, offsets = arrays.meta, arrays.offsets
+    samples = [ImageSample(np.asarray(arrays.tokens[offsets[i]:offsets[i + 1]], dtype=np.int64),
+                           np.asarray(arrays.labels[offsets[i]:offsets[i + 1]], dtype=np.int64),
+                           meta["texts"][i], meta["images"][i], base) for i in range(len(offsets) - 1)]
+    return ImageTextDataset(samples, maker, rows=meta["rows"], dropped=meta["dropped"],
+                            origin="tokenised" if built else "cache")
+
+
+def _cache_key(source, maker: ImageSamples, base: Path | None, digest: str, max_seq_len: int) -> str | None:
+    """What a local file's samples depend on, its pictures' sizes and modification times included; None where a
+    picture is not a file the rows name by path (bytes in the rows: processed each run)."""
+    from moai_recipes.data.local_files import read_rows
+    from moai_recipes.data.token_cache import cache_key
+
+    pictures = hashlib.sha256()
+    for _, row in read_rows(source.path, key=source.key):
+        for value in _image_values(row, source.column_map):
+            if not isinstance(value, str):
+                return None
+            path = Path(value) if Path(value).is_absolute() or base is None else base / value
+            try:
+                stat = path.stat()
+            except OSError:
+                return None  # named with its row when processed
+            pictures.update(f"{value}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    return cache_key({"data": digest, "pictures": pictures.hexdigest(), "processor": maker.fingerprint(),
+                      "kind": "chat with images", "column_map": dict(sorted(source.column_map.items())),
+                      "train_on_input": source.train_on_input, "max_seq_len": max_seq_len,
+                      "images.py": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()})
+
+
+def _processed(rows, source, maker: ImageSamples, base: Path | None, *, max_seq_len: int, progress: bool,
+               total: int | None) -> ImageTextDataset:
     samples, n_rows, dropped = [], 0, 0
     bar = tqdm(rows, total=total, unit=" rows", desc=f"Processing {source.describe()}", disable=not progress,
                file=sys.stderr, mininterval=1 if sys.stderr.isatty() else 15, leave=False)

@@ -95,7 +95,8 @@ def read_data(cfg: DictConfig, tokenizer: Tokenizer, *, dry: bool, progress: boo
         if d.streaming:
             raise UserError("dataset.streaming=true is not offered for an image-text model's rows yet; leave it "
                             "false (its images are read when a sample is, not held in memory)")
-        load = lambda s: load_image_dataset(s, images, max_seq_len=cfg.max_seq_len, progress=progress)  # noqa: E731
+        load = lambda s: load_image_dataset(s, images, max_seq_len=cfg.max_seq_len, progress=progress,  # noqa: E731
+                                            cache=d.cache, write_cache=not dry)
     else:
         load = lambda s: load_dataset(s, tokenizer, max_seq_len=cfg.max_seq_len, cache=d.cache,  # noqa: E731
                                       write_cache=not dry, progress=progress)
