@@ -321,3 +321,36 @@ def test_processed_rows_are_cached_until_a_picture_or_the_processor_changes(chec
         first[0]
     assert load_image_dataset(source, image_samples(checkpoints["qwen3_vl"]), max_seq_len=256,
                               cache=True).origin == "tokenised"  # another processor
+
+
+def test_qlora_holds_the_language_models_linear_weights_in_nf4_and_leaves_the_vision_tower_alone(pictures, tmp_path):
+    import transformers
+
+    from moai_recipes.models.build import is_nf4
+    from moai_recipes.models.lora import NF4_BLOCK, lora_options
+    from moai_recipes.models.tiny_vision import QWEN_TEMPLATE, QWEN_TOKENS, ProcessorFiles, image_text_tokenizer, \
+        qwen2_5_vl_parts
+
+    # Four times as wide as the tests' others: the language model's projections hold whole NF4 blocks.
+    tokenizer = image_text_tokenizer(QWEN_TOKENS)
+    config, images = qwen2_5_vl_parts(tokenizer, scale=4)
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path)
+    ProcessorFiles(tokenizer, images, QWEN_TEMPLATE, "Qwen2_5_VLProcessor").save(tmp_path)
+    hf = HFFolder.open(tmp_path)
+    opts = lora_options({"attn_modules": ["q_proj", "v_proj"], "apply_to_mlp": False, "apply_to_output": False,
+                         "rank": 4, "alpha": 8, "dropout": 0.0, "quantize_base": True}, spec=hf.spec)
+    qlora = _loaded(hf, lora=opts.builder_kwargs(), quantize_base=True)
+    plain = _loaded(hf)
+    linears = {n: m.weight.shape for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear)}
+    held = dict(qlora.named_parameters())
+    text = {n for n in linears if ".language_model.layers." in n}
+    whole = {n for n in text if linears[n][0] % 2 == 0 and (linears[n][0] // 2 * linears[n][1]) % NF4_BLOCK == 0}
+    assert whole and set(opts.unquantized) == text - whole
+    for name in linears:
+        assert is_nf4(held[f"{name}.weight"]) == (name in whole), name
+    batch = collate([load_image_dataset(DataSource(kind="chat", path=str(pictures)), image_samples(hf.folder),
+                                        max_seq_len=128)[0]], pad_id=0)
+    with torch.no_grad():  # NF4 is 4 bits a weight: close to the model, not equal
+        ours = qlora(batch["tokens"], images=batch["images"])
+        assert (ours - plain(batch["tokens"], images=batch["images"])).abs().max() < 0.5
