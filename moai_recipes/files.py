@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,6 +25,24 @@ cache_dir = env.cache_dir  # this machine's cache: where it is, env.py says
 def demo_pictures_dir() -> Path:
     """Where the image-text demo's pictures are drawn into (data/pictures.demo_pictures), in this machine's cache."""
     return cache_dir() / "pictures-v2-2000-112"
+
+
+def made_once(folder: Path, make) -> Path:
+    """`folder`, made by `make(tmp)` in a folder beside it and renamed into place, unless a process made it before (a
+    reader never sees half of it; of two processes making it at once, one keeps its own)."""
+    if folder.exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        make(tmp)
+        os.rename(tmp, folder)
+    except OSError:
+        if not folder.exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 def sha256_of(path: str | Path) -> str:

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from moai_recipes.data.local_files import type_name
 from moai_recipes.data.pictures import made_if_demo
+from moai_recipes.data.tokenizer import assistant_spans
 from moai_recipes.errors import UserError
 from moai_recipes.models.loss import IGNORE_INDEX
 
@@ -250,26 +251,10 @@ class ImageSamples:
         return trained
 
     def _assistant_spans(self, messages: list[dict], text: str) -> list[tuple[int, int]]:
-        spans, cursor = [], 0
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = self.processor.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-            upto = self.processor.apply_chat_template(messages[: i + 1], tokenize=False)
-            if text.startswith(upto) and upto.startswith(before):
-                start, end = len(before), len(upto)
-            else:
-                import os
+        def render(part, *, add_generation_prompt):
+            return self.processor.apply_chat_template(part, tokenize=False, add_generation_prompt=add_generation_prompt)
 
-                turn = upto[len(os.path.commonprefix([before, upto])):]
-                start = text.find(turn, cursor)
-                if start < 0:
-                    raise UserError(f"cannot find assistant turn {i} where the chat template of {self.name} renders "
-                                    "the conversation")
-                end = start + len(turn)
-            spans.append((start, end))
-            cursor = end
-        return spans
+        return assistant_spans(messages, text, render, name=self.name)
 
     def prompt(self, question: str, picture: str) -> tuple[list[int], dict]:
         """(tokens, image inputs) of a question about a picture (a path), as the model is asked for its answer."""

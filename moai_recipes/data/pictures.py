@@ -7,13 +7,10 @@ data, made once into the cache: training rows, and pictures the training never s
 """
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
-from moai_recipes.files import demo_pictures_dir
+from moai_recipes.files import demo_pictures_dir, made_once
 from moai_recipes.models.tiny_vision import COLOURS, QUESTIONS, SHAPES, answer
 
 
@@ -68,21 +65,13 @@ UNSEEN = [("circle", "blue"), ("triangle", "yellow"), ("square", "red"), ("trian
 def demo_pictures() -> Path:
     """The folder of the image-text demo's data (shapes.jsonl and its pictures; unseen/COLOUR-SHAPE.png, named for
     what they show so that a reader of the answers can tell), made once."""
-    folder = demo_pictures_dir()
-    if (folder / "shapes.jsonl").exists():
-        return folder
-    root = folder.parent
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".pictures-", dir=root))
-    write_picture_rows(tmp, DEMO_ROWS, seed=0, size=DEMO_SIZE, name="shapes")
-    (tmp / "unseen").mkdir()
-    for i, (shape, colour) in enumerate(UNSEEN):
-        draw(shape, colour, seed=10_000_000 + i, size=DEMO_SIZE).save(tmp / "unseen" / f"{colour}-{shape}.png")
-    try:
-        os.rename(tmp, folder)
-    except OSError:  # another process made it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    def make(tmp: Path) -> None:
+        write_picture_rows(tmp, DEMO_ROWS, seed=0, size=DEMO_SIZE, name="shapes")
+        (tmp / "unseen").mkdir()
+        for i, (shape, colour) in enumerate(UNSEEN):
+            draw(shape, colour, seed=10_000_000 + i, size=DEMO_SIZE).save(tmp / "unseen" / f"{colour}-{shape}.png")
+
+    return made_once(demo_pictures_dir(), make)
 
 
 def made_if_demo(path: str) -> None:

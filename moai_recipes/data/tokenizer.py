@@ -192,25 +192,7 @@ class Tokenizer:
         return ids, masked
 
     def _assistant_spans(self, messages, full: str) -> list[tuple[int, int]]:
-        """Character spans of the assistant turns in `full`, each ending after its end-of-turn text."""
-        spans, cursor = [], 0
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before = self.render(messages[:i], add_generation_prompt=True)
-            upto = self.render(messages[: i + 1])
-            if full.startswith(upto) and upto.startswith(before):
-                start, end = len(before), len(upto)
-            else:  # the template moves text between turns (Mistral puts the system prompt in the last user turn)
-                turn = upto[len(os.path.commonprefix([before, upto])):]
-                start = full.find(turn, cursor)
-                if start < 0:
-                    raise UserError(f"cannot find assistant turn {i} where the chat template of {self.name} "
-                                    "renders the conversation")
-                end = start + len(turn)
-            spans.append((start, end))
-            cursor = end
-        return spans
+        return assistant_spans(messages, full, self.render, name=self.name)
 
     def _tokenize_plain(self, messages):
         """Without a template: bos, prompts joined by blank lines, then each answer followed by eos."""
@@ -245,6 +227,29 @@ class Tokenizer:
         special = {i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
         turn = upto[len(os.path.commonprefix([before, upto])):]
         return next((i for i in self._encode_text(turn).ids if i in special), None)
+
+
+def assistant_spans(messages: list[dict], full: str, render, *, name: str) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in `full` (the conversation rendered), each ending after its
+    end-of-turn text; `render(messages, add_generation_prompt=...)` renders a part of it through the chat template."""
+    spans, cursor = [], 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(messages[:i], add_generation_prompt=True)
+        upto = render(messages[: i + 1], add_generation_prompt=False)
+        if full.startswith(upto) and upto.startswith(before):
+            start, end = len(before), len(upto)
+        else:  # the template moves text between turns (Mistral puts the system prompt in the last user turn)
+            turn = upto[len(os.path.commonprefix([before, upto])):]
+            start = full.find(turn, cursor)
+            if start < 0:
+                raise UserError(f"cannot find assistant turn {i} where the chat template of {name} renders the "
+                                "conversation")
+            end = start + len(turn)
+        spans.append((start, end))
+        cursor = end
+    return spans
 
 
 def prompt_ids(tokenizer: "Tokenizer", prompt: str, *, chat: bool) -> list[int]:

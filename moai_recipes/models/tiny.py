@@ -8,14 +8,12 @@ tokenizer_config.json, generation_config.json), so every code path is the real o
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from moai_recipes.files import cache_dir as machine_cache_dir
+from moai_recipes.files import cache_dir as machine_cache_dir, made_once
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEMO_DATA = ASSETS / "demo.jsonl"
@@ -99,20 +97,13 @@ def _init_llama_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
 
 def tiny_checkpoint_dir(cache_dir: str | os.PathLike | None = None, seed: int = 0) -> Path:
     """Return the folder of the tiny default checkpoint, making it (atomically) on first use."""
-    root = Path(cache_dir or machine_cache_dir())
-    folder = root / f"tiny-llama-v1-seed{seed}"
-    if (folder / "model.safetensors").exists():
-        return folder
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
-    vocab_size = write_tokenizer(tmp, demo_texts())
-    cfg = llama_config(vocab_size, tmp)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    (tmp / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"], "pad_token_id": cfg["pad_token_id"]}))
-    save_file(_init_llama_weights(cfg, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    try:
-        os.rename(tmp, folder)
-    except OSError:  # another process made it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    def make(tmp: Path) -> None:
+        vocab_size = write_tokenizer(tmp, demo_texts())
+        cfg = llama_config(vocab_size, tmp)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
+             "pad_token_id": cfg["pad_token_id"]}))
+        save_file(_init_llama_weights(cfg, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    return made_once(Path(cache_dir or machine_cache_dir()) / f"tiny-llama-v1-seed{seed}", make)

@@ -9,14 +9,12 @@ preprocessor_config.json, processor_config.json, chat_template.jinja), so every 
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from moai_recipes.files import cache_dir
+from moai_recipes.files import cache_dir, made_once
 from moai_recipes.models.tiny import BOS, EOS, PAD, SPECIAL_TOKENS, demo_texts
 
 # What the image-text demo's pictures show and ask (data/pictures.py draws them): the tokenizer learns these words.
@@ -109,20 +107,11 @@ def tiny_vl_checkpoint_dir(cache: str | os.PathLike | None = None, seed: int = 0
     """The folder of the tiny image-text model, made (atomically) on first use."""
     import transformers
 
-    root = Path(cache or cache_dir())
-    folder = root / f"tiny-qwen2_5_vl-v1-seed{seed}"
-    if (folder / "model.safetensors").exists():
-        return folder
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-vl-", dir=root))
-    tokenizer = image_text_tokenizer(QWEN_TOKENS)
-    config, images = qwen2_5_vl_parts(tokenizer)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForImageTextToText.from_config(config)
-    model.save_pretrained(tmp)
-    ProcessorFiles(tokenizer, images, QWEN_TEMPLATE, "Qwen2_5_VLProcessor").save(tmp)
-    try:
-        os.rename(tmp, folder)
-    except OSError:  # another process made it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    def make(tmp: Path) -> None:
+        tokenizer = image_text_tokenizer(QWEN_TOKENS)
+        config, images = qwen2_5_vl_parts(tokenizer)
+        torch.manual_seed(seed)
+        transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(tmp)
+        ProcessorFiles(tokenizer, images, QWEN_TEMPLATE, "Qwen2_5_VLProcessor").save(tmp)
+
+    return made_once(Path(cache or cache_dir()) / f"tiny-qwen2_5_vl-v1-seed{seed}", make)
