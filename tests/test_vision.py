@@ -318,7 +318,7 @@ def test_processed_rows_are_cached_until_a_picture_or_the_processor_changes(chec
     grown = load_image_dataset(source, maker, max_seq_len=256, cache=True)
     assert grown.origin == "tokenised" and len(grown[0]["tokens"]) > before
     with pytest.raises(UserError, match="changed during the run"):  # what was processed before no longer holds
-        first[0]
+        first[0]["images"]["pixel_values"]
     assert load_image_dataset(source, image_samples(checkpoints["qwen3_vl"]), max_seq_len=256,
                               cache=True).origin == "tokenised"  # another processor
 
@@ -354,3 +354,14 @@ def test_qlora_holds_the_language_models_linear_weights_in_nf4_and_leaves_the_vi
     with torch.no_grad():  # NF4 is 4 bits a weight: close to the model, not equal
         ours = qlora(batch["tokens"], images=batch["images"])
         assert (ours - plain(batch["tokens"], images=batch["images"])).abs().max() < 0.5
+
+
+def test_a_ranks_pictures_are_made_only_for_its_own_share_of_the_batch(checkpoints, pictures):
+    """Every rank reads a step's whole global batch (and splits it as the plan does): the pictures of the samples
+    another rank trains on are never opened or processed here."""
+    data = load_image_dataset(DataSource(kind="chat", path=str(pictures)), image_samples(checkpoints["qwen2_5_vl"]),
+                              max_seq_len=128)
+    batch = [data[i] for i in range(8)]
+    assert data.processed == 0 and all(len(s["tokens"]) for s in batch)
+    mine = collate(batch[:3], pad_id=0)  # this rank's micro-batch
+    assert data.processed == 3 and mine["images"]["image_grid_thw"].shape[0] == 3

@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -305,24 +306,53 @@ class ImageSample:
     base: Path | None
 
 
+class _ImageInputs(Mapping):
+    """A sample's image inputs, made by the processor when first looked at: every rank reads a step's whole global
+    batch (train/micro_batches.py splits it), and makes the pixels of its own share only."""
+
+    def __init__(self, dataset: "ImageTextDataset", sample: ImageSample):
+        self._dataset, self._sample, self._made = dataset, sample, None
+
+    def made(self) -> dict:
+        """The inputs, made now and not kept (a micro-batch's collation holds only their concatenation)."""
+        if self._made is not None:
+            return self._made
+        s = self._sample
+        images = [open_image(v, base=s.base) for v in s.images]
+        self._dataset.processed += 1
+        return self._dataset.maker.image_inputs(s.text, images, s.tokens.tolist()) if images else {}
+
+    def _inputs(self) -> dict:
+        if self._made is None:
+            self._made = self.made()
+        return self._made
+
+    def __getitem__(self, key):
+        return self._inputs()[key]
+
+    def __iter__(self):
+        return iter(self._inputs())
+
+    def __len__(self):
+        return len(self._inputs())
+
+
 class ImageTextDataset(torch.utils.data.Dataset):
-    """Samples of an image-text model: tokens and labels made once; their images opened and processed when a sample
-    is read (`images`: the processor's image inputs for it)."""
+    """Samples of an image-text model: tokens and labels made once; their images opened and processed when a sample's
+    `images` (the processor's image inputs for it) are first looked at."""
 
     def __init__(self, samples: list[ImageSample], maker: ImageSamples, *, rows: int, dropped: int,
                  origin: str = "memory"):
         self._samples, self.maker = samples, maker
         self.rows, self.dropped, self.origin = rows, dropped, origin
+        self.processed = 0  # samples whose pictures this process has made into inputs
 
     def __len__(self):
         return len(self._samples)
 
     def __getitem__(self, i) -> dict:
         s = self._samples[i]
-        tokens = s.tokens.tolist()
-        images = [open_image(v, base=s.base) for v in s.images]
-        return {"tokens": tokens, "labels": s.labels.tolist(),
-                "images": self.maker.image_inputs(s.text, images, tokens) if images else {}}
+        return {"tokens": s.tokens.tolist(), "labels": s.labels.tolist(), "images": _ImageInputs(self, s)}
 
     def length(self, i) -> int:
         return len(self._samples[i].tokens)
@@ -478,22 +508,28 @@ def collate_images(samples: list[dict], width: int | None) -> dict:
     makes them for several images); each one with a value per token (a list) padded with 0 to the rows' `width`, or
     (`width` None) laid end to end as the samples' tokens are in a packed row."""
     out: dict[str, torch.Tensor] = {}
-    for k in sorted({k for s in samples for k in s.get("images", {})}):
-        values = [s["images"][k] for s in samples if k in s.get("images", {})]
+    made = [_made(s.get("images", {})) for s in samples]
+    for k in sorted({k for inputs in made for k in inputs}):
+        values = [inputs[k] for inputs in made if k in inputs]
         if torch.is_tensor(values[0]):
             out[k] = torch.cat(values)
             continue
         if width is None:
             row = []
-            for s in samples:
-                own = list(s.get("images", {}).get(k) or [])
+            for s, inputs in zip(samples, made):
+                own = list(inputs.get(k) or [])
                 row += own + [0] * (len(s["tokens"]) - len(own))
             out[k] = torch.tensor([row], dtype=torch.long)
             continue
         rows = torch.zeros(len(samples), width, dtype=torch.long)
-        for r, s in enumerate(samples):
-            row = s.get("images", {}).get(k)
+        for r, inputs in enumerate(made):
+            row = inputs.get(k)
             if row:
                 rows[r, :len(row)] = torch.tensor(row, dtype=torch.long)
         out[k] = rows
     return out
+
+
+def _made(images) -> dict:
+    """A sample's image inputs as a dict: made now where they are made when looked at (_ImageInputs)."""
+    return images.made() if isinstance(images, _ImageInputs) else dict(images)
