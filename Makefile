@@ -6,6 +6,8 @@
 # make demo-dpo: preference tuning (DPO with LoRA) of the same model on pirate-voiced pairs (about two minutes).
 # make demo-grpo: online RL (GRPO with LoRA) of the same model on additions, rewarded for the right sum and for the
 # number alone (204 s for its 24 steps on this 2-core machine).
+# make demo-vision: a tiny image-text model (Qwen2.5-VL-shaped) trained from scratch on 2,000 generated pictures of
+# coloured shapes answers questions about pictures it never saw (34 s on this 2-core machine, 2026-11-27).
 # make test: install with the test extras (about 7 minutes once, llama.cpp's build most of it), then run the test
 # suite (515 passed and 3 skipped in 10:16 on a fresh clone on two cores with a cold inductor cache, 2026-11-26; 9:14
 # warm; about 17 minutes in all).
