@@ -45,23 +45,6 @@ sys.path.insert(0, str(ROOT))
 SIZES, MAX_IMAGE_TOKENS = (56, 392), 256
 
 
-def checkpoint(folder: Path, scale: int) -> Path:
-    """A small random Qwen2.5-VL-shaped model with its processor (models/tiny_vision.py, `scale` times the tiny one)."""
-    import torch
-    import transformers
-
-    from moai_recipes.models.tiny_vision import QWEN_TEMPLATE, QWEN_TOKENS, ProcessorFiles, image_text_tokenizer, \
-        qwen2_5_vl_parts
-
-    tokenizer = image_text_tokenizer(QWEN_TOKENS)
-    config, images = qwen2_5_vl_parts(tokenizer, scale=scale, max_tokens=MAX_IMAGE_TOKENS)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForImageTextToText.from_config(config)
-    model.save_pretrained(folder)
-    ProcessorFiles(tokenizer, images, QWEN_TEMPLATE, "Qwen2_5_VLProcessor").save(folder)
-    return folder
-
-
 def command(name: str, args, *, model: Path, rows: Path, out: Path, steps: int | None = None) -> list[str]:
     if name == "trl":
         return [sys.executable, str(BENCH / "trl_vision_sft.py"), str(model), str(rows), str(out),
@@ -93,11 +76,12 @@ def main() -> int:
     args = p.parse_args()
 
     from moai_recipes.data.pictures import write_picture_rows
+    from moai_recipes.models.tiny_vision import write_tiny_vl
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="moai-vision-epoch-"))
     work.mkdir(parents=True, exist_ok=True)
     env = child_env(work, pythonpath=None, threads=None)
-    model = checkpoint(work / "checkpoint", args.scale)
+    model = write_tiny_vl(work / "checkpoint", scale=args.scale, max_tokens=MAX_IMAGE_TOKENS)
     rows = write_picture_rows(work / "rows", args.rows, seed=args.seed, size=SIZES)
     names = ["ours", "trl"]
     print(f"{args.rows} picture rows, batches of {args.batch_size}, scale {args.scale}; {os.cpu_count()} cores; "

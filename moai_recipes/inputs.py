@@ -44,6 +44,10 @@ if TYPE_CHECKING:
     from moai_recipes.inference.harness import Tasks
 
 
+# An image-text model's parts that LoRA may adapt or train whole (lora.vision, lora.projector), as a run names them.
+_IMAGE_PARTS = {"vision": "vision tower", "projector": "projector"}
+
+
 @dataclass
 class RunInputs:
     """A training run's inputs, checked. In a dry read of a model only on the Hub, `hf`, `tokenizer` and
@@ -102,12 +106,11 @@ class RunInputs:
             targets = [*(o.target_modules or o.attn_modules), *(["the MLP"] if o.apply_to_mlp else []),
                        *(["every expert's projections"] if o.apply_to_experts else []),
                        *(["the output"] if o.apply_to_output else []),
-                       *([f"the {part}'s linear modules" for part in ("vision tower", "projector")
-                          if getattr(o, part.split()[0]) == "lora"])]
+                       *([f"the {name}'s linear modules" for part, name in _IMAGE_PARTS.items()
+                          if getattr(o, part) == "lora"])]
             small = (f", but for {len(o.unquantized)} linear weights too small for whole NF4 blocks (kept in the "
                      "compute dtype)") if o.unquantized else ""
-            whole = [{"vision": "vision tower"}.get(part, part) for part in ("vision", "projector")
-                     if getattr(o, part) == "full"]
+            whole = [name for part, name in _IMAGE_PARTS.items() if getattr(o, part) == "full"]
             lines.append(f"LoRA: rank {o.rank} on {', '.join(targets)}, alpha {o.alpha:g}; "
                          + (f"the base frozen in NF4 (QLoRA){small}" if o.quantize_base else "the base frozen")
                          + (f", but the {' and '.join(whole)} trained whole ({', '.join(o.trained_whole)})"

@@ -324,20 +324,12 @@ def test_processed_rows_are_cached_until_a_picture_or_the_processor_changes(chec
 
 
 def test_qlora_holds_the_language_models_linear_weights_in_nf4_and_leaves_the_vision_tower_alone(pictures, tmp_path):
-    import transformers
-
     from moai_recipes.models.build import is_nf4
     from moai_recipes.models.lora import NF4_BLOCK, lora_options
-    from moai_recipes.models.tiny_vision import QWEN_TEMPLATE, QWEN_TOKENS, ProcessorFiles, image_text_tokenizer, \
-        qwen2_5_vl_parts
+    from moai_recipes.models.tiny_vision import write_tiny_vl
 
     # Four times as wide as the tests' others: the language model's projections hold whole NF4 blocks.
-    tokenizer = image_text_tokenizer(QWEN_TOKENS)
-    config, images = qwen2_5_vl_parts(tokenizer, scale=4)
-    torch.manual_seed(0)
-    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path)
-    ProcessorFiles(tokenizer, images, QWEN_TEMPLATE, "Qwen2_5_VLProcessor").save(tmp_path)
-    hf = HFFolder.open(tmp_path)
+    hf = HFFolder.open(write_tiny_vl(tmp_path, scale=4))
     opts = lora_options({"attn_modules": ["q_proj", "v_proj"], "apply_to_mlp": False, "apply_to_output": False,
                          "rank": 4, "alpha": 8, "dropout": 0.0, "quantize_base": True}, spec=hf.spec)
     qlora = _loaded(hf, lora=opts.builder_kwargs(), quantize_base=True)

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from moai_recipes.data import hf_datasets, local_files
+from moai_recipes.data.images import collate_images
 from moai_recipes.data.hf_datasets import HFSplit
 from moai_recipes.data.local_files import type_name
 from moai_recipes.data.token_cache import (
@@ -154,8 +155,6 @@ def collate(samples: list[dict], *, pad_id: int) -> dict:
         tokens[row, : len(s["tokens"])] = torch.tensor(s["tokens"], dtype=torch.long)
         labels[row, : len(s["labels"])] = torch.tensor(s["labels"], dtype=torch.long)
     if any("images" in s for s in samples):  # an image-text model's samples (data/images.py)
-        from moai_recipes.data.images import collate_images
-
         return {"tokens": tokens, "labels": labels, "images": collate_images(samples, width)}
     return {"tokens": tokens, "labels": labels}
 

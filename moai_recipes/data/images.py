@@ -8,9 +8,10 @@ feature, or a PIL image. A part may name its image itself (`{"type": "image", "i
 The processor (transformers' AutoProcessor of the checkpoint: its image processor, tokenizer and chat template) renders
 the conversation, sizes each image as its rules say and puts the image's tokens in the row. Only the assistant turns
 are trained on: a token is trained where it is the same token at the same place of the conversation tokenised without
-its images, inside an assistant turn (what the images add is never a target). A sample keeps its tokens and labels;
-its pixels are made again each time it is read (as TRL's collator does), so a dataset of scanned pages is not held in
-memory. A missing or unreadable image is a UserError naming its row, before the first step.
+its images, inside an assistant turn (what the images add is never a target). A sample keeps its tokens and labels
+(cached on disk as text data's tokens are); its pixels are made again when its micro-batch is collated (as TRL's
+collator does), by the rank that trains on it, so a dataset of scanned pages is not held in memory. A missing or
+unreadable image is a UserError naming its row, before the first step.
 
 Test: `python -m pytest tests/test_vision.py -q`.
 """
@@ -132,8 +133,9 @@ def open_image(value, *, base: Path | None):
         raise UserError(f"image {name} cannot be read: {e}") from None
 
 
-def _messages_and_images(row: dict, column_map: dict, base: Path | None) -> tuple[list[dict], list]:
-    """The row's conversation (each message's content a list of parts) and its images, opened, in order."""
+def _conversation(row: dict, column_map: dict) -> tuple[list[dict], list]:
+    """The row's conversation (each message's content a list of parts) and its images as the row holds them (paths,
+    bytes...), in the order of its image parts."""
     col = column_map.get("messages", "messages")
     if col not in row:
         raise UserError(f"no '{col}' column (columns present: {', '.join(map(str, row))}); map it with "
@@ -181,17 +183,7 @@ def _messages_and_images(row: dict, column_map: dict, base: Path | None) -> tupl
     if used != len(listed):
         raise UserError(f"column '{images_col}' holds {len(listed)} image(s) but the messages have {used} image "
                         "part(s) that take one: give one image per image part")
-    return messages, [open_image(image, base=base) for image in images]
-
-
-def has_images(row: dict, column_map: dict) -> bool:
-    """Whether a row holds images (an images column with any, or an image part)."""
-    listed = row.get(column_map.get("images", "images"))
-    if listed:
-        return True
-    value = row.get(column_map.get("messages", "messages"))
-    return isinstance(value, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
-        isinstance(p, dict) and p.get("type") == "image" for p in m["content"]) for m in value)
+    return messages, images
 
 
 class ImageSamples:
@@ -200,7 +192,6 @@ class ImageSamples:
 
     def __init__(self, processor, *, name: str, image_token_id: int | None = None):
         self.processor, self.name, self.image_token_id = processor, name, image_token_id
-
 
     def fingerprint(self) -> str:
         """What the samples depend on: the processor's settings and chat template."""
@@ -218,9 +209,11 @@ class ImageSamples:
 
     def sample(self, row: dict, *, column_map: dict, base: Path | None, max_seq_len: int,
                train_on_input: bool) -> dict | None:
-        """{tokens, labels, per_token, images: the row's image values}; None when no target token is left within
-        max_seq_len. A row cut short of its images' tokens is refused (its images would be half in the row)."""
-        messages, images = _messages_and_images(row, column_map, base)
+        """{tokens, labels, text: the conversation rendered, images: the row's images as it holds them}; None when no
+        target token is left within max_seq_len. A row cut short of its images' tokens is refused (its images would be
+        half in the row)."""
+        messages, refs = _conversation(row, column_map)
+        images = [open_image(ref, base=base) for ref in refs]
         out = self._process(messages, images)
         ids = out["input_ids"][0].tolist()
         trained = self._trained(messages, out["text"], ids) if not train_on_input else None
@@ -235,7 +228,7 @@ class ImageSamples:
         labels = [IGNORE_INDEX if m else t for t, m in zip(ids[1:], masked[1:])] + [IGNORE_INDEX]
         if all(label == IGNORE_INDEX for label in labels):
             return None
-        return {"tokens": ids, "labels": labels, "text": out["text"], "images": images}
+        return {"tokens": ids, "labels": labels, "text": out["text"], "images": refs}
 
     def _trained(self, messages: list[dict], text: str, ids: list[int]) -> list[bool]:
         """Per token of `ids` (the conversation with its images' tokens): whether it is an assistant turn's."""
@@ -354,9 +347,6 @@ class ImageTextDataset(torch.utils.data.Dataset):
         s = self._samples[i]
         return {"tokens": s.tokens.tolist(), "labels": s.labels.tolist(), "images": _ImageInputs(self, s)}
 
-    def length(self, i) -> int:
-        return len(self._samples[i].tokens)
-
     def image_load(self) -> dict | None:
         """What the planner prices the vision tower by (the fields of planner/plan.ImageLoad): each sample's image
         tokens, and the image inputs of the sample with the most; None without images."""
@@ -375,9 +365,6 @@ class ImageTextDataset(torch.utils.data.Dataset):
     @property
     def lengths(self) -> tuple[int, ...]:
         return tuple(len(s.tokens) for s in self._samples)
-
-    def num_target_tokens(self, i) -> int:
-        return int((self._samples[i].labels != IGNORE_INDEX).sum())
 
     def fingerprint(self) -> str:
         digest = hashlib.sha256(self.maker.fingerprint().encode())
@@ -443,7 +430,11 @@ def _cache_key(source, maker: ImageSamples, base: Path | None, digest: str, max_
 
     pictures = hashlib.sha256()
     for _, row in read_rows(source.path, key=source.key):
-        for value in _image_values(row, source.column_map):
+        try:
+            refs = _conversation(row, source.column_map)[1]
+        except UserError:
+            return None  # named with its row when processed
+        for value in refs:
             if not isinstance(value, str):
                 return None
             path = Path(value) if Path(value).is_absolute() or base is None else base / value
@@ -473,9 +464,8 @@ def _processed(rows, source, maker: ImageSamples, base: Path | None, *, max_seq_
         if s is None:
             dropped += 1
             continue
-        listed = _image_values(row, source.column_map)
         samples.append(ImageSample(np.asarray(s["tokens"], dtype=np.int64), np.asarray(s["labels"], dtype=np.int64),
-                                   s["text"], listed, base))
+                                   s["text"], s["images"], base))
     bar.close()
     if n_rows == 0:
         raise UserError(f"{source.describe()} holds no rows; check dataset.split and dataset.data_files")
@@ -483,24 +473,6 @@ def _processed(rows, source, maker: ImageSamples, base: Path | None, *, max_seq_
         raise UserError(f"no row of {source.describe()} keeps a token to train on within max_seq_len={max_seq_len} "
                         f"({dropped} dropped); raise max_seq_len, or check that the rows have answers")
     return ImageTextDataset(samples, maker, rows=n_rows, dropped=dropped)
-
-
-def _image_values(row: dict, column_map: dict) -> list:
-    """The row's images in the order of its image parts, as the data holds them."""
-    listed = row.get(column_map.get("images", "images"))
-    listed = [] if listed is None else list(listed) if isinstance(listed, (list, tuple)) else [listed]
-    value = row.get(column_map.get("messages", "messages"))
-    if isinstance(value, str):
-        value = json.loads(value)
-    out, used = [], 0
-    for m in value:
-        for part in m.get("content") if isinstance(m.get("content"), list) else ():
-            if isinstance(part, dict) and part.get("type") == "image":
-                own = next((part[k] for k in ("image", "path", "url") if part.get(k) is not None), None)
-                if own is None:
-                    own, used = listed[used], used + 1
-                out.append(own)
-    return out
 
 
 def collate_images(samples: list[dict], width: int | None) -> dict:

@@ -113,9 +113,10 @@ def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> 
     bad = [m for m in modules if m not in ATTN_MODULES]
     if bad:
         raise UserError(f"lora.attn_modules: {', '.join(bad)} is not an attention module; valid: {', '.join(ATTN_MODULES)}")
-    images_trained = s.get("vision", "frozen") != "frozen" or s.get("projector", "frozen") != "frozen"
+    # An image-text model's vision tower and projector: frozen, lora or full each.
+    parts = {part: str(s.get(part, "frozen")) for part in ("vision", "projector")}
     if not modules and not apply_to_mlp and not apply_to_output and not apply_to_experts and not targets \
-            and not images_trained:
+            and set(parts.values()) == {"frozen"}:
         raise UserError("LoRA needs at least one target: set lora.attn_modules=[q_proj,v_proj] or lora.apply_to_mlp=true")
     if apply_to_experts and not spec.is_moe:
         raise UserError(f"lora.apply_to_experts=true adapts a Mixture-of-Experts model's experts, and this "
@@ -136,21 +137,20 @@ def lora_options(settings: Mapping, *, spec: ModelSpec, world_size: int = 1) -> 
     if apply_to_output and spec.tie_word_embeddings:
         raise UserError("lora.apply_to_output=true is not possible for a model whose output shares the embedding "
                         "weights (tie_word_embeddings); leave it false")
-    vision, projector = str(s.get("vision", "frozen")), str(s.get("projector", "frozen"))
-    for key, value in (("vision", vision), ("projector", projector)):
+    for key, value in parts.items():
         if value not in ("frozen", "lora", "full"):
             raise UserError(f"lora.{key}={value}: use frozen, lora or full")
         if value != "frozen" and not spec.reads_images:
             raise UserError(f"lora.{key}={value}: this {spec.family} model reads no images (it has no vision tower "
                             "or projector); leave it frozen")
     whole = ()
-    if "full" in (vision, projector):
+    if "full" in parts.values():
         from moai_recipes.models.transformers_model import image_modules
 
-        whole = tuple(m for part in ("vision", "projector") if (vision, projector)[part == "projector"] == "full"
-                      for m in image_modules(spec, part))
+        whole = tuple(m for part, value in parts.items() if value == "full" for m in image_modules(spec, part))
     opts = LoraOptions(modules, apply_to_mlp, apply_to_output, rank, float(alpha), float(dropout), quantize_base,
-                       apply_to_experts, targets, vision=vision, projector=projector, trained_whole=whole)
+                       apply_to_experts, targets, vision=parts["vision"], projector=parts["projector"],
+                       trained_whole=whole)
     if quantize_base and spec.native:
         _check_nf4(spec, opts, world_size)
     if quantize_base and not spec.native:

@@ -33,19 +33,25 @@ TINY_ARCH = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, nu
                  num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5)
 
 
-def write_tokenizer(folder: Path, texts: list[str], vocab_size: int = 512) -> int:
-    """Train a byte-level BPE on `texts` and write tokenizer.json and tokenizer_config.json.
-
-    Returns the vocabulary size (special tokens included).
-    """
+def trained_bpe(texts: list[str], vocab_size: int, special_tokens: list[str]):
+    """A byte-level BPE (the `tokenizers` library's) trained on `texts`, with `special_tokens`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def write_tokenizer(folder: Path, texts: list[str], vocab_size: int = 512) -> int:
+    """Train a byte-level BPE on `texts` and write tokenizer.json and tokenizer_config.json.
+
+    Returns the vocabulary size (special tokens included).
+    """
+    tok = trained_bpe(texts, vocab_size, SPECIAL_TOKENS)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from moai_recipes.files import cache_dir, made_once
-from moai_recipes.models.tiny import BOS, EOS, PAD, SPECIAL_TOKENS, demo_texts
+from moai_recipes.models.tiny import BOS, EOS, PAD, SPECIAL_TOKENS, demo_texts, trained_bpe
 
 # What the image-text demo's pictures show and ask (data/pictures.py draws them): the tokenizer learns these words.
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (40, 60, 220), "yellow": (235, 210, 20)}
@@ -38,17 +38,11 @@ QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_p
 
 def image_text_tokenizer(extra: list[str]):
     """A fast tokenizer trained on the demo's texts and the pictures' questions, with `extra` special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     texts = demo_texts() + [f"{q} {answer(k, s, c)}" for k, q in QUESTIONS.items() for c in COLOURS for s in SHAPES]
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=SPECIAL_TOKENS + extra,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    return PreTrainedTokenizerFast(tokenizer_object=trained_bpe(texts, 384, SPECIAL_TOKENS + extra), bos_token=BOS,
+                                   eos_token=EOS, pad_token=PAD)
 
 
 def qwen2_5_vl_parts(tokenizer, *, max_tokens: int = 16, scale: int = 1):
@@ -103,15 +97,19 @@ class ProcessorFiles:
                                                                   **self.processor_fields}, indent=2))
 
 
-def tiny_vl_checkpoint_dir(cache: str | os.PathLike | None = None, seed: int = 0) -> Path:
-    """The folder of the tiny image-text model, made (atomically) on first use."""
+def write_tiny_vl(folder: Path, *, seed: int = 0, scale: int = 1, max_tokens: int = 16) -> Path:
+    """A random tiny Qwen2.5-VL (qwen2_5_vl_parts) and its processor's files, written into `folder`."""
     import transformers
 
-    def make(tmp: Path) -> None:
-        tokenizer = image_text_tokenizer(QWEN_TOKENS)
-        config, images = qwen2_5_vl_parts(tokenizer)
-        torch.manual_seed(seed)
-        transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(tmp)
-        ProcessorFiles(tokenizer, images, QWEN_TEMPLATE, "Qwen2_5_VLProcessor").save(tmp)
+    tokenizer = image_text_tokenizer(QWEN_TOKENS)
+    config, images = qwen2_5_vl_parts(tokenizer, max_tokens=max_tokens, scale=scale)
+    torch.manual_seed(seed)
+    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    ProcessorFiles(tokenizer, images, QWEN_TEMPLATE, "Qwen2_5_VLProcessor").save(folder)
+    return folder
 
-    return made_once(Path(cache or cache_dir()) / f"tiny-qwen2_5_vl-v1-seed{seed}", make)
+
+def tiny_vl_checkpoint_dir(cache: str | os.PathLike | None = None, seed: int = 0) -> Path:
+    """The folder of the tiny image-text model, made (atomically) on first use."""
+    return made_once(Path(cache or cache_dir()) / f"tiny-qwen2_5_vl-v1-seed{seed}",
+                     lambda tmp: write_tiny_vl(tmp, seed=seed))

@@ -361,8 +361,7 @@ def image_text_class(config):
     the row."""
     from transformers import AutoModelForImageTextToText
 
-    cls = AutoModelForImageTextToText._model_mapping.get(type(config), None) if hasattr(
-        AutoModelForImageTextToText, "_model_mapping") else None
+    cls = AutoModelForImageTextToText._model_mapping.get(type(config), None)
     if cls is None:
         return None
     if getattr(config.get_text_config(), "cross_attention_layers", None):
@@ -413,9 +412,8 @@ class TransformersDecoder(nn.Module):
                                        if getattr(text, n, None)), 0)
         self.sampling = _CacheSlot()  # transformers' cache while sampling (setup_caches)
         self.decoder_max_cache_seq_len = None
-        # An image-text model: its image inputs (models/images.ImageInputs) come with the row. Its positions are the
-        # model's own (Qwen's multimodal rotary positions, computed from where the images are in the row), so its
-        # documents do not share rows.
+        # An image-text model (its language model inside the base, beside a vision tower): its image inputs
+        # (data/images.collate_images) come with the rows, forward's `images`.
         self.reads_images = self.text_name != ""
 
     # The parts, under the names the library's layouts use.
@@ -469,7 +467,8 @@ class TransformersDecoder(nn.Module):
             kwargs.update(self._cached_inputs(tokens, mask))
         if input_pos is not None and input_pos.dim() < 2:  # torchtune's generate squeezes a single row's positions
             input_pos = input_pos.reshape(1, tokens.shape[1]).expand(tokens.shape[0], -1)
-        with _swapped(self.text_model, self.norm_name, _NO_NORM):  # the final norm runs in unembed (the chunked loss's head)
+        # The final norm runs in unembed (the chunked loss's head).
+        with _swapped(self.text_model, self.norm_name, _NO_NORM):
             hidden = self.base(input_ids=tokens, position_ids=input_pos, **kwargs).last_hidden_state
         if self.reads_images and not images and torch.is_grad_enabled():
             # Rows without images leave the vision tower out of the graph; each of its weights still gets a (zero)
@@ -521,8 +520,8 @@ class TransformersDecoder(nn.Module):
         stand_ins = nn.ModuleList(_MaskRecorder(i, masks) for i in range(len(self.layers)))
         row = share.documents
         ids = torch.zeros(1, row.offsets[-1], dtype=torch.long, device=device)
-        with _swapped(self.text_model, self.layers_name, stand_ins), _swapped(self.text_model, self.norm_name, _NO_NORM), \
-                torch.no_grad():
+        text = self.text_model
+        with _swapped(text, self.layers_name, stand_ins), _swapped(text, self.norm_name, _NO_NORM), torch.no_grad():
             self.base(input_ids=ids, position_ids=row.positions(device), use_cache=False, **{DOCUMENTS: row})
         share.keep_row_masks(masks)
 

@@ -1,5 +1,7 @@
 """The model's answers to a few prompts before and after training, so a newcomer sees that it learned."""
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -15,15 +17,16 @@ def greedy_continuation(model: nn.Module, prompt: list[int], *, max_new_tokens: 
     image-text model's inputs for the prompt's pictures, as its processor made them with the prompt (an input with a
     value per prompt token is given 0 for each token generated)."""
     tokens = list(prompt)
+    images = {k: v.to(device) for k, v in (images or {}).items()}
+    per_token = [k for k, v in images.items() if v.dim() == 2 and v.shape == (1, len(prompt))]
     # Eager even where the layers are compiled for training (plan.compile): a graph for every prompt length
     # without gradients would cost more compiling than the few tokens it generates.
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         for _ in range(max_new_tokens):
             extra = {}
             if images:
-                extra["images"] = {k: (torch.nn.functional.pad(v, (0, len(tokens) - v.shape[1]))
-                                       if v.dim() == 2 and v.shape == (1, len(prompt)) else v).to(device)
-                                   for k, v in images.items()}
+                grown = {k: torch.nn.functional.pad(images[k], (0, len(tokens) - len(prompt))) for k in per_token}
+                extra["images"] = {**images, **grown}
             nxt = int(model(torch.tensor([tokens], device=device), **extra)[0, -1].argmax())
             if nxt in stop_ids:
                 break
@@ -64,7 +67,7 @@ class Answers:
         if pictures and max_new_tokens > 0:
             self.prompts = {}
             for prompt, picture in zip(prompts, pictures):
-                key = f"{prompt} [{picture.rsplit('/', 1)[-1]}]"
+                key = f"{prompt} [{Path(picture).name}]"
                 self.prompts[key], self.inputs[key] = images.prompt(prompt, picture)
         else:
             self.prompts = {p: prompt_ids(tokenizer, p, chat=chat) for p in prompts if max_new_tokens > 0}
