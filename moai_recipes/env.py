@@ -17,6 +17,7 @@ LLAMA_CPP = "MOAI_LLAMA_CPP"  # a llama.cpp source folder whose converter GGUF e
 FAULT_OOM_TOKENS = "MOAI_FAULT_OOM_TOKENS"  # test hook: a micro-batch of more tokens runs out of memory
 FAULT_STEP_DELAY = "MOAI_FAULT_STEP_DELAY"  # test hook: seconds each step waits first, as on a slower machine
 FAULT_MEMORY_HEADROOM = "MOAI_FAULT_MEMORY_HEADROOM"  # test hook: bytes of address space a step may add, for real
+FAULT_NAN_STEP = "MOAI_FAULT_NAN_STEP"  # test hook: this step's embedding gradient is NaN, the others finite
 FAULT_SAVE_DELAY = "MOAI_FAULT_SAVE_DELAY"  # test hook: seconds a save waits, half-written, as on a slower disk
 TEST_COMPLETIONS = "MOAI_TEST_COMPLETIONS"  # test hook: recipes.grpo's completions from this function, not sampled
 FORK_WORKERS = "MOAI_FORK_WORKERS"  # 0: a CPU flavor's workers start bare, as a GPU flavor's do (launch/elastic.py)
@@ -79,6 +80,14 @@ def fault_memory_headroom() -> int | None:
     more (RLIMIT_AS), so that a larger micro-batch runs out of memory for real, wherever in its forward or backward
     the allocation fails (None: no limit)."""
     value = _get(FAULT_MEMORY_HEADROOM)
+    return int(value) if value else None
+
+
+def fault_nan_step() -> int | None:
+    """MOAI_FAULT_NAN_STEP: in this step (1 first) the gradient reaching the token embeddings is NaN and every later
+    layer's finite, the backward's last gradient the only bad one, as an overflow in the first layer makes it (None:
+    never)."""
+    value = _get(FAULT_NAN_STEP)
     return int(value) if value else None
 
 

@@ -40,9 +40,18 @@ class RestartSmaller(Exception):
     again (launch/worker.py)."""
 
 
+class RedoSkipping(Exception):
+    """The optimizer in the backward applied part of a step whose other gradients proved not finite: what it applied
+    cannot be taken back in place, so the run goes back to its last checkpoint (or its first step) and redoes the steps
+    since then, that one skipped whole, as a step after the backward skips it (train/loop.py). Several processes end
+    at once with EXIT_REDO and their launcher starts them again; one process starts again by itself
+    (launch/worker.py)."""
+
+
 EXIT_USER_ERROR = 2
 EXIT_STOPPED = 75
 EXIT_OUT_OF_MEMORY = 76  # a rank ran out of memory and left a smaller plan: start the processes again
+EXIT_REDO = 77  # a step was partly applied and proved not finite: start again from the last checkpoint, skipping it
 EXIT_INTERRUPTED = 130  # Ctrl-C outside a training loop (inside one, the run saves and exits EXIT_STOPPED)
 EXIT_FAILURE = 1
 

@@ -23,6 +23,7 @@ from moai_recipes.checkpoint.output_dir import (
     complete_checkpoints,
     read_hint,
     read_meta,
+    read_skipped_steps,
     verified,
 )
 from moai_recipes.config.schema import DEFAULT_MODEL
@@ -64,6 +65,7 @@ class RunInputs:
     resume_from: Path | None  # a complete checkpoint to continue from
     workload: Workload  # what the planner plans: this model, this batch, these sequences
     out_of_memory_hint: dict | None = None  # the smaller plan an out-of-memory step of this run left (restarts)
+    skipped_steps: frozenset[int] = frozenset()  # steps skipped whole when redone (errors.RedoSkipping)
     identity: dict | None = None  # what a checkpoint of this run belongs to: model, tokenizer, data, global batch
     eval_tasks: "Tasks | None" = None  # eval_tasks=, their data read (inference/harness.py)
 
@@ -122,6 +124,24 @@ class RunInputs:
         return lines
 
 
+def model_spec(cfg: DictConfig, folder: Path | None) -> ModelSpec:
+    """The spec of the run's model, its checkpoint in `folder` (None: planned from its config entry alone)."""
+    m = cfg.model
+    return spec_for(architecture=m.architecture, checkpoint_dir=folder, any_family=m.name == DEFAULT_MODEL,
+                    implementation=m.implementation, trust_remote_code=m.trust_remote_code, longest=cfg.max_seq_len)
+
+
+def import_ahead(cfg: DictConfig) -> None:
+    """Import now what reading the run's inputs will: torchtune (the tokenizer's base) and the code that builds the
+    model (transformers' modules of its family, where they build it). The launcher calls it before it forks the
+    workers (launch/elastic.prepare_workers), which then find it imported: cpu-4's 4 processes each imported it on
+    2 cores, 3.5 s of CPU apiece (7 of a tiny Phi-4's 10 s run). `cfg.model.checkpoint_dir` is resolved already."""
+    from moai_recipes.data.tokenizer import base_tokenizer_class
+
+    base_tokenizer_class()
+    model_spec(cfg, cfg.model.checkpoint_dir)
+
+
 def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: bool = True,
                 restarting: bool = False) -> RunInputs:
     """Check the output folder (unless `output` is false), describe the checkpoint, read the tokenizer and
@@ -140,12 +160,10 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
                                    agree=all_gathered)
         else:
             out, resume_from = check_output_dir(cfg, restarting=not dry and restarting)
-    m = cfg.model
     folder = resolve_model_dir(**model_source(cfg), download=not dry)
-    spec = spec_for(architecture=m.architecture, checkpoint_dir=folder, any_family=m.name == DEFAULT_MODEL,
-                    implementation=m.implementation, trust_remote_code=m.trust_remote_code, longest=cfg.max_seq_len)
+    spec = model_spec(cfg, folder)
     hf = HFFolder.open(folder, spec=spec) if folder else None
-    spec = with_aux_loss_coef(spec, m.get("router_aux_loss_coef"))
+    spec = with_aux_loss_coef(spec, cfg.model.get("router_aux_loss_coef"))
     check_context(spec, cfg.max_seq_len, what=f"max_seq_len={cfg.max_seq_len}",
                   fix=f"use max_seq_len={spec.sliding_window} or less")
     tokenizer = checked_tokenizer(hf) if hf else None
@@ -176,9 +194,10 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
                     "data": data.train.fingerprint() if data.train is not None else None, "batch_size": cfg.batch_size}
         if resume_from is not None:
             check_same_identity(resume_from, identity, force=cfg.resume_force)
-    return RunInputs(model_name=m.name, spec=spec, hf=hf, tokenizer=tokenizer, lora=lora, data=data,
+    return RunInputs(model_name=cfg.model.name, spec=spec, hf=hf, tokenizer=tokenizer, lora=lora, data=data,
                      total_steps=data.total_steps if data else None, out=out, resume_from=resume_from,
-                     workload=workload, out_of_memory_hint=read_hint(out), identity=identity, eval_tasks=eval_tasks)
+                     workload=workload, out_of_memory_hint=read_hint(out),
+                     skipped_steps=read_skipped_steps(out), identity=identity, eval_tasks=eval_tasks)
 
 
 def _check_room(cfg: DictConfig, out: Path, *, hf: HFFolder, workload: Workload, resume_from: Path | None) -> None:

@@ -5,13 +5,15 @@ Real runs of the tiny model: with and without it, the same losses step for step 
 summation order, on one process (a plain fp32 module; a bf16 one computing on copies of its fp32 masters, where the
 master's gradient is not autograd's), on two (FSDP2 shards, its sharded gradients), and with torchao's 8-bit AdamW
 (LoRA); equal losses alone cannot tell it from step() after the backward, so a run also says what its backward
-applied (`applied_in_backward`, all of it) and MemTracker measures the peak it saves. A run with it resumes from a step checkpoint, with it and without it (its state_dict is one AdamW's), to the
+applied (`applied_in_backward`, all of it) and MemTracker measures the peak it saves. A step with one gradient not
+finite, the others applied already, is redone from the last checkpoint and skipped whole, as after the backward. A run with it resumes from a step checkpoint, with it and without it (its state_dict is one AdamW's), to the
 uninterrupted run's losses. The planner: offered only where nothing clips, with one micro-batch a step; the peak it
 saves is the gradients'; refused by name where it cannot work.
 Run: pytest tests/test_optimizer_in_backward.py (about two minutes)
 """
 
 import pytest
+import torch
 
 from moai_recipes.errors import UserError
 from moai_recipes.planner.plan import Workload
@@ -28,13 +30,15 @@ RUNS = {  # name -> (recipe, overrides)
 }
 
 
-def _run(tmp_path, name: str, in_backward: bool, *extra: str):
+def _run(tmp_path, name: str, in_backward: bool, *extra: str, env: dict | None = None, said: list | None = None):
     module, overrides = RUNS[name]
     out = tmp_path / f"{in_backward}"
     r = run_recipe(*COMMON, *overrides, f"plan.optimizer_in_backward={str(in_backward).lower()}", *extra,
-                   f"output_dir={out}", module=module)
+                   f"output_dir={out}", module=module, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert plan_of(out)["optimizer_in_backward"] is in_backward
+    if said is not None:
+        said.append(r.stdout)
     return out
 
 
@@ -58,6 +62,32 @@ def test_a_run_with_it_resumes_with_it_and_without_it(tmp_path):
                        f"output_dir={out}")
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert [row["loss"] for row in metrics(out)] == pytest.approx(losses[2:], rel=1e-6, abs=0), again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fp32, one process", "FSDP2, two processes"])
+def test_a_step_with_one_gradient_not_finite_is_skipped_whole_as_after_the_backward(tmp_path, name):
+    """MOAI_FAULT_NAN_STEP=3: step 3's gradient is NaN at the token embeddings and finite everywhere else, so the
+    optimizer in the backward has applied every other weight's when it meets the bad one, where a step after the
+    backward applies none. The run goes back to its step-2 checkpoint and redoes step 3 skipped whole (one process:
+    by itself; two: their launcher starts them again): every step's loss and the weights written are those of the run
+    that steps after the backward. Without the redo, step 4's loss is 3% off (checked)."""
+    from tests.helpers import tensors
+
+    fault = {"MOAI_FAULT_NAN_STEP": "3"}
+    said, runs = [], {}
+    for b in (False, True):
+        runs[b] = _run(tmp_path, name, b, "checkpoint_every=2", "skip_nonfinite_steps=1", env=fault, said=said)
+    rows = {b: metrics(out) for b, out in runs.items()}
+    assert [row["step"] for row in rows[True]] == [1, 2, 3, 4]
+    assert [row["skipped"] for row in rows[True]] == [row["skipped"] for row in rows[False]] == [
+        False, False, True, False]
+    assert "to redo the steps since, this one skipped whole" in said[1] and "step 3" in said[1]
+    assert [row["loss"] for row in rows[True]] == pytest.approx([row["loss"] for row in rows[False]], rel=1e-6,
+                                                                 abs=0)
+    after, before = tensors(runs[True] / "model"), tensors(runs[False] / "model")
+    for key in before:
+        assert torch.allclose(after[key], before[key], rtol=0, atol=1e-6), key
 
 
 def _work(model: str = "llama3_2_3b", seq_len: int = 4096, **kwargs):

@@ -30,6 +30,9 @@ RESUMABLE_CHANGES = ("flavor", "plan", "logger", "output_dir", "resume", "resume
 STEP_PREFIX = "step-"  # checkpoints/step-000004: a complete step checkpoint (checkpoint/steps.py writes them)
 # The smaller plan the processes take when they start again after an out-of-memory step (train/out_of_memory.py).
 OUT_OF_MEMORY_HINT = ".out-of-memory.json"
+# The steps a run redone from a checkpoint skips whole: the optimizer in the backward had applied part of each before
+# the rest proved not finite (train/loop.py).
+SKIPPED_STEPS = ".skipped-steps.json"
 
 
 @contextmanager
@@ -97,6 +100,19 @@ def write_hint(out: Path, *, micro_batch_size: int, changes: list[dict]) -> None
     """Leave the smaller plan for the processes that start again after an out-of-memory step, with this run's plan
     changes so far (train/out_of_memory.py)."""
     write_json(out / OUT_OF_MEMORY_HINT, {"micro_batch_size": micro_batch_size, "changes": changes})
+
+
+def read_skipped_steps(out: Path | None) -> frozenset[int]:
+    """The steps this run folder's run skips whole when it redoes them (SKIPPED_STEPS; none: an empty set)."""
+    try:
+        return frozenset(json.loads((Path(out) / SKIPPED_STEPS).read_text())["steps"]) if out else frozenset()
+    except (OSError, ValueError, KeyError, TypeError):
+        return frozenset()
+
+
+def add_skipped_step(out: Path, step: int) -> None:
+    """Add `step` to the steps the run skips whole when it redoes them."""
+    write_json(out / SKIPPED_STEPS, {"steps": sorted(read_skipped_steps(out) | {step})})
 
 
 def check_output_dir(cfg: DictConfig, *, restarting: bool = False, verify: bool = True) -> tuple[Path, Path | None]:

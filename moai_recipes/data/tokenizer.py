@@ -26,7 +26,7 @@ _TOOL_ROLES = ("tool", "ipython", "function", "developer", "observation")
 
 
 @cache
-def _base_tokenizer() -> type:
+def base_tokenizer_class() -> type:
     """torchtune's wrapper, tolerant of a null bos_token (Qwen) and of a list of eos ids. Made when first used:
     importing torchtune takes 2 s (torchao, dynamo), which a dry run of the planner (recipes.plan) never needs."""
     from torchtune.modules.transforms.tokenizers import HuggingFaceBaseTokenizer
@@ -114,7 +114,7 @@ class Tokenizer:
                     f"write it with AutoTokenizer.from_pretrained(...).save_pretrained('{folder}')")
         gen = folder / "generation_config.json"
         try:
-            base = _base_tokenizer()(str(folder / "tokenizer.json"),
+            base = base_tokenizer_class()(str(folder / "tokenizer.json"),
                                   tokenizer_config_json_path=str(folder / "tokenizer_config.json"),
                                   generation_config_path=str(gen) if gen.exists() else None)
         except ValueError as e:

@@ -11,10 +11,13 @@ import sys
 import uuid
 from pathlib import Path
 
+from omegaconf import DictConfig
+
 from moai_recipes import env
 from moai_recipes.errors import (
     EXIT_FAILURE,
     EXIT_OUT_OF_MEMORY,
+    EXIT_REDO,
     EXIT_STOPPED,
     EXIT_USER_ERROR,
     UserError,
@@ -43,11 +46,11 @@ def forks_workers(flavor: Flavor) -> bool:
     return flavor.device.kind == "cpu" and env.fork_workers()
 
 
-def prepare_workers(recipe: str) -> None:
-    """Import the training recipe `recipe` here, in the launcher, before anything else runs (forks_workers): each
-    worker is then forked from this process with the training stack (torch, torchtune, torchao, the recipe) imported
-    once, rather than started bare to import it all again (cpu-4's 4 processes on 2 cores started in 7.0 s against
-    11.5 s).
+def prepare_workers(recipe: str, cfg: DictConfig | None = None) -> None:
+    """Import the training recipe `recipe` here, in the launcher, before anything else runs (forks_workers), and what
+    reading the run's inputs `cfg` will import (inputs.import_ahead): each worker is then forked from this process
+    with the training stack (torch, torchtune, torchao, the recipe, the model's code) imported once, rather than
+    started bare to import it all again (cpu-4's 4 processes on 2 cores started in 7.0 s against 11.5 s).
 
     Forked from the launcher itself, not from a fork server of its own: a fork server is one more interpreter that
     imports torch and the recipe again (4 s of CPU a run, 40% of what a short cpu-2 run spends). What the launcher
@@ -55,6 +58,25 @@ def prepare_workers(recipe: str) -> None:
     never touches: it joins the store as a client, and ends by os._exit, with no destructor run. The workers stop
     when the launcher dies (train/world.stop_with_launcher)."""
     importlib.import_module(f"moai_recipes.recipes.{recipe}")
+    if cfg is not None:
+        from moai_recipes.inputs import import_ahead
+
+        import_ahead(cfg)
+
+
+def _cheap_event_names() -> None:
+    """torch's rendezvous names each event it records after the method recording it, found by inspect.stack(): that
+    reads the source of every frame on the stack, 0.8 s of each launch with the training stack imported (a third of a
+    cpu-2 launcher's time). The same name, read from the frame itself."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    def get_method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name
+        except ValueError:  # a shallower stack, as torch's own answers it
+            return "no_method_name"
+
+    dynamic_rendezvous.get_method_name = get_method_name
 
 
 def start_workers(flavor: Flavor, job_file: Path, recipe: str) -> int:
@@ -73,6 +95,7 @@ def start_workers(flavor: Flavor, job_file: Path, recipe: str) -> int:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     from moai_recipes.launch import worker
 
+    _cheap_event_names()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=flavor.num_devices,
                           run_id=f"moai-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"is_host": True}, max_restarts=0,
@@ -95,6 +118,8 @@ def start_workers(flavor: Flavor, job_file: Path, recipe: str) -> int:
             return EXIT_USER_ERROR
         if EXIT_OUT_OF_MEMORY in codes:  # a rank left a smaller plan; the others were stopped waiting for it
             return EXIT_OUT_OF_MEMORY
+        if EXIT_REDO in codes:  # every rank left to redo the steps since the last checkpoint, one skipped
+            return EXIT_REDO
         if codes == [EXIT_STOPPED]:  # every worker saved and stopped on a signal (a scheduler's preemption)
             return EXIT_STOPPED
         print(f"error: worker process failed with exit code {codes} (see its output above)", file=sys.stderr)

@@ -24,6 +24,7 @@ from moai_recipes.checkpoint.output_dir import check_output_dir, holding_run_fol
 from moai_recipes.config.compose import load_config
 from moai_recipes.errors import (
     EXIT_OUT_OF_MEMORY,
+    EXIT_REDO,
     EXIT_STOPPED,
     EXIT_USER_ERROR,
     UserError,
@@ -91,8 +92,8 @@ def launch(job: Job) -> int:
     forked = forks_workers(flavor)
     with _one_thread() if forked else nullcontext():
         cfg.model.checkpoint_dir = str(resolve_model_dir(**model_source(cfg)))
-    if forked:
-        prepare_workers(job.recipe)  # after the checks above: a refused command does not wait for the imports
+        if forked:  # after the checks above: a refused command does not wait for the imports
+            prepare_workers(job.recipe, cfg)
     # This process only waits now: what it holds (torch's modules) lives until it exits, when the last collection
     # would walk it all for nothing (0.5 s after the workers end; train/process.py freezes the workers' too), and
     # a forked worker shares it untouched.
@@ -111,6 +112,10 @@ def launch(job: Job) -> int:
                 # again (train/out_of_memory.py). Each time smaller, so this ends; not a failure to count.
                 print(f"Starting the {flavor.num_devices} processes again with plan.micro_batch_size="
                       f"{hint['micro_batch_size']}, resuming from the last checkpoint (or the first step)", flush=True)
+                continue
+            if code == EXIT_REDO:  # a partly applied step that proved not finite: redone skipped (errors.py)
+                print(f"Starting the {flavor.num_devices} processes again to redo the steps since the last checkpoint",
+                      flush=True)
                 continue
             if code not in (0, EXIT_USER_ERROR, EXIT_STOPPED) and run_finished(cfg):
                 # The folder held no finished run when we started (check_output_dir), so this launch wrote every

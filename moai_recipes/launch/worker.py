@@ -7,6 +7,7 @@ the flavor) and never composes the config again. A recipe that trains in the pro
 process, or one of torchrun's or SLURM's) calls `run` directly.
 """
 
+import gc
 import importlib
 import json
 import os
@@ -24,8 +25,10 @@ from moai_recipes.config.compose import resolved_config
 from moai_recipes.errors import (
     EXIT_FAILURE,
     EXIT_OUT_OF_MEMORY,
+    EXIT_REDO,
     EXIT_STOPPED,
     EXIT_USER_ERROR,
+    RedoSkipping,
     RestartSmaller,
     Stopped,
     UserError,
@@ -67,19 +70,29 @@ def run(job: Job, given: env.GivenWorld | None) -> int:
         stop_with_launcher(job.launcher)
     train = importlib.import_module(f"moai_recipes.recipes.{job.recipe}").train
     restarts = max(job.restarts, env.restart_count())  # ours, or torchrun's
-    with join_world(job.flavor, given, restarts=restarts) as world:
-        try:
-            train(job.cfg, job.flavor, world)
-        except Stopped as e:
-            if world.is_main:
-                print(e, flush=True)
-            return EXIT_STOPPED
-        except RestartSmaller as e:
-            # The other ranks wait inside a collective that will never come: leave at once, without the process
-            # group's teardown, and let the launcher (ours, or torchrun) start them all again with the smaller plan.
-            print(f"Rank {world.rank}: {e}", file=sys.stderr, flush=True)
-            os._exit(EXIT_OUT_OF_MEMORY)
-    return 0
+    while True:
+        with join_world(job.flavor, given, restarts=restarts) as world:
+            try:
+                train(job.cfg, job.flavor, world)
+                return 0
+            except Stopped as e:
+                if world.is_main:
+                    print(e, flush=True)
+                return EXIT_STOPPED
+            except RestartSmaller as e:
+                # The other ranks wait inside a collective that will never come: leave at once, without the process
+                # group's teardown, and let the launcher (ours, or torchrun) start them all again with the smaller
+                # plan.
+                print(f"Rank {world.rank}: {e}", file=sys.stderr, flush=True)
+                os._exit(EXIT_OUT_OF_MEMORY)
+            except RedoSkipping as e:
+                if world.is_main:
+                    print(e, flush=True)
+                if world.world_size > 1:  # every rank leaves here; the launcher starts them all again
+                    os._exit(EXIT_REDO)
+        # One process starts again by itself, its last run's objects gone with the exception.
+        gc.collect()
+        restarts += 1
 
 
 def user_error_file(job_file: Path) -> Path:

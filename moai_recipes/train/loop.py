@@ -9,6 +9,7 @@ global batch splits into ranks and micro-batches.
 import math
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -16,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from moai_recipes.checkpoint.output_dir import complete_checkpoints
+from moai_recipes.checkpoint.output_dir import add_skipped_step, complete_checkpoints
 from moai_recipes.checkpoint.steps import TrainState, resume, save_checkpoint
-from moai_recipes.errors import Stopped, UserError
+from moai_recipes.errors import RedoSkipping, Stopped, UserError
 from moai_recipes.inputs import RunInputs
 from moai_recipes.models.loss import IGNORE_INDEX, token_loss_sum
 from moai_recipes.models.moe import Routing, RoutingTotals, routing_recorded
@@ -64,6 +65,7 @@ class LoopSettings:
     fault_oom_tokens: int | None = None  # micro-batches of more tokens fail as out of memory (tests; ProcessSettings)
     fault_step_delay: float = 0.0  # seconds each step waits first (tests; ProcessSettings)
     fault_memory_headroom: int | None = None  # a real address-space limit after the first step (tests; ProcessSettings)
+    fault_nan_step: int | None = None  # the step whose embedding gradient is NaN (tests; ProcessSettings)
     objective: "Objective" = field(default_factory=lambda: TokenLoss())  # what a step optimises
     peak_flops: float = 0.0  # one device's, in the compute dtype (ProcessSettings): MFU's denominator
     profile_steps: tuple[int, ...] = ()  # steps measured by torch.profiler (train/profiling.py)
@@ -76,7 +78,7 @@ class LoopSettings:
                    checkpoint_keep=cfg.checkpoint_keep, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
                    eval_every=cfg.eval_every, fault_oom_tokens=process.fault_oom_tokens,
                    fault_step_delay=process.fault_step_delay, fault_memory_headroom=process.fault_memory_headroom,
-                   peak_flops=process.peak_flops, objective=objective or TokenLoss(),
+                   fault_nan_step=process.fault_nan_step, peak_flops=process.peak_flops, objective=objective or TokenLoss(),
                    profile_steps=tuple(cfg.profile_steps), measure_memory=cfg.measure_memory)
 
 
@@ -292,6 +294,41 @@ def train_step(state: TrainState, micro_batches: list[list[dict] | None], *, pla
                       target_tokens=int(global_targets), grad_norm=grad_norm, finite=finite, extra=extra)
 
 
+@contextmanager
+def _nan_embedding_gradient(model: torch.nn.Module, injected: bool):
+    """Within the block, if `injected`, the gradient reaching the token embeddings' output is NaN (MOAI_FAULT_NAN_STEP):
+    the embeddings' weight gradient is not finite, every other finite (tests)."""
+    if not injected:
+        yield
+        return
+
+    def poison(module, args, output):
+        if output.requires_grad:
+            output.register_hook(lambda grad: grad * math.nan)
+
+    handle = model.tok_embeddings.register_forward_hook(poison)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _redo_skipping(inputs: RunInputs, step: int, world: World, result: StepResult) -> None:
+    """The optimizer in the backward applied some gradients of `step` before others proved not finite, where a step
+    after the backward applies none of them (a skipped step leaves every weight as it was). What it applied cannot be
+    taken back without the copy of the weights it exists not to hold: the run goes back to its last checkpoint (or its
+    first step) and redoes the steps since then, the same batches, this one skipped whole (inputs.skipped_steps).
+    Every rank comes here (the norm is one verdict); rank 0 records the step before any rank leaves."""
+    if world.is_main:
+        add_skipped_step(inputs.out, step)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    last = complete_checkpoints(inputs.out)
+    raise RedoSkipping(f"step {step}: a gradient is not finite (loss {result.loss}, grad norm {result.grad_norm}) "
+                       "after the optimizer in the backward had applied others; starting again from "
+                       f"{last[-1] if last else 'the first step'} to redo the steps since, this one skipped whole")
+
+
 def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, settings: LoopSettings, world: World,
                log: MetricsLog | None) -> LoopResult:
     """Run the run's steps as `choice` planned them, from the checkpoint `inputs.resume_from` (if any): the same
@@ -335,8 +372,12 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             traced = meter.tracked and meter.counts and world.device.type == "cpu"
             # What the step's micro-batches are (GRPO's: its completions, not its prompts).
             shapes = settings.objective.micro_batch_shapes(runner.plan, samples) if meter.tracked else None
+            skipped_whole = done in inputs.skipped_steps  # redone after the optimizer in the backward applied part
+            if runner.plan.optimizer_in_backward:
+                state.optimizer.discarding = skipped_whole
             with profiler.step(done), StepTimer(world.device) as timer, \
-                    meter.step(state.model, state.optimizer, shapes):
+                    meter.step(state.model, state.optimizer, shapes), \
+                    _nan_embedding_gradient(state.model, done == settings.fault_nan_step):
                 result = runner.run(lambda plan: settings.objective.step(
                     state, rank_micro_batches(plan, samples, world), StepContext(done, plan, world, settings, pad_id)),
                     step=done, optimizer=state.optimizer)
@@ -351,6 +392,8 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
             mfu, hfu = work.utilisation(timer.seconds, settings.peak_flops, world.world_size)
             if done == first + 1:
                 limit_memory()  # tests: a real memory limit from the second step (MOAI_FAULT_MEMORY_HEADROOM)
+            if skipped_whole:  # as the first time: a step with a gradient that is not finite, applied nowhere
+                result = replace(result, finite=False)
             if not result.finite:
                 nonfinite += 1
                 if nonfinite > settings.skip_nonfinite_steps:
@@ -359,6 +402,8 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                                     f"grad norm {result.grad_norm}); stopped without applying it. "
                                     f"{f'The last good checkpoint is {last[-1]}. ' if last else ''}"
                                     "Lower optimizer.lr, or tolerate such steps with skip_nonfinite_steps=K")
+                if runner.plan.optimizer_in_backward and state.optimizer.applied_some:
+                    _redo_skipping(inputs, done, world, result)
             # One collective for all: the peaks of any rank, and whether any rank was asked to stop.
             peak, host_peak, stopping = _all_reduce(
                 [meter.peak, host_peak_bytes(), float(stop.signame is not None)], world.device, op=dist.ReduceOp.MAX)

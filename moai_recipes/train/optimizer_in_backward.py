@@ -15,6 +15,10 @@ What the backward cannot do: clip. The total norm is known only after the last g
 already, so the planner offers it only with optimizer.max_grad_norm=null. The norm is still measured, as each gradient
 goes by. A gradient that is not finite is not applied (torch's fused AdamW skips it on the device, `found_inf`, with
 no synchronisation; the 8-bit AdamW checks it on the host): a NaN loss leaves every weight as it was, as without it.
+A step whose gradients are finite in part (an overflow in the first layers: their gradients come last) has applied
+the finite ones by the time the bad one comes, where a step after the backward applies none; the loop then redoes the
+steps since the last checkpoint with that one skipped whole (`discarding`; errors.RedoSkipping), so that the run is
+the one a step after the backward makes.
 """
 
 import math
@@ -37,6 +41,11 @@ class AdamWInBackward(torch.optim.Optimizer):
         self._skips_on_device = plan.optimizer_states != "int8"
         self.armed = False  # set by the loop before the step's last micro-batch's backward
         self.applied = 0  # parameters updated in this step's backward so far
+        # The step is one to skip whole (redone after it was partly applied: errors.RedoSkipping): its gradients
+        # are measured and dropped, none applied. Set by the loop.
+        self.discarding = False
+        self._finite = None  # this rank's count of the step's gradients the backward applied, all finite ones
+        self.applied_some = False  # the last step's backward applied a gradient on some rank (gradient_norm)
         self._squares = None  # this rank's sum of squared gradient values of the step, each counted once in the world
         for p in params:
             p.register_post_accumulate_grad_hook(self.gradient_ready)
@@ -51,13 +60,19 @@ class AdamWInBackward(torch.optim.Optimizer):
         if not self.armed:
             return
         self._apply(param, in_backward=True)
-        self.applied += 1
+        self.applied += not self.discarding
 
     def _apply(self, param: torch.Tensor, *, in_backward: bool) -> None:
         grad = param.grad
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         squares = torch.linalg.vector_norm(local, dtype=torch.float32).square() / _copies(grad)
         self._squares = squares if self._squares is None else self._squares + squares
+        if self.discarding:
+            param.grad = None
+            return
+        if in_backward:  # applied below where finite: counted on the device, read with the norm
+            finite = torch.isfinite(squares).float()
+            self._finite = finite if self._finite is None else self._finite + finite
         engine = self._engines[param]
         group = engine.param_groups[0]
         lr = self.param_groups[0]["lr"]  # the schedule sets it on the one group (the others stay as built)
@@ -79,27 +94,29 @@ class AdamWInBackward(torch.optim.Optimizer):
         for p in self.param_groups[0]["params"]:
             if p.grad is not None:
                 self._apply(p, in_backward=False)
-        self._squares, self.applied, self.armed = None, 0, False
+        self._squares, self._finite, self.applied, self.armed = None, None, 0, False
 
     def gradient_norm(self) -> float:
-        """The step's total gradient norm: of what the backward applied and what is left, over every rank's shards.
-        Every rank calls it (a collective where there are several)."""
-        squares = self._squares
-        if squares is None:
-            squares = torch.zeros((), device=self.param_groups[0]["params"][0].device)
+        """The step's total gradient norm: of what the backward applied and what is left, over every rank's shards;
+        and whether the backward applied any gradient on any rank (`applied_some`). Every rank calls it (a collective
+        where there are several)."""
+        zero = torch.zeros((), device=self.param_groups[0]["params"][0].device)
+        squares = zero if self._squares is None else self._squares
         for p in self.param_groups[0]["params"]:
             if p.grad is not None:
                 local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 squares = squares + torch.linalg.vector_norm(local, dtype=torch.float32).square() / _copies(p.grad)
-        squares = squares.double()
+        both = torch.stack([squares, zero if self._finite is None else self._finite]).double()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(squares)
-        self._squares = None
-        return float(squares.sqrt())
+            dist.all_reduce(both)
+        self._squares = self._finite = None
+        squares, applied = both.tolist()
+        self.applied_some = applied > 0
+        return math.sqrt(squares) if squares >= 0 else math.nan
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=True)
-        self._squares, self.applied, self.armed = None, 0, False
+        self._squares, self._finite, self.applied, self.armed = None, None, 0, False
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)

@@ -4,7 +4,8 @@ What it sets is process-wide, so it is set once, here, and nowhere below:
 - threads: the process's share of this machine's cores (the planner priced its steps with that many);
 - the C allocator (CPU): glibc keeps the memory freed tensors held, where a step's tensors are large (below);
 - the garbage collector: what exists before the loop is frozen out of its reach;
-- fault injection (tests): MOAI_FAULT_OOM_TOKENS, MOAI_FAULT_MEMORY_HEADROOM and MOAI_FAULT_STEP_DELAY read once
+- fault injection (tests): MOAI_FAULT_OOM_TOKENS, MOAI_FAULT_MEMORY_HEADROOM, MOAI_FAULT_STEP_DELAY and
+  MOAI_FAULT_NAN_STEP read once
   into the settings the loop gets.
 
 The allocator. glibc serves an allocation above its mmap threshold (at most 32 MiB) with fresh pages from the
@@ -62,6 +63,7 @@ class ProcessSettings:
     fault_oom_tokens: int | None  # MOAI_FAULT_OOM_TOKENS: larger micro-batches fail as out of memory (tests)
     fault_step_delay: float  # MOAI_FAULT_STEP_DELAY: seconds each step waits first (tests)
     fault_memory_headroom: int | None = None  # MOAI_FAULT_MEMORY_HEADROOM: a real memory limit after step 1 (tests)
+    fault_nan_step: int | None = None  # MOAI_FAULT_NAN_STEP: the step whose embedding gradient is NaN (tests)
     peak_flops: float = 0.0  # this process's device, in the plan's compute dtype: MFU's denominator (0: unknown)
 
 
@@ -78,4 +80,5 @@ def prepare_process(plan: Plan, work: Workload, flavor: Flavor, world: World) ->
     # each of the flavor's processes gets (cached).
     peak, _ = device_speed(flavor.device, compute_dtype=plan.param_dtype, num_devices=flavor.num_devices)
     return ProcessSettings(fault_oom_tokens=env.fault_oom_tokens(), fault_step_delay=env.fault_step_delay(),
-                           fault_memory_headroom=env.fault_memory_headroom(), peak_flops=peak)
+                           fault_memory_headroom=env.fault_memory_headroom(), fault_nan_step=env.fault_nan_step(),
+                           peak_flops=peak)
