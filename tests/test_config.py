@@ -15,7 +15,7 @@ from moai_recipes.config.compose import (
 from moai_recipes.errors import UserError
 from tests.helpers import ROOT
 
-RECIPES = [p.stem for p in CONFIG_DIR.glob("*.yaml")]
+RECIPES = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
 def test_the_groups_have_the_options_the_product_promises():
@@ -30,8 +30,11 @@ def test_the_groups_have_the_options_the_product_promises():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_option_of_every_group_composes(recipe):
+    """Every option of a group, each in one of the recipes that have the group, dealt out in turn: a compose takes
+    0.1 s of Hydra, and every option in every recipe took 40 s of the suite."""
     for group, options in group_options().items():
-        for option in options if group in recipe_groups(CONFIG_DIR / f"{recipe}.yaml") else []:
+        holders = [r for r in RECIPES if group in recipe_groups(CONFIG_DIR / f"{r}.yaml")]
+        for option in options[holders.index(recipe)::len(holders)] if recipe in holders else []:
             cfg = load_config(recipe, [f"{group}={option}"])
             assert cfg[group] is not None
 
