@@ -27,27 +27,27 @@ $(BASE): pyproject.toml
 	@test -x $(PY) || { echo "== make: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@# torch first and pinned: a looser request would pull a multi-GB CUDA build.
 	@echo "== make: installing torch 2.13.0 (CPU build) into $(VENV)"
-	@$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	@$(PY) -m pip install --quiet --disable-pip-version-check --no-compile torch==2.13.0
 	@echo "== make: installing moai-recipes and what it needs (torchtune, torchao, transformers, Hydra, W&B)"
-	@$(PY) -m pip install --quiet --disable-pip-version-check -e .
+	@$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e .
 	@rm -f $(VENV)/.installed-base-*; touch $(BASE)
 
 $(TESTS): $(BASE)
 	@echo "== make: installing the test extras (pytest, peft, TRL, lm-eval, and llama-cpp-python: it builds llama.cpp, about 5 minutes once)"
-	@$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	@$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e ".[test]"
 	@rm -f $(VENV)/.installed-test-*; touch $(TESTS)
 
 $(GGUF): $(BASE)
 	@echo "== make: installing llama-cpp-python (it builds llama.cpp from source: about 5 minutes once)"
-	@$(PY) -m pip install --quiet --disable-pip-version-check -e ".[gguf]"
+	@$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e ".[gguf]"
 	@rm -f $(VENV)/.installed-gguf-*; touch $(GGUF)
 
 install: $(BASE)
 
 demo: $(BASE)
-	$(PY) -m recipes.lora_finetune model=smollm2_135m dataset=facts flavor=cpu epochs=6 batch_size=8 \
-		optimizer.lr=2e-3 optimizer.warmup_steps=4 lora.rank=16 lora.alpha=32 \
-		lora.attn_modules=[q_proj,k_proj,v_proj,output_proj] lora.apply_to_mlp=true
+	$(PY) -m recipes.lora_finetune model=smollm2_135m dataset=facts flavor=cpu epochs=3 batch_size=8 \
+		optimizer.lr=3e-3 optimizer.warmup_steps=2 lora.rank=16 lora.alpha=32 \
+		lora.attn_modules=[q_proj,k_proj,v_proj,output_proj] lora.apply_to_mlp=true measure_memory=false
 
 # After `make demo`: its model (the adapter merged) as one q8_0 GGUF file, asked the demo's questions by llama.cpp.
 demo-gguf: $(GGUF)
