@@ -67,6 +67,7 @@ MODEL_SIZES = {
     "medium": (512, 8, 8, 4, 1408),   # ~24M
     "large": (768, 8, 12, 4, 2048),   # ~51M
     "smollm2": (576, 30, 9, 3, 1536),  # SmolLM2-135M's layers (~107M with this 512-token vocabulary)
+    "llama3_2_1b": (2048, 16, 32, 8, 8192),  # Llama-3.2-1B's layers (scripts/gpu_check.py, on a GPU)
 }
 ROPE_THETA = 500000.0
 NORM_EPS = 1e-5
@@ -155,19 +156,24 @@ def child_env(work: Path, *, pythonpath: str | None, threads: int | None) -> dic
     return env
 
 
-def ours_command(args, *, processes: int, checkpoint: Path, data: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "recipes.full_finetune", f"flavor={'cpu' if processes == 1 else f'cpu-{processes}'}",
+def ours_command(args, *, processes: int, checkpoint: Path, data: Path, out: Path, flavor: list[str] | None = None,
+                 dtype: str = "fp32") -> list[str]:
+    """`flavor`: the flavor's overrides (default: cpu, or cpu-N for `processes`); `dtype`: the compute dtype (a GPU's
+    bf16; torchtune's dtype of the same name)."""
+    flavor = flavor or [f"flavor={'cpu' if processes == 1 else f'cpu-{processes}'}"]
+    return [sys.executable, "-m", "recipes.full_finetune", *flavor,
             "model=tiny", f"model.checkpoint_dir={checkpoint}", "dataset=text", f"dataset.path={data}",
             f"batch_size={args.batch_size}", f"max_seq_len={args.seq_len}", "epochs=1", f"max_steps={args.steps}",
-            "dtype=fp32", "logger=stdout", f"output_dir={out}", f"seed={args.seed}",
+            f"dtype={dtype}", "plan.compile=false", "logger=stdout", f"output_dir={out}", f"seed={args.seed}",
             f"optimizer.lr={args.lr}", f"optimizer.betas=[{BETAS[0]},{BETAS[1]}]", f"optimizer.eps={EPS}",
             "optimizer.weight_decay=0.0", f"optimizer.warmup_steps={args.warmup_lr_steps}",
             f"optimizer.max_grad_norm={MAX_GRAD_NORM}", "plan.recompute=none",
             f"plan.micro_batch_size={args.batch_size // processes}", "checkpoint_every=null"]
 
 
-def torchtune_config(args, *, checkpoint: Path, data: Path, out: Path) -> str:
-    """The YAML for torchtune's full_finetune_single_device recipe, mirroring ours."""
+def torchtune_config(args, *, checkpoint: Path, data: Path, out: Path, device: str = "cpu",
+                     dtype: str = "fp32") -> str:
+    """The YAML for torchtune's full_finetune_single_device recipe, mirroring ours (on `device`, in `dtype`)."""
     from moai_recipes.models.spec import read_spec
 
     s = read_spec(checkpoint)
@@ -226,8 +232,8 @@ loss:
 optimizer_in_bwd: false
 clip_grad_norm: {MAX_GRAD_NORM}
 compile: false
-device: cpu
-dtype: fp32
+device: {device}
+dtype: {dtype}
 enable_activation_checkpointing: false
 enable_activation_offloading: false
 metric_logger:

@@ -18,8 +18,11 @@ as it can about a machine lent for minutes.
 2. Training runs planned for the device (random weights: nothing can be downloaded there): a Llama-3.2-1B-shaped
    model, a Qwen3-MoE-shaped one and a Qwen3.5-shaped one through transformers' modules, full fine-tuning and LoRA:
    the planner's peak and step time against the measured ones, and MFU, as each run prints them.
-Not yet part of it (reported as such): torchtune's own recipe side by side, a GRPO round's sampling time, the suite's
-tests marked `gpu`.
+3. torchtune's own full_finetune_single_device recipe against recipes.full_finetune on the same Llama checkpoint
+   (Llama-3.2-1B's layers on a GPU; bench/vs_torchtune.py's job, whose code it runs), the same rows in the same order,
+   the same settings (no recomputation, no compile, fused AdamW, bf16 on a GPU): tokens/s side by side, the ratio,
+   and the first step's loss of each.
+Not yet part of it (reported as such): a GRPO round's sampling time, the suite's tests marked `gpu`.
 """
 
 import argparse
@@ -37,8 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-NOT_YET = ["torchtune's full_finetune_single_device on the same model and tokens",
-           "a GRPO round's sampling time against the planner's prediction", "the suite's tests marked gpu"]
+NOT_YET = ["a GRPO round's sampling time against the planner's prediction", "the suite's tests marked gpu"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -278,6 +280,60 @@ def training_run(out: Path, checkpoint: Path, method: str, flavor: list[str], pr
     return found
 
 
+def torchtune_side_by_side(work: Path, *, gpu: bool, flavor: list[str], steps: int) -> dict:
+    """torchtune's full_finetune_single_device and recipes.full_finetune, one after the other, on the same checkpoint,
+    rows and settings (bench/vs_torchtune.py's job): the median tokens/s of each after the first step, their ratio,
+    the first step's losses."""
+    import argparse as _argparse
+    import statistics
+
+    from bench import vs_torchtune as bench
+    from moai_recipes.data.batches import GlobalBatches
+
+    args = _argparse.Namespace(batch_size=8 if gpu else 2, seq_len=1024 if gpu else 64, steps=max(steps, 3), lr=2e-5,
+                               warmup_lr_steps=1, seed=0, threads=None, timeout=300)
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoint = bench.make_checkpoint(work / "checkpoint", "llama3_2_1b" if gpu else "small",
+                                       max_positions=max(512, args.seq_len))
+    n = args.steps * args.batch_size
+    rows = bench.make_text_rows(checkpoint, count=n, min_tokens=args.seq_len + 8)
+    ours_data = bench.write_jsonl(work / "text.jsonl", rows)
+    order = [i for step in range(args.steps)
+             for i in GlobalBatches(num_samples=n, batch_size=args.batch_size, epochs=1, seed=0).global_indices(step)]
+    tt_data = bench.write_jsonl(work / "text_in_our_order.jsonl", [rows[i] for i in order])
+    dtype = "bf16" if gpu else "fp32"
+    found = {"name": "torchtune side by side", "batch": f"{args.batch_size} x {args.seq_len} tokens",
+             "steps": args.steps}
+    speeds = {}
+    for tool in ("torchtune", "ours"):
+        out = work / tool
+        out.mkdir()
+        if tool == "torchtune":
+            config = work / "torchtune.yaml"
+            config.write_text(bench.torchtune_config(args, checkpoint=checkpoint, data=tt_data, out=out,
+                                                     device="cuda" if gpu else "cpu", dtype=dtype))
+            cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", "full_finetune_single_device", "--config",
+                   str(config)]
+            # Outside the repository, bench/ on the path: torchtune's top-level `recipes` must win there.
+            env, cwd = bench.child_env(work, pythonpath=str(ROOT / "bench"), threads=None), work
+        else:
+            cmd = bench.ours_command(args, processes=1, checkpoint=checkpoint, data=ours_data, out=out, flavor=flavor,
+                                     dtype=dtype)
+            env, cwd = bench.child_env(work, pythonpath=None, threads=None), ROOT
+        code, seconds = bench.run_logged(cmd, cwd=cwd, env=env, log=work / f"{tool}.log", timeout=args.timeout)
+        found[f"{tool}_seconds"] = round(seconds, 1)
+        if code:
+            found.update(returncode=code, error=(work / f"{tool}.log").read_text()[-1500:])
+            return found
+        tokens = args.batch_size * args.seq_len
+        steps_done = bench.read_torchtune(out, tokens) if tool == "torchtune" else bench.read_ours(out)
+        speeds[tool] = statistics.median(s["tokens"] / s["seconds"] for s in steps_done[1:])
+        found[f"{tool}_tokens_per_s"] = round(speeds[tool], 1)
+        found[f"{tool}_first_loss"] = steps_done[0]["loss"]
+    found.update(returncode=0, ratio=round(speeds["ours"] / speeds["torchtune"], 2))
+    return found
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -317,6 +373,16 @@ def markdown(report: dict) -> str:
         peak = f"{r.get('predicted_peak_gib')} / {r.get('measured_peak_gib')} ({r.get('peak_off_pct')}%)"
         step = f"{r.get('predicted_step_s')} / {r.get('measured_step_s')} ({r.get('step_off_pct')}%)"
         lines.append(f"| {r['name']} | {r.get('plan') or ''} | {peak} | {step} | {r.get('mfu_pct')}% |")
+    side = report.get("torchtune")
+    if side:
+        lines += ["", "| torchtune side by side | tokens/s torchtune | tokens/s ours | ours / torchtune | first loss "
+                  "torchtune / ours |", "| --- | ---: | ---: | ---: | --- |"]
+        if side.get("returncode"):
+            lines.append(f"| {side['batch']} | FAILED (exit {side['returncode']}) | | | |")
+        else:
+            lines.append(f"| {side['batch']}, {side['steps']} steps | {side['torchtune_tokens_per_s']} | "
+                         f"{side['ours_tokens_per_s']} | {side['ratio']}x | {side['torchtune_first_loss']:.4f} / "
+                         f"{side['ours_first_loss']:.4f} |")
     lines += ["", "Not yet part of the check: " + "; ".join(report["not_yet"]) + "."]
     return "\n".join(lines) + "\n"
 
@@ -355,11 +421,18 @@ def main() -> int:
                                steps)
             report["runs"].append({"name": f"{shape}, {method}", **run})
             print(json.dumps(report["runs"][-1])[:400], flush=True)
+    try:
+        report["torchtune"] = torchtune_side_by_side(args.out / "torchtune", gpu=gpu, flavor=flavor, steps=steps)
+    except Exception:
+        report["torchtune"] = {"name": "torchtune side by side", "returncode": -1,
+                               "error": traceback.format_exc()[-1500:]}
+    print(json.dumps(report["torchtune"])[:400], flush=True)
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     (args.out / "report.md").write_text(markdown(report))
     print(f"Written to {args.out / 'report.md'}")
     failed = [c["name"] for c in report["checks"] if not c["ok"]] + [r["name"] for r in report["runs"]
                                                                       if r.get("returncode")]
+    failed += ["torchtune side by side"] if report["torchtune"].get("returncode") else []
     return 1 if failed else 0
 
 

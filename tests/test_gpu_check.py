@@ -1,7 +1,8 @@
 """The prepared device check (scripts/gpu_check.py) run on the CPU at tiny sizes, so that it never rots between the
 sessions that are lent a GPU: every kernel check passes against its reference, and each shape's training run (full
-fine-tuning, two steps) runs and prints the planner's peak within 10% of the measured one.
-Run: pytest tests/test_gpu_check.py (about 25 s)"""
+fine-tuning, two steps) runs and prints the planner's peak within 10% of the measured one; torchtune's recipe and ours
+run the same job side by side, the same first loss.
+Run: pytest tests/test_gpu_check.py (about 40 s)"""
 
 import json
 import subprocess
@@ -22,4 +23,8 @@ def test_the_device_check_runs_its_whole_sequence_on_the_cpu(tmp_path):
     assert len(report["runs"]) == 3 and all(run["returncode"] == 0 for run in report["runs"]), report["runs"]
     assert all(abs(run["peak_off_pct"]) <= 10 for run in report["runs"]), report["runs"]
     assert report["versions"]["torch"] == __import__("torch").__version__ and report["card"].startswith("CPU")
-    assert "| packed_attention | ok |" in (out / "report.md").read_text()
+    side = report["torchtune"]
+    assert side["returncode"] == 0 and side["torchtune_tokens_per_s"] > 0 and side["ours_tokens_per_s"] > 0, side
+    assert abs(side["torchtune_first_loss"] - side["ours_first_loss"]) <= 1e-4 * side["ours_first_loss"], side
+    text = (out / "report.md").read_text()
+    assert "| packed_attention | ok |" in text and "| torchtune side by side |" in text
