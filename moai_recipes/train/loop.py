@@ -78,8 +78,8 @@ class LoopSettings:
                    checkpoint_keep=cfg.checkpoint_keep, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
                    eval_every=cfg.eval_every, fault_oom_tokens=process.fault_oom_tokens,
                    fault_step_delay=process.fault_step_delay, fault_memory_headroom=process.fault_memory_headroom,
-                   fault_nan_step=process.fault_nan_step, peak_flops=process.peak_flops, objective=objective or TokenLoss(),
-                   profile_steps=tuple(cfg.profile_steps), measure_memory=cfg.measure_memory)
+                   fault_nan_step=process.fault_nan_step, peak_flops=process.peak_flops,
+                   objective=objective or TokenLoss(), profile_steps=tuple(cfg.profile_steps), measure_memory=cfg.measure_memory)
 
 
 @dataclass(frozen=True)
