@@ -79,7 +79,8 @@ class LoopSettings:
                    eval_every=cfg.eval_every, fault_oom_tokens=process.fault_oom_tokens,
                    fault_step_delay=process.fault_step_delay, fault_memory_headroom=process.fault_memory_headroom,
                    fault_nan_step=process.fault_nan_step, peak_flops=process.peak_flops,
-                   objective=objective or TokenLoss(), profile_steps=tuple(cfg.profile_steps), measure_memory=cfg.measure_memory)
+                   objective=objective or TokenLoss(), profile_steps=tuple(cfg.profile_steps),
+                   measure_memory=cfg.measure_memory)
 
 
 @dataclass(frozen=True)
