@@ -22,7 +22,9 @@ as it can about a machine lent for minutes.
    (Llama-3.2-1B's layers on a GPU; bench/vs_torchtune.py's job, whose code it runs), the same rows in the same order,
    the same settings (no recomputation, no compile, fused AdamW, bf16 on a GPU): tokens/s side by side, the ratio,
    and the first step's loss of each.
-Not yet part of it (reported as such): a GRPO round's sampling time, the suite's tests marked `gpu`.
+4. A GRPO round (recipes.grpo, the Llama-shaped checkpoint, the additions prompts): the planner's sampling time of a
+   round and its KV cache against the measured ones.
+Not yet part of it (reported as such): the suite's tests marked `gpu`.
 """
 
 import argparse
@@ -40,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-NOT_YET = ["a GRPO round's sampling time against the planner's prediction", "the suite's tests marked gpu"]
+NOT_YET = ["the suite's tests marked gpu"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -280,6 +282,28 @@ def training_run(out: Path, checkpoint: Path, method: str, flavor: list[str], pr
     return found
 
 
+def grpo_round(out: Path, checkpoint: Path, flavor: list[str], precision: list[str], steps: int) -> dict:
+    """recipes.grpo on `checkpoint` (full fine-tuning, the embedded additions prompts, a reward for a number alone):
+    its sampling time of a round against the planner's, as the run prints them."""
+    args = [sys.executable, "-m", "recipes.grpo", f"model.checkpoint_dir={checkpoint}", "dataset=additions",
+            "method=full", *flavor, *precision, f"max_steps={max(steps, 3)}", "batch_size=8", "num_generations=4",
+            "max_completion_length=32", "max_seq_len=128", "rewards=[moai_recipes.rewards.number_only]",
+            "logger=stdout", "sample_max_new_tokens=0", f"output_dir={out}"]
+    start = time.perf_counter()
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    found = {"name": "GRPO round", "command": " ".join(args[1:]), "returncode": r.returncode,
+             "seconds": round(time.perf_counter() - start, 1)}
+    said = re.search(r"Sampling a round: predicted ([\d.e+-]+) s, measured ([\d.e+-]+) s .*?([-+][\d.]+)%\); KV cache "
+                     r"predicted ([\d,]+) bytes", r.stdout)
+    if said:
+        found.update(predicted_sampling_s=float(said[1]), measured_sampling_s=float(said[2]),
+                     sampling_off_pct=float(said[3]), predicted_kv_cache_bytes=int(said[4].replace(",", "")))
+    if r.returncode or not said:
+        found["error"] = (r.stdout + r.stderr)[-1500:]
+        found["returncode"] = r.returncode or -1
+    return found
+
+
 def torchtune_side_by_side(work: Path, *, gpu: bool, flavor: list[str], steps: int) -> dict:
     """torchtune's full_finetune_single_device and recipes.full_finetune, one after the other, on the same checkpoint,
     rows and settings (bench/vs_torchtune.py's job): the median tokens/s of each after the first step, their ratio,
@@ -383,6 +407,15 @@ def markdown(report: dict) -> str:
             lines.append(f"| {side['batch']}, {side['steps']} steps | {side['torchtune_tokens_per_s']} | "
                          f"{side['ours_tokens_per_s']} | {side['ratio']}x | {side['torchtune_first_loss']:.4f} / "
                          f"{side['ours_first_loss']:.4f} |")
+    grpo = report.get("grpo")
+    if grpo:
+        lines += ["", "| GRPO round | sampling predicted / measured (s) | KV cache predicted (bytes) |",
+                  "| --- | --- | ---: |"]
+        if grpo.get("returncode"):
+            lines.append(f"| {grpo['name']} | FAILED (exit {grpo['returncode']}) | |")
+        else:
+            lines.append(f"| {grpo['name']} | {grpo['predicted_sampling_s']} / {grpo['measured_sampling_s']} "
+                         f"({grpo['sampling_off_pct']}%) | {grpo['predicted_kv_cache_bytes']:,} |")
     lines += ["", "Not yet part of the check: " + "; ".join(report["not_yet"]) + "."]
     return "\n".join(lines) + "\n"
 
@@ -421,6 +454,10 @@ def main() -> int:
                                steps)
             report["runs"].append({"name": f"{shape}, {method}", **run})
             print(json.dumps(report["runs"][-1])[:400], flush=True)
+    llama = args.out / "checkpoints" / SHAPES["llama"][0]
+    report["grpo"] = (grpo_round(args.out / "runs" / "grpo", llama, flavor, precision, steps) if llama.is_dir() else
+                      {"name": "GRPO round", "returncode": -1, "error": "no Llama-shaped checkpoint was made"})
+    print(json.dumps(report["grpo"])[:400], flush=True)
     try:
         report["torchtune"] = torchtune_side_by_side(args.out / "torchtune", gpu=gpu, flavor=flavor, steps=steps)
     except Exception:
@@ -433,6 +470,7 @@ def main() -> int:
     failed = [c["name"] for c in report["checks"] if not c["ok"]] + [r["name"] for r in report["runs"]
                                                                       if r.get("returncode")]
     failed += ["torchtune side by side"] if report["torchtune"].get("returncode") else []
+    failed += ["GRPO round"] if report["grpo"].get("returncode") else []
     return 1 if failed else 0
 
 
