@@ -373,9 +373,11 @@ _SQUARE = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_squ
 def _transformers_formulas() -> None:
     """transformers' operators, once it is imported (a model of its modules is being traced)."""
     ops = getattr(torch.ops, "transformers", None)
-    if ops is not None and hasattr(ops, "grouped_mm_fallback"):
-        _FLOP_FORMULAS[ops.grouped_mm_fallback] = _grouped_loop_flops
-        _FLOP_FORMULAS[ops.grouped_mm_fallback_backward] = _grouped_loop_backward_flops
+    # Each where the installed transformers has it (5.17 has the loop, not yet its backward as an operator).
+    for name, formula in (("grouped_mm_fallback", _grouped_loop_flops),
+                          ("grouped_mm_fallback_backward", _grouped_loop_backward_flops)):
+        if ops is not None and hasattr(ops, name):
+            _FLOP_FORMULAS[getattr(ops, name)] = formula
 
 
 def _nbytes(tensors) -> int:

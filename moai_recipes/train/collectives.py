@@ -23,6 +23,13 @@ class AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, *, group) -> None:
+    """torch 2.13's all_gather_single; torch 2.11 and 2.12 call it all_gather_into_tensor (2.13 keeps that name,
+    deprecated). Looked up at each call, as torch.distributed has it then."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
+
+
 class AllGather(torch.autograd.Function):
     """Every device's `x` [n, ...] stacked in rank order ([size, n, ...]); the backward gives each device the sum of
     every device's gradient of its own part (a reduce-scatter: an all-reduce and this device's part, which gloo has
@@ -33,7 +40,7 @@ class AllGather(torch.autograd.Function):
         ctx.group = group
         size = dist.get_world_size(group)
         out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # gloo takes the parts concatenated on dim 0
-        dist.all_gather_single(out, x.contiguous(), group=group)
+        _all_gather_single(out, x.contiguous(), group=group)
         return out.view(size, *x.shape)
 
     @staticmethod

@@ -143,6 +143,15 @@ def _experts(layer: nn.Module) -> nn.Module | None:
     return experts_of(layer)
 
 
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: torch 2.13 keeps a list of them, 2.11 and 2.12 at most one."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = state._fsdp_param_group
+        groups = [group] if group is not None else []
+    return groups
+
+
 @contextlib.contextmanager
 def gathered(model: nn.Module, keep: bool = True):
     """Inside, each of the model's FSDP2 layers that reshards after its forward stays gathered from its first forward
@@ -154,13 +163,13 @@ def gathered(model: nn.Module, keep: bool = True):
     FSDP2's own switch (set_reshard_after_forward, made for evaluation) would restore a layer to a plain true or
     false; the state it changes is put back as it was (the groups' post-forward mesh, the automatic choice)."""
     layers = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model
-              and any(group.post_forward_mesh_info is not None for group in m._get_fsdp_state()._fsdp_param_groups)
+              and any(group.post_forward_mesh_info is not None for group in _param_groups(m._get_fsdp_state()))
               ] if keep else []
     before = []
     for layer in layers:
         state = layer._get_fsdp_state()
         before.append((state, state._auto_reshard_after_forward,
-                       [(group, group.post_forward_mesh_info) for group in state._fsdp_param_groups]))
+                       [(group, group.post_forward_mesh_info) for group in _param_groups(state)]))
         layer.set_reshard_after_forward(False, recurse=False)
     try:
         yield
