@@ -200,9 +200,10 @@ def test_the_gather_ways_blocks_of_queries_attend_as_each_document_does_alone(mo
 
     monkeypatch.setattr(context_parallel, "GATHER_BLOCK", 16)
     gathered = []
-    all_gather = dist.all_gather_single
-    monkeypatch.setattr(dist, "all_gather_single", lambda out, x, group=None: (gathered.append(tuple(x.shape)),
-                                                                               all_gather(out, x, group=group))[1])
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # before 2.13
+    all_gather = getattr(dist, name)
+    monkeypatch.setattr(dist, name, lambda out, x, group=None: (gathered.append(tuple(x.shape)),
+                                                                all_gather(out, x, group=group))[1])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         share = context_parallel.ContextShare(documents=Documents((40, 7, 50, 3)), mesh=init_device_mesh("cpu", (1,)),

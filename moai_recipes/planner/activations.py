@@ -318,13 +318,20 @@ def _causal(flops: int, is_causal: bool, queries: int, keys: int) -> int:
     return flops * (keys + 1) // (2 * keys) if is_causal and queries == keys else flops
 
 
+def _query_heads(query, x) -> tuple:
+    """`x`'s shape with the query's heads: grouped-query attention computes each query head against its group's key
+    and value head, as many products as with them repeated (torch 2.13's formulas count them so; 2.11's refuse
+    fewer key/value heads)."""
+    return (*x.shape[:-3], query.shape[-3], *x.shape[-2:])
+
+
 def _sdpa_square(query, key, value, *args, out_val=None, **kwargs) -> int:
     """The CPU's flash attention over the whole square of scores (as PyTorch's formula counts any SDPA)."""
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
+    return sdpa_flop_count(query.shape, _query_heads(query, key), _query_heads(query, value))
 
 
 def _sdpa_backward_square(grad_out, query, key, value, out, logsumexp, *args, out_val=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, _query_heads(query, key), _query_heads(query, value))
 
 
 def _sdpa_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
