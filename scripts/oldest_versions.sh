@@ -25,7 +25,7 @@ pip_install "torch==2.11.0"
 pip_install "transformers==5.17.0" "torchtune==0.6.1" "torchao==0.14.1" "torchvision==0.26.0"
 # The rest as pyproject.toml declares it (its torch pin left aside: --no-deps, then its other requirements), and the
 # test extras the suite needs without building llama.cpp (scipy: a sampler test's chi-square; setuptools: the wheel
-# test builds without isolation).
+# test builds without isolation, and setuptools 70.1 builds wheels by itself).
 pip_install --no-deps -e "$root"
 "$py" - "$root/pyproject.toml" > "$venv/requirements.txt" <<'PY'
 import sys
@@ -37,7 +37,7 @@ deps = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
 print("\n".join(d for d in deps if not d.startswith(("torch==", "torchtune", "torchao", "transformers"))))
 PY
 pip_install -r "$venv/requirements.txt" "pytest>=8" "pytest-xdist>=3.6" "peft>=0.13,<0.19" "trl>=1.16,<1.17" \
-    "lm-eval>=0.4.8,<0.5" scipy setuptools
+    "lm-eval>=0.4.8,<0.5" scipy "setuptools>=70.1"
 "$py" - <<'PY'
 import torch, torchao, torchtune, transformers
 print(f"== installed: torch {torch.__version__}, transformers {transformers.__version__}, "
