@@ -24,7 +24,9 @@ as it can about a machine lent for minutes.
    and the first step's loss of each.
 4. A GRPO round (recipes.grpo, the Llama-shaped checkpoint, the additions prompts): the planner's sampling time of a
    round and its KV cache against the measured ones.
-Not yet part of it (reported as such): the suite's tests marked `gpu`.
+5. The suite's tests marked `gpu` (tests/test_gpu.py: the kernels as tests, CPU-offloaded state on NCCL with its norm
+   over gloo, packed rows through the varlen kernel): their summary line and the names of any that failed. They skip
+   on the CPU.
 """
 
 import argparse
@@ -42,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-NOT_YET = ["the suite's tests marked gpu"]
+NOT_YET: list[str] = []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -304,6 +306,21 @@ def grpo_round(out: Path, checkpoint: Path, flavor: list[str], precision: list[s
     return found
 
 
+def gpu_tests(timeout: int = 300) -> dict:
+    """`pytest -m gpu` on tests/test_gpu.py: its summary line, and the tests that failed."""
+    args = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+            "tests/test_gpu.py"]
+    start = time.perf_counter()
+    try:
+        r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"name": "tests marked gpu", "returncode": 124, "summary": f"killed after {timeout} s"}
+    lines = [line for line in r.stdout.splitlines() if line.strip()]
+    return {"name": "tests marked gpu", "returncode": r.returncode, "summary": lines[-1] if lines else "",
+            "failed": re.findall(r"^FAILED (\S+)", r.stdout, re.M), "seconds": round(time.perf_counter() - start, 1),
+            **({"error": (r.stdout + r.stderr)[-1500:]} if r.returncode not in (0, 5) else {})}
+
+
 def torchtune_side_by_side(work: Path, *, gpu: bool, flavor: list[str], steps: int) -> dict:
     """torchtune's full_finetune_single_device and recipes.full_finetune, one after the other, on the same checkpoint,
     rows and settings (bench/vs_torchtune.py's job): the median tokens/s of each after the first step, their ratio,
@@ -416,7 +433,12 @@ def markdown(report: dict) -> str:
         else:
             lines.append(f"| {grpo['name']} | {grpo['predicted_sampling_s']} / {grpo['measured_sampling_s']} "
                          f"({grpo['sampling_off_pct']}%) | {grpo['predicted_kv_cache_bytes']:,} |")
-    lines += ["", "Not yet part of the check: " + "; ".join(report["not_yet"]) + "."]
+    tests = report.get("gpu_tests")
+    if tests:
+        lines += ["", f"Tests marked gpu: {tests['summary']}" + (f" (failed: {', '.join(tests['failed'])})"
+                                                                 if tests.get("failed") else "")]
+    if report["not_yet"]:
+        lines += ["", "Not yet part of the check: " + "; ".join(report["not_yet"]) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -464,6 +486,8 @@ def main() -> int:
         report["torchtune"] = {"name": "torchtune side by side", "returncode": -1,
                                "error": traceback.format_exc()[-1500:]}
     print(json.dumps(report["torchtune"])[:400], flush=True)
+    report["gpu_tests"] = gpu_tests()
+    print(json.dumps(report["gpu_tests"])[:400], flush=True)
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     (args.out / "report.md").write_text(markdown(report))
     print(f"Written to {args.out / 'report.md'}")
@@ -471,6 +495,7 @@ def main() -> int:
                                                                       if r.get("returncode")]
     failed += ["torchtune side by side"] if report["torchtune"].get("returncode") else []
     failed += ["GRPO round"] if report["grpo"].get("returncode") else []
+    failed += ["tests marked gpu"] if report["gpu_tests"]["returncode"] not in (0, 5) else []  # 5: none collected
     return 1 if failed else 0
 
 

@@ -1,7 +1,8 @@
 """The prepared device check (scripts/gpu_check.py) run on the CPU at tiny sizes, so that it never rots between the
 sessions that are lent a GPU: every kernel check passes against its reference, and each shape's training run (full
 fine-tuning, two steps) runs and prints the planner's peak within 10% of the measured one; torchtune's recipe and ours
-run the same job side by side, the same first loss; a GRPO round reports its sampling time beside the planner's.
+run the same job side by side, the same first loss; a GRPO round reports its sampling time beside the planner's; the
+tests marked gpu are collected and skip.
 Run: pytest tests/test_gpu_check.py (about 50 s)"""
 
 import json
@@ -28,5 +29,6 @@ def test_the_device_check_runs_its_whole_sequence_on_the_cpu(tmp_path):
     assert abs(side["torchtune_first_loss"] - side["ours_first_loss"]) <= 1e-4 * side["ours_first_loss"], side
     grpo = report["grpo"]
     assert grpo["returncode"] == 0 and grpo["measured_sampling_s"] > 0 and grpo["predicted_kv_cache_bytes"] > 0, grpo
+    assert report["gpu_tests"]["returncode"] == 0 and "9 skipped" in report["gpu_tests"]["summary"], report["gpu_tests"]
     text = (out / "report.md").read_text()
     assert "| packed_attention | ok |" in text and "| torchtune side by side |" in text and "| GRPO round |" in text
