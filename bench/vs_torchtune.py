@@ -127,6 +127,21 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def job_inputs(args, work: Path, size: str) -> tuple[Path, Path, Path]:
+    """The job's checkpoint of `size` and its rows: as ours reads them, and in the order our seeded sampler visits
+    them, as torchtune (no shuffling) reads them."""
+    from moai_recipes.data.batches import GlobalBatches
+
+    checkpoint = make_checkpoint(work / "checkpoint", size, max_positions=max(512, args.seq_len))
+    n = args.steps * args.batch_size
+    rows = make_text_rows(checkpoint, count=n, min_tokens=args.seq_len + 8, seed=args.seed)
+    ours_data = write_jsonl(work / "text.jsonl", rows)
+    order = [i for step in range(args.steps)
+             for i in GlobalBatches(num_samples=n, batch_size=args.batch_size, epochs=1,
+                                    seed=args.seed).global_indices(step)]
+    return checkpoint, ours_data, write_jsonl(work / "text_in_our_order.jsonl", [rows[i] for i in order])
+
+
 # --- the three jobs ----------------------------------------------------------------------------------
 
 
@@ -295,19 +310,21 @@ def read_torchtune(out: Path, tokens_per_step: int) -> list[dict]:
     return rows
 
 
-def run_job(name: str, args, *, round_: int, work: Path, checkpoint: Path, data: Path,
-            log: Path) -> tuple[list[dict], float]:
-    """Run one job to the end; its per-step rows and the process's wall time. Raises if it failed."""
+def run_job(name: str, args, *, round_: int, work: Path, checkpoint: Path, data: Path, log: Path,
+            device: str = "cpu", dtype: str = "fp32", flavor: list[str] | None = None) -> tuple[list[dict], float]:
+    """Run one job to the end; its per-step rows and the process's wall time. Raises if it failed. `device`, `dtype`
+    and `flavor` (ours' overrides): where it runs (scripts/gpu_check.py's on a GPU)."""
     out = work / f"{name}-r{round_}"
     if name == "torchtune":
         out.mkdir()
         cfg = work / f"torchtune-r{round_}.yaml"
-        cfg.write_text(torchtune_config(args, checkpoint=checkpoint, data=data, out=out))
+        cfg.write_text(torchtune_config(args, checkpoint=checkpoint, data=data, out=out, device=device, dtype=dtype))
         cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", "full_finetune_single_device", "--config", str(cfg)]
         # Outside the repository, with only bench/ added to the path: torchtune's `recipes` must win there.
         env, cwd = child_env(work, pythonpath=str(BENCH), threads=args.threads), work
     else:
-        cmd = ours_command(args, processes=2 if name == "ours-cpu-2" else 1, checkpoint=checkpoint, data=data, out=out)
+        cmd = ours_command(args, processes=2 if name == "ours-cpu-2" else 1, checkpoint=checkpoint, data=data, out=out,
+                           flavor=flavor, dtype=dtype)
         env, cwd = child_env(work, pythonpath=None, threads=args.threads), ROOT
     rc, wall = run_logged(cmd, cwd=cwd, env=env, log=log, timeout=args.timeout)
     if rc != 0:
@@ -404,22 +421,14 @@ def main() -> int:
     import torch
     import torchtune
 
-    from moai_recipes.data.batches import GlobalBatches
     from moai_recipes.models.spec import read_spec
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="moai-vs-torchtune-"))
     work.mkdir(parents=True, exist_ok=True)
     t_start, load_before = time.perf_counter(), os.getloadavg()
     try:
-        checkpoint = make_checkpoint(work / "checkpoint", args.model_size, max_positions=max(512, args.seq_len))
+        checkpoint, ours_data, tt_data = job_inputs(args, work, args.model_size)
         spec = read_spec(checkpoint)
-        n = args.steps * args.batch_size
-        rows = make_text_rows(checkpoint, count=n, min_tokens=args.seq_len + 8, seed=args.seed)
-        ours_data = write_jsonl(work / "text.jsonl", rows)
-        order = [i for step in range(args.steps)
-                 for i in GlobalBatches(num_samples=n, batch_size=args.batch_size, epochs=1,
-                                        seed=args.seed).global_indices(step)]
-        tt_data = write_jsonl(work / "text_in_our_order.jsonl", [rows[i] for i in order])
 
         jobs = {"ours-cpu": Job("ours-cpu", "`recipes.full_finetune flavor=cpu` (1 process)"),
                 "torchtune": Job("torchtune", "`tune run full_finetune_single_device`"),

@@ -329,45 +329,25 @@ def torchtune_side_by_side(work: Path, *, gpu: bool, flavor: list[str], steps: i
     import statistics
 
     from bench import vs_torchtune as bench
-    from moai_recipes.data.batches import GlobalBatches
 
     args = _argparse.Namespace(batch_size=8 if gpu else 2, seq_len=1024 if gpu else 64, steps=max(steps, 3), lr=2e-5,
                                warmup_lr_steps=1, seed=0, threads=None, timeout=300)
     work.mkdir(parents=True, exist_ok=True)
-    checkpoint = bench.make_checkpoint(work / "checkpoint", "llama3_2_1b" if gpu else "small",
-                                       max_positions=max(512, args.seq_len))
-    n = args.steps * args.batch_size
-    rows = bench.make_text_rows(checkpoint, count=n, min_tokens=args.seq_len + 8)
-    ours_data = bench.write_jsonl(work / "text.jsonl", rows)
-    order = [i for step in range(args.steps)
-             for i in GlobalBatches(num_samples=n, batch_size=args.batch_size, epochs=1, seed=0).global_indices(step)]
-    tt_data = bench.write_jsonl(work / "text_in_our_order.jsonl", [rows[i] for i in order])
-    dtype = "bf16" if gpu else "fp32"
+    checkpoint, ours_data, tt_data = bench.job_inputs(args, work, "llama3_2_1b" if gpu else "small")
     found = {"name": "torchtune side by side", "batch": f"{args.batch_size} x {args.seq_len} tokens",
              "steps": args.steps}
     speeds = {}
-    for tool in ("torchtune", "ours"):
-        out = work / tool
-        out.mkdir()
-        if tool == "torchtune":
-            config = work / "torchtune.yaml"
-            config.write_text(bench.torchtune_config(args, checkpoint=checkpoint, data=tt_data, out=out,
-                                                     device="cuda" if gpu else "cpu", dtype=dtype))
-            cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", "full_finetune_single_device", "--config",
-                   str(config)]
-            # Outside the repository, bench/ on the path: torchtune's top-level `recipes` must win there.
-            env, cwd = bench.child_env(work, pythonpath=str(ROOT / "bench"), threads=None), work
-        else:
-            cmd = bench.ours_command(args, processes=1, checkpoint=checkpoint, data=ours_data, out=out, flavor=flavor,
-                                     dtype=dtype)
-            env, cwd = bench.child_env(work, pythonpath=None, threads=None), ROOT
-        code, seconds = bench.run_logged(cmd, cwd=cwd, env=env, log=work / f"{tool}.log", timeout=args.timeout)
-        found[f"{tool}_seconds"] = round(seconds, 1)
-        if code:
-            found.update(returncode=code, error=(work / f"{tool}.log").read_text()[-1500:])
+    for tool, job in (("torchtune", "torchtune"), ("ours", "ours-cpu")):
+        log = work / f"{tool}.log"
+        try:
+            steps_done, seconds = bench.run_job(job, args, round_=1, work=work, checkpoint=checkpoint,
+                                                data=tt_data if tool == "torchtune" else ours_data, log=log,
+                                                device="cuda" if gpu else "cpu", dtype="bf16" if gpu else "fp32",
+                                                flavor=flavor)
+        except (RuntimeError, OSError, ValueError, KeyError) as e:
+            found.update(returncode=1, error=f"{tool}: {e}\n" + (log.read_text()[-1500:] if log.exists() else ""))
             return found
-        tokens = args.batch_size * args.seq_len
-        steps_done = bench.read_torchtune(out, tokens) if tool == "torchtune" else bench.read_ours(out)
+        found[f"{tool}_seconds"] = round(seconds, 1)
         speeds[tool] = statistics.median(s["tokens"] / s["seconds"] for s in steps_done[1:])
         found[f"{tool}_tokens_per_s"] = round(speeds[tool], 1)
         found[f"{tool}_first_loss"] = steps_done[0]["loss"]
