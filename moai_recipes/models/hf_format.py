@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -28,13 +29,19 @@ from typing import Callable
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moai_recipes import env
 from moai_recipes.errors import UserError
 from moai_recipes.files import Writes, disk_full
 from moai_recipes.models.build import is_nf4
 from moai_recipes.models.spec import ModelSpec, read_spec
+
+
+def _is_dtensor(param: torch.Tensor) -> bool:
+    """Whether `param` is a DTensor, without importing torch.distributed.tensor (0.4 s of a dry run's start, which
+    reads a checkpoint's config through this module): a DTensor exists only once it is imported."""
+    tensors = sys.modules.get("torch.distributed.tensor")
+    return tensors is not None and isinstance(param, tensors.DTensor)
 
 INDEX = "model.safetensors.index.json"
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -387,13 +394,15 @@ def _check_matches(model: torch.nn.Module, hf: HFFolder, allow_missing: tuple[st
 def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Set a (possibly sharded) parameter from the whole tensor, which every rank holds."""
     # The very local tensor FSDP holds (to_local() of a parameter is a new alias): NF4 is updated in it.
-    local = param._local_tensor if isinstance(param, DTensor) else param
+    local = param._local_tensor if _is_dtensor(param) else param
     if is_nf4(local):
         _copy_full_into_nf4(param, local, full)
         return
     full = full.to(param.dtype)
-    if isinstance(param, DTensor):
+    if _is_dtensor(param):
         # Every rank read the whole tensor from the file: keep this rank's shard, no communication.
+        from torch.distributed.tensor import distribute_tensor
+
         shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(shard.to_local())
     else:
@@ -407,7 +416,7 @@ def _copy_full_into_nf4(param: torch.Tensor, local: torch.Tensor, full: torch.Te
     from torchao.dtypes.nf4tensor import to_nf4
 
     quantized = to_nf4(full.to(local.device, local.dtype), local.block_size, local.scaler_block_size)
-    if isinstance(param, DTensor):
+    if _is_dtensor(param):
         assert param.placements == (Shard(0),) and param.device_mesh.ndim == 1, param.placements
         mesh = param.device_mesh
         quantized = torch.chunk(quantized, mesh.size(), dim=0)[mesh.get_local_rank()]  # whole scaler blocks
@@ -468,11 +477,11 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
     An NF4 weight (QLoRA) comes back dequantized, in the dtype it was quantized from: each shard holds
     whole scaler blocks and the whole tensor's scaler mean, so it dequantizes on its own rank.
     """
-    local = param.to_local() if isinstance(param, DTensor) else param.detach()
+    local = param.to_local() if _is_dtensor(param) else param.detach()
     nf4 = is_nf4(local)
     if nf4:
         local = local.get_original_weight()
-    if not isinstance(param, DTensor):
+    if not _is_dtensor(param):
         return local.to("cpu", copy=True)
     mesh = param.device_mesh
     if nf4 or local.device.type != mesh.device_type:  # or CPU-offloaded shards of a GPU mesh

@@ -120,10 +120,14 @@ class ModelSpec:
     def mean_mlp_params(self, *, active: bool = False) -> float:
         """A layer's MLP weights, averaged over the layers (dense and sparse alike). Counted by kind of layer, not
         layer by layer: the planner asks for each of its candidates (70B on 48xlarge: 98,000 times over 80 layers)."""
-        sparse = len({i for i in self.moe_layers if 0 <= i < self.num_layers})
+        sparse = self._sparse_layers
         dense = self.num_layers - sparse
         return (dense * 3 * self.embed_dim * self.intermediate_dim
                 + sparse * self._sparse_mlp_params(active)) / self.num_layers
+
+    @functools.cached_property
+    def _sparse_layers(self) -> int:
+        return len({i for i in self.moe_layers if 0 <= i < self.num_layers})
 
     @functools.cached_property
     def key(self) -> str:
@@ -143,7 +147,7 @@ class ModelSpec:
         embeddings = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layers * layer + mlps + d
 
-    @property
+    @functools.cached_property  # each of a search's candidates carries it
     def attention_length(self) -> int:
         """The length of a document whose attention costs as many FLOPs as the rest of its layers' work: per
         token, 6 per weight of a layer that it computes with (forward and backward); per pair of tokens, 12 per

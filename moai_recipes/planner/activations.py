@@ -86,6 +86,7 @@ class HeadTrace:
 
 
 _CACHE: dict[tuple, object] = {}
+_ASKED: dict[tuple, object] = {}  # trace_layer and trace_head by their arguments
 
 
 # A tiled MLP's tiles at the fewest (models/tiled_mlp.mlp_tiles).
@@ -102,11 +103,28 @@ class RowForm:
     per_document: bool = False
     tiles: int = 0
 
+    @staticmethod
+    @functools.cache  # a search asks for one per candidate: a frozen dataclass is slow to make
+    def of(per_document: bool = False, tiles: int = 0) -> "RowForm":
+        return RowForm(per_document=per_document, tiles=tiles)
+
 
 def trace_layer(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
                 lora: tuple | None = None, form: RowForm = RowForm()) -> LayerTrace:
     """Bytes and FLOPs per sequence of `seq_len` tokens for one layer under `recompute`, in `dtype`, its row in
     `form`."""
+    # A search asks for the same few traces for each of its candidates (70B on 48xlarge: 180,000 times): answered
+    # from a dictionary keyed by the arguments as they come, before any key of the disk cache is built.
+    asked = (spec.key, seq_len, recompute, dtype, lora, form)
+    found = _ASKED.get(asked)
+    if found is None:
+        found = _ASKED[asked] = _trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora,
+                                             form=form)
+    return found
+
+
+def _trace_layer(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None,
+                 form: RowForm) -> LayerTrace:
     def traced(k: int) -> LayerTrace:
         key = ((spec, seq_len, recompute, dtype, lora) + (("per_document",) if form.per_document else ())
                + ((("tiles", k),) if k else ()))
@@ -185,6 +203,16 @@ def trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked:
     within a partial chunk's traffic for the chunked one): a chunked trace of 64 x 8K tokens would run
     512 chunks.
     """
+    asked = ("head", spec.key, micro_batch_size, seq_len, chunked, dtype, lora)  # as trace_layer's
+    found = _ASKED.get(asked)
+    if found is None:
+        found = _ASKED[asked] = _head_estimate(spec, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                                               chunked=chunked, dtype=dtype, lora=lora)
+    return found
+
+
+def _head_estimate(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked: bool, dtype: torch.dtype,
+                   lora: tuple | None) -> HeadTrace:
     def traced(sequences: int, length: int = seq_len) -> HeadTrace:
         return _cached(HeadTrace, ("head", spec, sequences, length, chunked, dtype, lora),
                        lambda: _trace_head(spec, micro_batch_size=sequences, seq_len=length, chunked=chunked,

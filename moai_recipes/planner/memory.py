@@ -211,7 +211,7 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     # Packed rows attend document by document except in a GPU's varlen kernel (models/attention.py).
     per_document = plan.packing and not (device_kind == "gpu" and plan.param_dtype == "bfloat16")
     act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora,
-                      form=RowForm(per_document=per_document, tiles=plan.tiled_mlp))
+                      form=RowForm.of(per_document, plan.tiled_mlp))
     # Context parallelism: a device holds 1 / C of each row's tokens, and their activations (ulysses: the whole row
     # of 1 / C of the heads inside attention, as many values). Gathering instead, a layer's attention holds the
     # whole row's keys and values, expanded to the query heads (torchtune expands them before attention), and the
@@ -278,7 +278,7 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
         "gradients all-reduced": dict(gathered=0, grads=sharded_grads * 2 if plan.replicate else 0, logits=0,
                                       activations=0),
     }
-    for name, parts in phases.items():
+    for name, parts in phases.items() if traced_scale != 1.0 else ():
         if name not in ("optimizer step", "generation"):  # their bytes are counted, not traced
             parts["activations"] *= traced_scale
             parts["logits"] *= traced_scale
@@ -354,6 +354,6 @@ def offloaded_activations(plan: Plan, work: Workload) -> float:
     dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
     # Full recomputation keeps the layer's input alone, however its attention runs.
     act = trace_layer(work.spec, seq_len=work.seq_len, recompute=plan.recompute, dtype=dtype, lora=work.lora_key,
-                      form=RowForm(tiles=plan.tiled_mlp))
+                      form=RowForm.of(tiles=plan.tiled_mlp))
     held = max(s.layers * s.in_flight for s in device_shares(plan, work.spec))
     return held * act.kept(plan.micro_batch_size) / plan.tensor_parallel / plan.context_parallel

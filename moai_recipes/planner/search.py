@@ -289,6 +289,13 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
                       device=flavor.device.name, reference=work.reference)
 
 
+# A row split over context devices into shares of fewer tokens than this is a last resort, priced only where no other
+# plan fits: a device's matmuls on a few hundred tokens run far below their peak (timing.EFFICIENCY), the exchanges
+# of keys, values or heads come every layer whatever the share, and a short row's activations are what full
+# recomputation and its offload hold cheaply. Large flavors offer hundreds of such layouts (70B on 48xlarge at 4,096
+# tokens: 27,930 of its 48,640 plans, split 6 to 384 ways, 2.4 s of a 4.5 s search); in none of docs/planner.md's
+# searches nor the suite's was one the fastest that fits.
+MIN_CONTEXT_TOKENS = 1024
 # How much faster a plan that splits rows over context devices must be predicted than the fastest that keeps them
 # whole, to be chosen over it (choose_plan).
 CONTEXT_MARGIN = 0.05
@@ -351,30 +358,52 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
     """Every plan the forced fields allow, with its predictions; a UserError if they allow none. `until_fit`: stop
     at the first that fits (whether any fits is all the caller asks)."""
     n = flavor.num_devices
-    compute, master, states = stored_dtypes(work, flavor)
-    budget = int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
-    host_budget = int(flavor.host_memory_gb * GiB * (1 - SAFETY_MARGIN))
+    compute, _, _ = stored_dtypes(work, flavor)
     # Each layout's copies of the model split the global batch: its options, with the sequences a copy gets.
-    options, fewest = [], None
+    options, fewest, last_resort = [], None, []
     for layout in layouts(work, flavor, forced):
         copies = n // (layout["tensor_parallel"] * layout["pipeline_stages"] * layout["context_parallel"])
         per_device = Plan.device_share(work.batch_size, copies)
         fewest = copies if fewest is None else min(fewest, copies)
         if forced.get("micro_batch_size", 0) <= per_device:
-            options += [(o, per_device) for o in _options(layout, per_device, flavor, forced, work, compute)]
-    if not options and fewest and forced.get("micro_batch_size", 0) > Plan.device_share(work.batch_size, fewest):
+            context = layout["context_parallel"]
+            short = context > 1 and work.seq_len < MIN_CONTEXT_TOKENS * context and not forced.get("context_parallel")
+            if short:
+                last_resort.append((layout, per_device))
+            else:
+                options += [(o, per_device) for o in _options(layout, per_device, flavor, forced, work, compute)]
+    if not options and not last_resort and fewest and \
+            forced.get("micro_batch_size", 0) > Plan.device_share(work.batch_size, fewest):
         most = Plan.device_share(work.batch_size, fewest)
         raise UserError(f"plan.micro_batch_size={forced['micro_batch_size']} is larger than the batch per copy of the "
                         f"model ({most} = batch_size {work.batch_size} over {fewest} "
                         f"{'copies' if fewest > 1 else 'copy'}); use at most {most}")
-    if not options:
+    if not options and not last_resort:
         raise UserError(_impossible(forced, flavor, work))
+    candidates = _priced(options, work, flavor, forced, until_fit=until_fit)
+    if last_resort and not any(c.fits for c in candidates):
+        last_resort = [(o, per_device) for layout, per_device in last_resort
+                       for o in _options(layout, per_device, flavor, forced, work, compute)]
+        candidates += _priced(last_resort, work, flavor, forced, until_fit=until_fit)
+    if not candidates:
+        raise UserError(_impossible(forced, flavor, work))
+    return candidates, int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
+
+
+def _priced(options: list[tuple[dict, int]], work: Workload, flavor: Flavor, forced: dict, *,
+            until_fit: bool) -> list[Candidate]:
+    """The plans of `options` (each with the sequences a copy of the model gets), with their predictions."""
+    n = flavor.num_devices
+    compute, master, states = stored_dtypes(work, flavor)
+    budget = int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
+    host_budget = int(flavor.host_memory_gb * GiB * (1 - SAFETY_MARGIN))
     candidates, scales = [], calibration.scales(flavor.device.name)
     flops, (peak, _) = ModelFlops.of(work.spec, work.lora), device_speed(flavor.device, compute_dtype=compute, num_devices=n)
     lengths = work.lengths or (work.seq_len,)
     tokens, pairs = (work.batch_size / len(lengths) * sum(f(k) for k in lengths)
                      for f in (lambda k: k, lambda k: k * (k + 1) // 2))  # a mean step's
     whole_mlp = {}  # each option's twin with its MLP whole, already priced (it comes first)
+    attention_length, row_sizes = work.spec.attention_length, ROW_SIZES_PER_DOUBLING.get((flavor.device.kind, compute), 0)
     for o, per_device in options:
         if o["tiled_mlp"] and not _tiling_can_help(whole_mlp.get(_twin(o)), forced, budget, work):
             continue
@@ -384,8 +413,7 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
         plan = Plan(batch_size=work.batch_size, num_devices=n, max_seq_len=work.seq_len,
                     accumulation_steps=accumulation,
                     param_dtype=compute, master_dtype=master, optimizer_states=states,
-                    attention_length=work.spec.attention_length,
-                    row_sizes=ROW_SIZES_PER_DOUBLING.get((flavor.device.kind, compute), 0), **o)
+                    attention_length=attention_length, row_sizes=row_sizes, **o)
         traced = scales.get(calibration.MEMORY, 1.0)
         if work.rollout is not None:
             sampled = _generation_batch(plan, work, flavor, budget, forced, scales)
@@ -401,13 +429,11 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
             time.total_s, peak, n)
         kv = rollout_bytes(plan, work)[0] if plan.generation_batch else 0
         candidates.append(Candidate(plan=plan, memory=memory, time=time, fits=fits, host=host, mfu=mfu, kv_cache=kv))
-        if not o["tiled_mlp"]:
+        if not o["tiled_mlp"] and o["recompute"] == Recompute.full.value:  # the MLP is tiled under full recomputation
             whole_mlp[_twin(o)] = candidates[-1]
         if until_fit and fits:
             break
-    if not candidates:
-        raise UserError(_impossible(forced, flavor, work))
-    return candidates, budget
+    return candidates
 
 
 def _generation_batch(plan: Plan, work: Workload, flavor: Flavor, budget: int, forced: dict,

@@ -12,6 +12,7 @@ A GPU's peak figures come from its data sheet (flavors.DEVICES), the CPU's are m
 machine (cpu_speed.py); bench/planner_accuracy.py compares predictions with measured steps.
 """
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -142,7 +143,7 @@ class TimeEstimate:
         """Seconds of a run of `steps` steps (None: unknown, a long run: the step time alone decides)."""
         return self.total_s if steps is None else self.total_s * steps + self.once_s
 
-    @property
+    @functools.cached_property  # a search sorts tens of thousands of estimates by their total, again and again
     def parts(self) -> dict:
         return combine(self.terms, self.kind, self.scales)
 
@@ -235,7 +236,7 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     # Traced per sequence of seq_len tokens: scaled by the tokens the step computes (a short sample's attention
     # is counted as its share of a long one's, a small overestimate that packed and padded plans share).
     layer = trace_layer(spec, seq_len=seq_len, recompute=plan.recompute, dtype=dtype, lora=lora,
-                        form=RowForm(tiles=plan.tiled_mlp))
+                        form=RowForm.of(tiles=plan.tiled_mlp))
     head = trace_head(spec, micro_batch_size=plan.micro_batch_size, seq_len=seq_len, chunked=plan.chunked_loss,
                       dtype=dtype, lora=lora)
     sequences, heads = tokens / seq_len, tokens / plan.token_budget
