@@ -485,6 +485,8 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
         return local.to("cpu", copy=True)
     mesh = param.device_mesh
     if nf4 or local.device.type != mesh.device_type:  # or CPU-offloaded shards of a GPU mesh
+        from torch.distributed.tensor import DTensor
+
         param = DTensor.from_local(local.to(mesh.device_type), mesh, param.placements, shape=param.shape,
                                    stride=param.stride())
     return param.full_tensor().cpu()

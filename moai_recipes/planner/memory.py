@@ -13,7 +13,7 @@ from moai_recipes.models.build import nf4_weights
 from moai_recipes.models.spec import ModelSpec
 from moai_recipes.models.attention import GATHER_BLOCK
 from moai_recipes.planner.activations import RowForm, trace_head, trace_images, trace_layer
-from moai_recipes.planner.layouts import DeviceShare, device_shares
+from moai_recipes.planner.layouts import DeviceShare, device_shares, peak_shares
 from moai_recipes.planner.plan import Plan, Workload
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -136,11 +136,9 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     Under pipeline parallelism, the busiest of the pipeline's devices (layouts.device_shares): each holds its
     stages' layers and micro-batches in flight as the schedule keeps them.
     """
-    shares = device_shares(plan, work.spec)
-    # The peak is on the first device (the most micro-batches in flight, the embedding), the last (the head and its
-    # logits) or the one whose layers hold the most activations: the others need no prediction.
-    if len(shares) > 3:
-        shares = [shares[0], shares[-1], max(shares, key=lambda s: s.layers * s.in_flight)]
+    shares = peak_shares(plan, work.spec)
+    if len(shares) == 1:
+        return _device_memory(plan, work, device_kind, traced_scale, shares[0])
     return max((_device_memory(plan, work, device_kind, traced_scale, share) for share in shares),
                key=lambda m: m.total)
 
