@@ -286,6 +286,18 @@ def device_shares(plan, spec: ModelSpec) -> list[DeviceShare]:
                                plan.accumulation_steps, plan.stage_layers))
 
 
+def busiest_share(plan, spec: ModelSpec) -> DeviceShare:
+    """The pipeline device with the most work a step, which sets the pace (its layers, and the head on the last)."""
+    return _busiest(_device_shares(spec.num_layers, plan.pipeline_stages, plan.pipeline_schedule,
+                                   plan.accumulation_steps, plan.stage_layers), stage_costs(spec)[1:])
+
+
+@functools.lru_cache(maxsize=4096)  # a search asks for each of its plans; a pipeline has up to 64 devices
+def _busiest(shares: tuple[DeviceShare, ...], costs: tuple[float, float]) -> DeviceShare:
+    layer_cost, head_cost = costs
+    return max(shares, key=lambda s: s.layers * layer_cost + s.head * head_cost)
+
+
 def peak_shares(plan, spec: ModelSpec) -> tuple[DeviceShare, ...]:
     """The pipeline devices whose memory can be the largest: the first (the most micro-batches in flight, the
     embedding), the last (the head and its logits) and the one whose layers hold the most activations, each once;

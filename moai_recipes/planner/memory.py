@@ -249,45 +249,39 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     from moai_recipes.planner.rollouts import rollout_bytes  # it counts in DTYPE_BYTES, from here
 
     rollout = rollout_bytes(plan, work) if work.rollout is not None and plan.generation_batch else None
-    phases = {
-        # LoRA's layers before the first adapter run forward alone, nothing kept yet: their temporaries.
-        **({"unadapted layer forward": dict(gathered=root_gathered + layers_gathered(2), grads=earlier_grads,
-                                            activations=micro_batch_size * act.unlearned_forward / T / C, logits=0)}
-           if act.unlearned_forward else {}),
-        "loss backward": dict(gathered=root_gathered + layers_gathered(1) + output_grad, grads=earlier_grads,
-                              activations=retained, logits=logits),
-        "last layer backward": dict(gathered=root_gathered + layers_gathered(2) + output_grad, grads=earlier_grads,
-                                    activations=retained + layer_backward, logits=0),
-        "first layer backward": dict(gathered=root_gathered + layers_gathered(1) + output_grad,
-                                     grads=max(earlier_grads, later_grads),
-                                     activations=act.kept(micro_batch_size) / T / C + layer_backward
-                                     + images_kept,
-                                     logits=0),
+    # The moments the peak can be at: (name, gathered, grads, activations, logits). Tuples, not dictionaries: a
+    # search of 70B on 48xlarge makes 40,000 of each.
+    phases = []
+    if act.unlearned_forward:  # LoRA's layers before the first adapter run forward alone, nothing kept yet
+        phases.append(("unadapted layer forward", root_gathered + layers_gathered(2), earlier_grads,
+                       micro_batch_size * act.unlearned_forward / T / C, 0))
+    phases += [
+        ("loss backward", root_gathered + layers_gathered(1) + output_grad, earlier_grads, retained, logits),
+        ("last layer backward", root_gathered + layers_gathered(2) + output_grad, earlier_grads,
+         retained + layer_backward, 0),
+        ("first layer backward", root_gathered + layers_gathered(1) + output_grad, max(earlier_grads, later_grads),
+         act.kept(micro_batch_size) / T / C + layer_backward + images_kept, 0),
         # (In the backward, nothing is left to it: a parameter at a time, its temporaries a parameter's.)
-        "optimizer step": dict(gathered=0, grads=sharded_grads, logits=0,
-                               activations=0 if cpu_offload else trainable * OPTIMIZER_TEMPORARY[device_kind] / n)
-        if not plan.optimizer_in_backward else dict(gathered=0, grads=0, logits=0, activations=0),
+        ("optimizer step", 0, sharded_grads, 0 if cpu_offload else trainable * OPTIMIZER_TEMPORARY[device_kind] / n, 0)
+        if not plan.optimizer_in_backward else ("optimizer step", 0, 0, 0, 0)]
+    if rollout:
         # recipes.grpo's sampling (planner/rollouts.py): the chunk's KV cache and logits, the layers gathered as in a
         # forward (or all of them, kept for the round: plan.gather_for_generation), no gradient yet.
-        **({"generation": dict(gathered=root_gathered + (L * layer_c if plan.gather_for_generation
-                                                         else layers_gathered(2)),
-                               grads=0, activations=rollout[0], logits=rollout[1])} if rollout else {}),
-        # A replica sums its gradients over the processes through one flat copy of them (train/parallel.py).
-        "gradients all-reduced": dict(gathered=0, grads=sharded_grads * 2 if plan.replicate else 0, logits=0,
-                                      activations=0),
-    }
-    for name, parts in phases.items() if traced_scale != 1.0 else ():
-        if name not in ("optimizer step", "generation"):  # their bytes are counted, not traced
-            parts["activations"] *= traced_scale
-            parts["logits"] *= traced_scale
-    phase, peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))
+        phases.append(("generation", root_gathered + (L * layer_c if plan.gather_for_generation else layers_gathered(2)),
+                       0, rollout[0], rollout[1]))
+    # A replica sums its gradients over the processes through one flat copy of them (train/parallel.py).
+    phases.append(("gradients all-reduced", 0, sharded_grads * 2 if plan.replicate else 0, 0, 0))
+    if traced_scale != 1.0:  # the traced bytes as this machine's calibration scales them
+        phases = [(name, gathered, grads, activations * traced_scale, logits * traced_scale)
+                  if name not in ("optimizer step", "generation") else (name, gathered, grads, activations, logits)
+                  for name, gathered, grads, activations, logits in phases]  # (those two are counted, not traced)
+    phase, gathered, grads, activations, logits = max(phases, key=lambda p: p[1] + p[2] + p[3] + p[4])
     if phase not in ("optimizer step", "gradients all-reduced"):
-        peak["gathered"] += sizes.nf4_largest * NF4_DEQUANT_BYTES
-    subtotal = params + optimizer + sum(peak.values())
-    return MemoryBreakdown(params=int(params), grads=int(peak["grads"]), optimizer=int(optimizer),
-                           gathered=int(peak["gathered"]), activations=int(peak["activations"]),
-                           logits=int(peak["logits"]), overhead=int(FIXED_OVERHEAD[device_kind] + SLACK[device_kind] * subtotal),
-                           phase=phase)
+        gathered += sizes.nf4_largest * NF4_DEQUANT_BYTES
+    subtotal = params + optimizer + (gathered + grads + activations + logits)
+    return MemoryBreakdown(params=int(params), grads=int(grads), optimizer=int(optimizer), gathered=int(gathered),
+                           activations=int(activations), logits=int(logits),
+                           overhead=int(FIXED_OVERHEAD[device_kind] + SLACK[device_kind] * subtotal), phase=phase)
 
 
 # Host memory of a GPU process beside what the plan puts there: the CUDA/ROCm runtime, NCCL, torch and the

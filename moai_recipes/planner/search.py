@@ -158,8 +158,8 @@ def _options(layout: dict, per_device: int, flavor: Flavor, forced: dict, work: 
             for b in (in_backward if not d and not o else [False])]
     # A pipeline of P devices runs at least P micro-batches (1F1B's schedules: at once, padded with empty ones).
     stages = layout["pipeline_stages"]
-    return [o for o in opts if all(forced.get(k) is None or _as_forced(k, o[k]) == forced[k] for k in o
-                                   if k != "stage_layers")
+    pinned = [(k, v) for k, v in forced.items() if v is not None and k in opts[0] and k != "stage_layers"] if opts else []
+    return [o for o in opts if all(_as_forced(k, o[k]) == v for k, v in pinned)
             and not _runs_eager(o, flavor) and (stages == 1 or math.ceil(per_device / o["micro_batch_size"]) >= stages)]
 
 

@@ -21,7 +21,7 @@ import torch
 from moai_recipes.flavors import Device
 from moai_recipes.planner.activations import RowForm, trace_head, trace_images, trace_layer
 from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
-from moai_recipes.planner.layouts import device_shares, stage_costs
+from moai_recipes.planner.layouts import busiest_share
 from moai_recipes.planner.memory import DTYPE_BYTES, STATE_BYTES
 from moai_recipes.planner.plan import Plan, Workload
 from moai_recipes.planner.rollouts import Speed, rollout_seconds
@@ -225,8 +225,7 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     spec, sizes, seq_len, lora = work.spec, work.sizes, work.seq_len, work.lora_key
     n, kind = plan.num_devices, device.kind
     # The busiest pipeline device sets the pace (without a pipeline: the one device, the whole model).
-    _, layer_cost, head_cost = stage_costs(spec)
-    share = max(device_shares(plan, spec), key=lambda s: s.layers * layer_cost + s.head * head_cost)
+    share = busiest_share(plan, spec)
     L, T, has_head = share.layers, plan.tensor_parallel, share.head
     tokens, micro, per_micro_samples = step_shape(plan, work)
     C = plan.context_parallel  # each of a row's context devices computes 1 / C of its tokens, attention included
