@@ -354,3 +354,25 @@ def test_a_run_predicted_to_take_more_than_a_day_says_so_first():
     assert long[0].startswith("Warning: the plan predicts") and "days for the run's 10,000 steps" in long[0]
     short = choose_plan(Workload(spec=spec, batch_size=512, seq_len=4096, steps=2), flavor).report()
     assert not short[0].startswith("Warning")
+
+
+def test_gpipe_is_priced_where_forced_and_is_never_faster_nor_smaller_than_its_1f1b_twin():
+    """layouts.UNFORCED_SCHEDULES: GPipe holds every micro-batch in flight where 1F1B holds at most P - d, at the same
+    bubble. Unforced, no GPipe plan is priced; forced, each is priced, and against its 1F1B twin of the unforced
+    search it takes the same time and no less memory: leaving it out changes no choice."""
+    _, spec, flavor = setup("model=llama3_8b", "flavor=small", "flavor.device=h100", "flavor.memory_gb=640")
+    work = Workload(spec=spec, batch_size=64, seq_len=4096)
+    unforced = choose_plan(work, flavor)
+    schedules = {c.plan.pipeline_schedule for c in unforced.candidates}
+    assert "gpipe" not in schedules and {"1f1b", "interleaved_1f1b"} <= schedules, schedules
+    twins = {replace(c.plan, pipeline_schedule="gpipe"): c for c in unforced.candidates
+             if c.plan.pipeline_schedule == "1f1b"}
+    gpipe = choose_plan(work, flavor, forced={"pipeline_schedule": "gpipe"}).candidates
+    assert gpipe and all(c.plan.pipeline_schedule == "gpipe" for c in gpipe)
+    paired = [(c, twins[c.plan]) for c in gpipe if c.plan in twins]  # (a tiled MLP is priced where its whole one
+    assert len(paired) > 0.9 * len(gpipe)                             # does not fit: under GPipe alone, at times)
+    for c, twin in paired:
+        assert c.time.total_s == twin.time.total_s and c.memory.total >= twin.memory.total, (c.plan, twin.plan)
+    assert any(c.memory.total > twin.memory.total for c, twin in paired)
+    fastest = min(c.time.total_s for c in gpipe if c.fits)
+    assert fastest >= min(c.time.total_s for c in unforced.candidates if c.fits and c.plan.pipeline_stages > 1)
