@@ -22,6 +22,7 @@ import difflib
 import hashlib
 import io
 import json
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -230,6 +231,44 @@ class ImageSamples:
             return None
         return {"tokens": ids, "labels": labels, "text": out["text"], "images": refs}
 
+    def pair(self, row: dict, *, column_map: dict, base: Path | None, max_seq_len: int) -> tuple | None:
+        """recipes.dpo's pair of a preference row, as TRL 1.16's DPOTrainer makes it for an image-text model
+        (DataCollatorForVisionPreference): the prompt conversation, its images' parts in it, rendered with the
+        generation prompt and processed with its images; each completion the rest of the prompt-with-it's rendering,
+        tokenised alone; no special tokens added (the template has them). (prompt ids, chosen ids, rejected ids, the
+        prompt's text, its images as the row holds them); None when the prompt alone fills max_seq_len. A prompt cut
+        short of its images' tokens is refused."""
+        prompt, refs = _preference_prompt(row, column_map)
+        chosen, rejected = (_completion(row, name, column_map) for name in ("chosen", "rejected"))
+        if chosen == rejected:
+            raise UserError("the chosen and rejected completions are the same: a pair teaches nothing when both sides "
+                            "are equal; remove the row")
+
+        def render(messages, **kw):
+            try:
+                return self.processor.apply_chat_template(messages, tokenize=False, **kw)
+            except Exception as e:  # noqa: BLE001 - the template's own refusal
+                raise UserError(f"the chat template of {self.name} rejects this conversation: {e}") from None
+
+        text = render(prompt, add_generation_prompt=True)
+        with_chosen, with_rejected = render(prompt + chosen), render(prompt + rejected)
+        # The prompt is what both renderings begin with (a template may render the generation prompt otherwise).
+        text = os.path.commonprefix([text, with_chosen, with_rejected])
+        images = [open_image(ref, base=base) for ref in refs]
+        made = self.processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False)
+        prompt_ids = made["input_ids"][0].tolist()
+        completions = [self.processor(text=[rest[len(text):]], return_tensors="pt",
+                                      add_special_tokens=False)["input_ids"][0].tolist()
+                       for rest in (with_chosen, with_rejected)]
+        if len(prompt_ids) >= max_seq_len:
+            if images and _image_token_ids(self.processor) & set(prompt_ids[max_seq_len:]):
+                raise UserError(f"the prompt is {len(prompt_ids)} tokens with its images, more than max_seq_len="
+                                f"{max_seq_len}, and cutting it would cut an image; raise max_seq_len or use smaller "
+                                "images")
+            return None
+        keep = max_seq_len - len(prompt_ids)
+        return prompt_ids, completions[0][:keep], completions[1][:keep], text, refs
+
     def _trained(self, messages: list[dict], text: str, ids: list[int]) -> list[bool]:
         """Per token of `ids` (the conversation with its images' tokens): whether it is an assistant turn's."""
         tokenizer = self.processor.tokenizer
@@ -257,10 +296,10 @@ class ImageSamples:
         out = self.processor(text=[text], images=[open_image(picture, base=None)], return_tensors="pt")
         return out["input_ids"][0].tolist(), {k: v for k, v in out.items() if k not in _TEXT_KEYS and torch.is_tensor(v)}
 
-    def image_inputs(self, text: str, images: list, tokens: list[int]) -> dict:
+    def image_inputs(self, text: str, images: list, tokens: list[int], *, special_tokens: bool = True) -> dict:
         """A sample's inputs besides its tokens, made again by the processor from its text and images: the images'
         (pixel_values, image_grid_thw...) and those with a value per token (token_type_ids), cut as the tokens are."""
-        out = self.processor(text=[text], images=images, return_tensors="pt")
+        out = self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=special_tokens)
         made = out["input_ids"][0]
         if made[:len(tokens)].tolist() != tokens:
             raise UserError("a sample's pictures make other tokens than when its row was processed (a picture was "
@@ -272,6 +311,43 @@ class ImageSamples:
             per_token = v.dim() == 2 and v.shape == (1, len(made))
             inputs[k] = v[0, :len(tokens)].tolist() if per_token else v
         return inputs
+
+
+def _preference_prompt(row: dict, column_map: dict) -> tuple[list[dict], list]:
+    """A preference row's prompt conversation, each content a list of parts, and its images (TRL's conventions: image
+    parts in the messages with an `images` column, or one `image`; string contents with images get their image parts
+    before the first user message's text, as TRL's prepare_multimodal_messages puts them)."""
+    from moai_recipes.data.datasets import column  # (data/datasets.py imports this module)
+
+    col, value = column(row, "prompt", column_map)
+    if not isinstance(value, list) or not value:
+        raise UserError(f"column '{col}' must be a non-empty list of messages for an image-text model, got "
+                        f"{type_name(value)}")
+    images_col = column_map.get("images", "images")
+    if images_col not in row and "image" in row:
+        row = {**row, images_col: [row["image"]]}
+    has_parts = any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in value)
+    listed = row.get(images_col)
+    count = 0 if listed is None else len(listed) if isinstance(listed, (list, tuple)) else 1
+    if not has_parts and count:  # TRL's placement: the images before the first user message's text
+        first = next((j for j, m in enumerate(value) if isinstance(m, dict) and m.get("role") == "user"), 0)
+        value = [{**m, "content": [{"type": "image"}] * count + [{"type": "text", "text": m.get("content")}]}
+                 if j == first else m for j, m in enumerate(value)]
+    return _conversation({**row, "messages": value}, {**column_map, "messages": "messages"})
+
+
+def _completion(row: dict, name: str, column_map: dict) -> list[dict]:
+    """A preference row's chosen or rejected turns, each content a list of text parts (as TRL makes them)."""
+    from moai_recipes.data.datasets import column
+
+    col, value = column(row, name, column_map)
+    if not isinstance(value, list) or not value:
+        raise UserError(f"column '{col}' must be a non-empty list of messages for an image-text model, got "
+                        f"{type_name(value)}")
+    messages, images = _conversation({"messages": value}, {"messages": "messages", "images": "images"})
+    if images:
+        raise UserError(f"column '{col}' holds an image part: a completion is text; put the images in the prompt")
+    return messages
 
 
 def _image_token_ids(processor) -> set[int]:
@@ -293,10 +369,11 @@ def _image_token_ids(processor) -> set[int]:
 @dataclass
 class ImageSample:
     tokens: np.ndarray
-    labels: np.ndarray
+    labels: np.ndarray | None
     text: str  # the conversation as the chat template renders it (the processor makes the images' inputs from it)
     images: list  # the row's image values as the data holds them (paths, bytes...), opened when read
     base: Path | None
+    special_tokens: bool = True  # whether the processor added the tokenizer's special tokens (a DPO prompt's: no)
 
 
 class _ImageInputs(Mapping):
@@ -313,7 +390,8 @@ class _ImageInputs(Mapping):
         s = self._sample
         images = [open_image(v, base=s.base) for v in s.images]
         self._dataset.processed += 1
-        return self._dataset.maker.image_inputs(s.text, images, s.tokens.tolist()) if images else {}
+        return (self._dataset.maker.image_inputs(s.text, images, s.tokens.tolist(), special_tokens=s.special_tokens)
+                if images else {})
 
     def _inputs(self) -> dict:
         if self._made is None:

@@ -14,11 +14,14 @@ dropped. A row whose chosen and rejected completions are the same, or a missing 
 import hashlib
 import json
 import sys
+from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from moai_recipes.data.datasets import DataSource, column, image_refusal
+from moai_recipes.data.images import ImageSample, ImageSamples, _ImageInputs, collate_images
 from moai_recipes.data.local_files import type_name
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
@@ -27,55 +30,78 @@ from moai_recipes.models.attention import Documents
 
 class PreferencePairs(torch.utils.data.Dataset):
     """Tokenised pairs. A sample is {"prompt", "chosen", "rejected"} token lists and "tokens", the two sequences
-    a pair runs end to end (what the planner and the ranks' shares weigh a pair by)."""
+    a pair runs end to end (what the planner and the ranks' shares weigh a pair by). An image-text model's pairs
+    (`prompts`: each prompt's text and images, `maker` its processor) have "images" too: the prompt's image inputs,
+    made by the processor when first looked at (data/images.py), which both sequences of the pair read."""
 
     def __init__(self, pairs: list[tuple[list[int], list[int], list[int]]], *, rows: int, dropped: int,
-                 origin: str = "memory"):
+                 origin: str = "memory", prompts: list[ImageSample] | None = None, maker: ImageSamples | None = None):
         self._pairs, self.rows, self.dropped, self.origin = pairs, rows, dropped, origin
+        self._prompts, self.maker = prompts, maker
+        self.processed = 0  # pairs whose pictures this process has made into inputs (data/images._ImageInputs)
 
     def __len__(self):
         return len(self._pairs)
 
     def __getitem__(self, i) -> dict:
         prompt, chosen, rejected = self._pairs[i]
-        return {"index": i, "prompt": prompt, "chosen": chosen, "rejected": rejected,
+        pair = {"index": i, "prompt": prompt, "chosen": chosen, "rejected": rejected,
                 "tokens": prompt + chosen + prompt + rejected,
                 "documents": (len(prompt) + len(chosen), len(prompt) + len(rejected))}  # the two sequences run
+        if self._prompts is not None:
+            pair["images"] = _ImageInputs(self, self._prompts[i])
+        return pair
 
     @property
     def lengths(self) -> tuple[int, ...]:
         return tuple(2 * len(p) + len(c) + len(r) for p, c, r in self._pairs)
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self._pairs).encode()).hexdigest()
+        digest = hashlib.sha256(json.dumps(self._pairs).encode())
+        if self.maker is not None:  # the pictures are named by the rows, made by the processor
+            digest.update(self.maker.fingerprint().encode())
+            digest.update(json.dumps([[str(v) for v in p.images] for p in self._prompts]).encode())
+        return digest.hexdigest()
 
     def split_off(self, fraction: float, *, seed: int):
         raise UserError("dataset.val_split is not offered for preference data yet; recipes.dpo logs the rewards "
                         "of each step's pairs")
 
 
-def load_pairs(source: DataSource, tokenizer: Tokenizer, *, max_seq_len: int,
-               progress: bool = False) -> PreferencePairs:
+def load_pairs(source: DataSource, tokenizer: Tokenizer, *, max_seq_len: int, progress: bool = False,
+               images: ImageSamples | None = None) -> PreferencePairs:
+    """The rows of `source` as pairs; `images`: an image-text model's processor, which makes them as TRL's
+    DPOTrainer does for such a model (data/images.ImageSamples.pair), their pictures read then and again when a pair
+    is (their pixels are not held)."""
     rows, _, total = source.open()
-    pairs, n_rows, dropped = [], 0, 0
+    pairs, prompts, n_rows, dropped = [], [] if images is not None else None, 0, 0
+    base = Path(source.path).resolve().parent if source.path else None
     bar = tqdm(rows, total=total, unit=" rows", desc=f"Tokenising {source.describe()}", disable=not progress,
                file=sys.stderr, leave=False)
     for where, row in bar:
         n_rows += 1
         try:
-            pair = tokenize_pair(row, tokenizer, source.column_map, max_seq_len=max_seq_len)
+            if images is None:
+                pair = tokenize_pair(row, tokenizer, source.column_map, max_seq_len=max_seq_len)
+            else:
+                pair = images.pair(row, column_map=source.column_map, base=base, max_seq_len=max_seq_len)
         except UserError as e:
             raise UserError(f"{where}: {e}") from None
         if pair is None:
             dropped += 1
-        else:
+        elif images is None:
             pairs.append(pair)
+        else:
+            prompt, chosen, rejected, text, refs = pair
+            pairs.append((prompt, chosen, rejected))
+            prompts.append(ImageSample(np.asarray(prompt, dtype=np.int64), None, text, refs, base,
+                                       special_tokens=False))
     if n_rows == 0:
         raise UserError(f"{source.describe()} holds no rows; check dataset.split and dataset.data_files")
     if not pairs:
         raise UserError(f"no row of {source.describe()} keeps a completion token within max_seq_len={max_seq_len} "
                         f"({dropped} dropped); raise max_seq_len")
-    return PreferencePairs(pairs, rows=n_rows, dropped=dropped)
+    return PreferencePairs(pairs, rows=n_rows, dropped=dropped, prompts=prompts, maker=images)
 
 
 def tokenize_pair(row: dict, tokenizer: Tokenizer, column_map: dict, *, max_seq_len: int):
@@ -142,7 +168,19 @@ def collate_pairs(pairs: list[dict], *, pad_id: int, packed: bool = False, padde
     Mixture-of-Experts model's routing (models/moe.Routing)."""
     seqs = [p["prompt"] + p["chosen"] for p in pairs] + [p["prompt"] + p["rejected"] for p in pairs]
     starts = [len(p["prompt"]) for p in pairs] * 2
-    padded_row = padded_row or (lambda n: n)
+    batch = _collated(seqs, starts, pad_id=pad_id, packed=packed, padded_row=padded_row or (lambda n: n))
+    if any("images" in p for p in pairs):
+        # Each pair's images with both its sequences, in their order (TRL repeats them so); the inputs with a value
+        # per token (Qwen's mm_token_type_ids, Gemma's token_type_ids) are the prompt's, then 0.
+        rows = [{"tokens": seq, "images": p.get("images", {})} for seq, p in zip(seqs, pairs * 2)]
+        width = batch["tokens"].shape[1]
+        if packed and width > sum(map(len, seqs)):  # the padding document
+            rows.append({"tokens": [pad_id] * (width - sum(map(len, seqs)))})
+        batch["images"] = collate_images(rows, None if packed else width)
+    return batch
+
+
+def _collated(seqs: list[list[int]], starts: list[int], *, pad_id: int, packed: bool, padded_row) -> dict:
     if packed:
         completion = [j >= start for seq, start in zip(seqs, starts) for j in range(len(seq))]
         tokens = [t for seq in seqs for t in seq]

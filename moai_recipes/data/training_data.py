@@ -87,7 +87,8 @@ def read_data(cfg: DictConfig, tokenizer: Tokenizer, *, dry: bool, progress: boo
                             f"dataset={kind} yet: {recipe} logs {logs}")
     preference, prompts = d.kind == "preference", d.kind == "prompt"
     if preference:
-        load = lambda s: load_pairs(s, tokenizer, max_seq_len=cfg.max_seq_len, progress=progress)  # noqa: E731
+        load = lambda s: load_pairs(s, tokenizer, max_seq_len=cfg.max_seq_len, progress=progress,  # noqa: E731
+                                    images=images)
     elif prompts:
         load = lambda s: load_prompts(s, tokenizer, max_seq_len=cfg.max_seq_len,  # noqa: E731
                                       max_completion_length=cfg.max_completion_length, progress=progress)

@@ -54,7 +54,7 @@ class Reference:
             return values[:, 0], values[:, 1]
         model = self.model if self.model is not None else policy
         with _adapters_off(policy) if self.model is None else contextlib.nullcontext():
-            logits = _logits(model, batch["tokens"], batch.get("documents"))
+            logits = _logits(model, batch["tokens"], batch.get("documents"), batch.get("images"))
         summed, _ = completion_logps(logits, batch)
         return summed.cpu().chunk(2)
 
@@ -67,9 +67,12 @@ def _adapters_off(model: torch.nn.Module):
         yield
 
 
-def _logits(model: torch.nn.Module, tokens: torch.Tensor, documents=None) -> torch.Tensor:
+def _logits(model: torch.nn.Module, tokens: torch.Tensor, documents=None, images: dict | None = None) -> torch.Tensor:
+    """`images`: an image-text model's inputs for the rows' images (data/preferences.collate_pairs)."""
     device = next(iter(model.parameters())).device
     extra = {} if documents is None else {"mask": documents, "input_pos": documents.positions(device)}
+    if images:
+        extra["images"] = {k: v.to(device) for k, v in images.items()}
     logits = model(tokens.to(device), **extra)
     logits = torch.cat(logits, dim=1) if isinstance(logits, list) else logits
     return logits.full_tensor() if isinstance(logits, DTensor) else logits
@@ -92,7 +95,7 @@ def cache_reference(model: torch.nn.Module, dataset, *, micro_batch: int, world:
                 _logits(model, torch.full((1, 1), pad_id, dtype=torch.long))
                 continue
             batch = collate_pairs(pairs, pad_id=pad_id)
-            summed, _ = completion_logps(_logits(model, batch["tokens"]), batch)
+            summed, _ = completion_logps(_logits(model, batch["tokens"], images=batch.get("images")), batch)
             chosen, rejected = summed.cpu().chunk(2)
             found.update({p["index"]: (float(c), float(r)) for p, c, r in zip(pairs, chosen, rejected)})
     model.train(was_training)
@@ -145,7 +148,7 @@ class PreferenceObjective:
                 routing = (Routing(batch["samples"].to(world.device), 2 * len(micro), spec) if routed is not None
                            else None)
                 with routing_recorded(state.model, routing):
-                    logits = _logits(state.model, batch["tokens"], batch.get("documents"))
+                    logits = _logits(state.model, batch["tokens"], batch.get("documents"), batch.get("images"))
                 summed, counts = completion_logps(logits, batch)
                 chosen, rejected = summed.chunk(2)
                 chosen_n, rejected_n = counts.chunk(2)

@@ -1,0 +1,85 @@
+"""recipes.dpo on image+text pairs against TRL's DPOTrainer for an image-text model (its vision collator): the same
+tiny random checkpoint (Qwen2.5-VL- and Gemma 3-shaped), the same rows of generated pictures with a question, the
+right answer chosen and a wrong one rejected, in the same order, the same hyper-parameters: each step's loss and
+rewards equal TRL's; the same numbers on two processes (FSDP2), with the reference cached in a first pass and the
+pairs' sequences packed in one row.
+Run: python -m pytest tests/test_dpo_vision.py -q"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moai_recipes.data.images import load_processor
+from moai_recipes.data.pictures import write_picture_rows
+from tests.helpers import FSDP, layout, metrics, plan_of, run_recipe
+from tests.test_dpo import BATCH, LR, SEED, STEPS, _order, _same
+from tests.vision_models import make_vision_checkpoint
+
+pytest.importorskip("trl")
+
+WRONG = {"circle": "a square", "square": "a triangle", "triangle": "a circle", "red": "green", "green": "blue",
+         "blue": "yellow", "yellow": "red"}
+
+
+def _pairs(folder: Path) -> Path:
+    """The pictures' rows as preference rows: the question (after its picture) the prompt, the answer chosen, a wrong
+    one rejected."""
+    source = write_picture_rows(folder, 8, size=56)
+    rows = []
+    for line in source.read_text().splitlines():
+        row = json.loads(line)
+        question, answer = row["messages"]
+        right = answer["content"][0]["text"]
+        wrong = next((right.replace(k, v) for k, v in WRONG.items() if k in right), right + " No.")
+        turn = lambda text: [{"role": "assistant", "content": [{"type": "text", "text": text}]}]  # noqa: E731
+        rows.append({"prompt": [question], "chosen": turn(right), "rejected": turn(wrong), "images": row["images"]})
+    out = folder / "pairs.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def _ours(tmp_path: Path, name: str, model: Path, data: Path, *extra) -> list[dict]:
+    out = tmp_path / name
+    r = run_recipe(f"model.checkpoint_dir={model}", "dataset=preference", f"dataset.path={data}", f"batch_size={BATCH}",
+                   "epochs=2", f"max_steps={STEPS}", f"optimizer.lr={LR}", "optimizer.warmup_steps=1", f"seed={SEED}",
+                   "max_seq_len=256", "logger=stdout", "sample_max_new_tokens=0", f"output_dir={out}", *extra,
+                   module="recipes.dpo")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    return rows
+
+
+def _trl(tmp_path: Path, model_dir: Path, data: Path) -> list[dict]:
+    import transformers
+    from datasets import Dataset
+    from PIL import Image
+    from trl import DPOConfig, DPOTrainer
+
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    for row in rows:
+        row["images"] = [Image.open(data.parent / p).convert("RGB") for p in row["images"]]
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
+                     max_steps=STEPS, learning_rate=LR, lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.0,
+                     adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, optim="adamw_torch", max_grad_norm=1.0,
+                     beta=0.1, loss_type=["sigmoid"], max_length=256, seed=SEED, train_sampling_strategy="sequential",
+                     logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+                     gradient_checkpointing=False, remove_unused_columns=False)
+    ordered = [rows[i % len(rows)] for i in _order(len(rows))]
+    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype="float32")
+    trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(ordered),
+                         processing_class=load_processor(model_dir))  # AutoProcessor's, without torchvision
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h and "rewards/chosen" in h]
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "gemma3_vl"])
+def test_full_dpo_on_pictures_equals_trl_and_is_the_same_on_two_processes(name, tmp_path):
+    model = make_vision_checkpoint(tmp_path / "model", name)
+    data = _pairs(tmp_path / "data")
+    ours = _ours(tmp_path, "one", model, data, "flavor=cpu", "reference=copy", "plan.packing=false")
+    _same(ours, _trl(tmp_path, model, data))
+    two = _ours(tmp_path, "two", model, data, "flavor=cpu-2", *FSDP, "reference=cached", "plan.packing=true")
+    assert layout(tmp_path / "two") == "sharded" and plan_of(tmp_path / "two")["packing"]
+    _same(two, ours)
