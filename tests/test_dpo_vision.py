@@ -83,3 +83,30 @@ def test_full_dpo_on_pictures_equals_trl_and_is_the_same_on_two_processes(name, 
     two = _ours(tmp_path, "two", model, data, "flavor=cpu-2", *FSDP, "reference=cached", "plan.packing=true")
     assert layout(tmp_path / "two") == "sharded" and plan_of(tmp_path / "two")["packing"]
     _same(two, ours)
+
+
+def test_a_missing_picture_is_named_with_its_row_and_the_vision_tower_is_planned(tmp_path):
+    """A pair whose picture is missing: exit 2 before any step, the row and the file named. The planner prices the
+    vision tower on the pairs' pictures, which both sequences of a pair carry (data/preferences.image_load)."""
+    model = make_vision_checkpoint(tmp_path / "model", "qwen2_5_vl")
+    data = _pairs(tmp_path / "data")
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[5]["images"] = ["pictures/404.png"]
+    broken = tmp_path / "data" / "broken.jsonl"
+    broken.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = run_recipe(f"model.checkpoint_dir={model}", "dataset=preference", f"dataset.path={broken}", "max_seq_len=256",
+                   f"output_dir={tmp_path / 'out'}", module="recipes.dpo")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"{broken}:6: image pictures/404.png is not a file" in r.stderr, r.stderr[-2000:]
+
+    from moai_recipes.config.compose import load_config
+    from moai_recipes.flavors import resolve_flavor
+    from moai_recipes.inputs import read_inputs
+
+    cfg = load_config("dpo", [f"model.checkpoint_dir={model}", "dataset=preference", f"dataset.path={data}",
+                              "max_seq_len=256", "output_dir=-"])
+    work = read_inputs(cfg, resolve_flavor(**cfg.flavor), dry=True, output=False).workload
+    assert work.images is not None and len(work.images.tokens) == 8
+    # Each pair's image tokens twice (its chosen and its rejected sequence); the example is the pair with the most.
+    assert all(t % 2 == 0 and t > 0 for t in work.images.tokens)
+    assert max(work.images.tokens) == 2 * work.images.example_tokens

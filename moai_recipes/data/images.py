@@ -428,17 +428,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
     def image_load(self) -> dict | None:
         """What the planner prices the vision tower by (the fields of planner/plan.ImageLoad): each sample's image
         tokens, and the image inputs of the sample with the most; None without images."""
-        image_id = self.maker.image_token_id
-        if image_id is None:
-            return None
-        tokens = tuple(int((s.tokens == image_id).sum()) for s in self._samples)
-        most = max(range(len(tokens)), key=tokens.__getitem__)
-        if not tokens[most]:
-            return None
-        example = tuple((k, tuple(v.shape), str(v.dtype).removeprefix("torch."),
-                         tuple(v.flatten().tolist()) if not v.is_floating_point() else None)
-                        for k, v in self[most]["images"].items() if torch.is_tensor(v))
-        return dict(example=example, example_tokens=tokens[most], tokens=tokens)
+        return image_load(self.maker, [s.tokens for s in self._samples], lambda i: self[i]["images"])
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -551,6 +541,22 @@ def _processed(rows, source, maker: ImageSamples, base: Path | None, *, max_seq_
         raise UserError(f"no row of {source.describe()} keeps a token to train on within max_seq_len={max_seq_len} "
                         f"({dropped} dropped); raise max_seq_len, or check that the rows have answers")
     return ImageTextDataset(samples, maker, rows=n_rows, dropped=dropped)
+
+
+def image_load(maker: ImageSamples, tokens: list[np.ndarray], inputs, *, copies: int = 1) -> dict | None:
+    """The fields of planner/plan.ImageLoad for samples of `tokens` whose i-th sample's image inputs are `inputs(i)`,
+    each run `copies` times a sample (a DPO pair's prompt: with its chosen and its rejected completion); None
+    without images."""
+    if maker.image_token_id is None or not tokens:
+        return None
+    counts = tuple(int((t == maker.image_token_id).sum()) for t in tokens)
+    most = max(range(len(counts)), key=counts.__getitem__)
+    if not counts[most]:
+        return None
+    example = tuple((k, tuple(v.shape), str(v.dtype).removeprefix("torch."),
+                     tuple(v.flatten().tolist()) if not v.is_floating_point() else None)
+                    for k, v in inputs(most).items() if torch.is_tensor(v))
+    return dict(example=example, example_tokens=counts[most], tokens=tuple(copies * c for c in counts))
 
 
 def collate_images(samples: list[dict], width: int | None) -> dict:

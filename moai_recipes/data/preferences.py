@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from moai_recipes.data.datasets import DataSource, column, image_refusal
-from moai_recipes.data.images import ImageSample, ImageSamples, _ImageInputs, collate_images
+from moai_recipes.data.images import ImageSample, ImageSamples, _ImageInputs, collate_images, image_load
 from moai_recipes.data.local_files import type_name
 from moai_recipes.data.tokenizer import Tokenizer
 from moai_recipes.errors import UserError
@@ -55,6 +55,13 @@ class PreferencePairs(torch.utils.data.Dataset):
     @property
     def lengths(self) -> tuple[int, ...]:
         return tuple(2 * len(p) + len(c) + len(r) for p, c, r in self._pairs)
+
+    def image_load(self) -> dict | None:
+        """What the planner prices the vision tower by (planner/plan.ImageLoad): each pair's prompt images, run with
+        both of its sequences."""
+        if self.maker is None:
+            return None
+        return image_load(self.maker, [p.tokens for p in self._prompts], lambda i: self[i]["images"], copies=2)
 
     def fingerprint(self) -> str:
         digest = hashlib.sha256(json.dumps(self._pairs).encode())
