@@ -11,33 +11,11 @@ from pathlib import Path
 import pytest
 
 from moai_recipes.data.images import load_processor
-from moai_recipes.data.pictures import write_picture_rows
 from tests.helpers import FSDP, layout, metrics, plan_of, run_recipe
 from tests.test_dpo import BATCH, LR, SEED, STEPS, _order, _same
-from tests.vision_models import make_vision_checkpoint
+from tests.vision_models import make_vision_checkpoint, picture_pairs
 
 pytest.importorskip("trl")
-
-WRONG = {"circle": "a square", "square": "a triangle", "triangle": "a circle", "red": "green", "green": "blue",
-         "blue": "yellow", "yellow": "red"}
-
-
-def _pairs(folder: Path) -> Path:
-    """The pictures' rows as preference rows: the question (after its picture) the prompt, the answer chosen, a wrong
-    one rejected."""
-    source = write_picture_rows(folder, 8, size=56)
-    rows = []
-    for line in source.read_text().splitlines():
-        row = json.loads(line)
-        question, answer = row["messages"]
-        right = answer["content"][0]["text"]
-        wrong = next((right.replace(k, v) for k, v in WRONG.items() if k in right), right + " No.")
-        turn = lambda text: [{"role": "assistant", "content": [{"type": "text", "text": text}]}]  # noqa: E731
-        rows.append({"prompt": [question], "chosen": turn(right), "rejected": turn(wrong), "images": row["images"]})
-    out = folder / "pairs.jsonl"
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out
-
 
 def _ours(tmp_path: Path, name: str, model: Path, data: Path, *extra) -> list[dict]:
     out = tmp_path / name
@@ -77,7 +55,7 @@ def _trl(tmp_path: Path, model_dir: Path, data: Path) -> list[dict]:
 @pytest.mark.parametrize("name", ["qwen2_5_vl", "gemma3_vl"])
 def test_full_dpo_on_pictures_equals_trl_and_is_the_same_on_two_processes(name, tmp_path):
     model = make_vision_checkpoint(tmp_path / "model", name)
-    data = _pairs(tmp_path / "data")
+    data = picture_pairs(tmp_path / "data")
     ours = _ours(tmp_path, "one", model, data, "flavor=cpu", "reference=copy", "plan.packing=false")
     _same(ours, _trl(tmp_path, model, data))
     two = _ours(tmp_path, "two", model, data, "flavor=cpu-2", *FSDP, "reference=cached", "plan.packing=true")
@@ -89,7 +67,7 @@ def test_a_missing_picture_is_named_with_its_row_and_the_vision_tower_is_planned
     """A pair whose picture is missing: exit 2 before any step, the row and the file named. The planner prices the
     vision tower on the pairs' pictures, which both sequences of a pair carry (data/preferences.image_load)."""
     model = make_vision_checkpoint(tmp_path / "model", "qwen2_5_vl")
-    data = _pairs(tmp_path / "data")
+    data = picture_pairs(tmp_path / "data")
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     rows[5]["images"] = ["pictures/404.png"]
     broken = tmp_path / "data" / "broken.jsonl"

@@ -6,10 +6,12 @@ to train them on.
 `VISION`: name -> how to make it. `make_vision_checkpoint(folder, name)`.
 """
 
+import json
 from pathlib import Path
 
 import torch
 
+from moai_recipes.data.pictures import write_picture_rows
 from moai_recipes.models.tiny import BOS, EOS, PAD, SPECIAL_TOKENS
 from moai_recipes.models.tiny_vision import (
     QWEN_TEMPLATE,
@@ -105,3 +107,24 @@ def make_vision_checkpoint(folder: Path, name: str, *, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     ProcessorFiles(tokenizer, images, template, processor_class, processor_fields, tokenizer_fields).save(folder)
     return folder
+
+
+_WRONG = {"circle": "a square", "square": "a triangle", "triangle": "a circle", "red": "green", "green": "blue",
+         "blue": "yellow", "yellow": "red"}
+
+
+def picture_pairs(folder: Path) -> Path:
+    """The pictures' rows as preference rows: the question (after its picture) the prompt, the answer chosen, a wrong
+    one rejected."""
+    source = write_picture_rows(folder, 8, size=56)
+    rows = []
+    for line in source.read_text().splitlines():
+        row = json.loads(line)
+        question, answer = row["messages"]
+        right = answer["content"][0]["text"]
+        wrong = next((right.replace(k, v) for k, v in _WRONG.items() if k in right), right + " No.")
+        turn = lambda text: [{"role": "assistant", "content": [{"type": "text", "text": text}]}]  # noqa: E731
+        rows.append({"prompt": [question], "chosen": turn(right), "rejected": turn(wrong), "images": row["images"]})
+    out = folder / "pairs.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
