@@ -279,22 +279,22 @@ def test_the_planner_splits_a_row_no_device_holds_and_leaves_short_rows_whole():
     assert choose_plan(*_planned("llama3_8b", 8192, *h100, batch_size=64)).chosen.plan.context_parallel == 1
 
 
-def test_a_split_into_shares_under_1024_tokens_is_priced_only_where_nothing_else_fits():
-    """search.MIN_CONTEXT_TOKENS: 2,048-token rows over cpu-4's context devices. With room for a split in two (1,024
-    tokens a device) no split in four (512) is priced; where nothing else fits, it is, and chosen; forced, it is
+def test_a_split_into_shares_under_512_tokens_is_priced_only_where_nothing_else_fits():
+    """search.MIN_CONTEXT_TOKENS: 1,024-token rows over cpu-4's context devices. With room for a split in two (512
+    tokens a device) no split in four (256) is priced; where nothing else fits, it is, and chosen; forced, it is
     priced like any other."""
     forced = {"recompute": "full", "tensor_parallel": 1, "packing": True}
 
     def plan(memory_gb: float, **more):
-        work, flavor = _planned("tiny", 2048, "flavor=cpu-4", f"flavor.device_memory_gb={memory_gb}", batch_size=4)
+        work, flavor = _planned("tiny", 1024, "flavor=cpu-4", f"flavor.device_memory_gb={memory_gb}", batch_size=4)
         return choose_plan(work, flavor, forced={**forced, **more})
 
-    roomy, tight = plan(0.02), plan(0.015)
+    roomy, tight = plan(0.013), plan(0.011)
     assert {c.plan.context_parallel for c in roomy.candidates} == {1, 2}, roomy.chosen.plan
     assert roomy.chosen.plan.context_parallel == 2 and roomy.chosen.fits
     assert not any(c.fits for c in tight.candidates if c.plan.context_parallel < 4)
     assert tight.chosen.plan.context_parallel == 4 and tight.chosen.fits, tight.chosen.plan
-    assert plan(0.02, context_parallel=4).chosen.plan.context_parallel == 4
+    assert plan(0.013, context_parallel=4).chosen.plan.context_parallel == 4
 
 
 def test_longest_finds_the_longest_samples_a_flavor_trains(tmp_path):

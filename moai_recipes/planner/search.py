@@ -293,9 +293,11 @@ def choose_plan(work: Workload, flavor: Flavor, forced=None) -> PlanChoice:
 # plan fits: a device's matmuls on a few hundred tokens run far below their peak (timing.EFFICIENCY), the exchanges
 # of keys, values or heads come every layer whatever the share, and a short row's activations are what full
 # recomputation and its offload hold cheaply. Large flavors offer hundreds of such layouts (70B on 48xlarge at 4,096
-# tokens: 27,930 of its 48,640 plans, split 6 to 384 ways, 2.4 s of a 4.5 s search); in none of the nine searches
-# checked (dense, MoE, transformers' modules, LoRA, the CPU, DPO, GRPO) nor the suite's was one the fastest that fits.
-MIN_CONTEXT_TOKENS = 1024
+# tokens: 18,790 of its 48,640 plans, split 12 to 384 ways). At 1,024 tokens the rule changed a choice: Qwen3-235B-A22B
+# on 48xlarge (4,096-token rows) splits them 8 ways, 512 tokens a device, predicted 4% faster than what is left. At
+# 512, none of fourteen searches checked (dense, MoE, transformers' modules, LoRA, the CPU, DPO, GRPO, 8 to 384
+# devices; docs/planner.md) chose differently, nor did the suite's.
+MIN_CONTEXT_TOKENS = 512
 # How much faster a plan that splits rows over context devices must be predicted than the fastest that keeps them
 # whole, to be chosen over it (choose_plan).
 CONTEXT_MARGIN = 0.05
