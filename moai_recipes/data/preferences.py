@@ -9,6 +9,8 @@ tokenises them, so that the same rows give the same tokens there and here (tests
   completion; the completion is what follows the prompt's tokens (the template's end of turn included).
 Each sequence (prompt + completion) is cut at max_seq_len from its start; a row whose prompt alone fills it is
 dropped. A row whose chosen and rejected completions are the same, or a missing column, is refused by name.
+An image-text model's rows (pictures in the prompt) are made by its processor as TRL's DPOTrainer makes them for such
+a model (data/images.ImageSamples.pair); a pair's image inputs go with both of its sequences.
 """
 
 import hashlib
