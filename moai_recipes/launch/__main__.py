@@ -23,4 +23,6 @@ if __name__ == "__main__":
     if recipe in TRAINING_RECIPES:
         sys.exit(main(recipe, args))
     code = importlib.import_module(f"moai_recipes.recipes.{recipe}").main(args)
-    short.end(code) if recipe == "plan" else sys.exit(code)
+    if recipe == "plan":
+        short.end(code)
+    sys.exit(code)

@@ -281,15 +281,18 @@ def device_shares(plan, spec: ModelSpec) -> list[DeviceShare]:
     (all micro-batches); 1F1B holds at most P - d on device d (its warm-up forwards); interleaved 1F1B's device d
     warms up with 2(P - d - 1) + (v - 1)P + 1 stage passes of its v stages (torch's schedule), each a 1/v of its
     layers."""
-    # Many plans share a pipeline (a search prices 100,000 of them): computed once for each.
-    return list(_device_shares(spec.num_layers, plan.pipeline_stages, plan.pipeline_schedule,
-                               plan.accumulation_steps, plan.stage_layers))
+    return list(_shares(plan, spec))
+
+
+def _shares(plan, spec: ModelSpec) -> tuple[DeviceShare, ...]:
+    # Many plans share a pipeline (a search prices tens of thousands of them): computed once for each.
+    return _device_shares(spec.num_layers, plan.pipeline_stages, plan.pipeline_schedule, plan.accumulation_steps,
+                          plan.stage_layers)
 
 
 def busiest_share(plan, spec: ModelSpec) -> DeviceShare:
     """The pipeline device with the most work a step, which sets the pace (its layers, and the head on the last)."""
-    return _busiest(_device_shares(spec.num_layers, plan.pipeline_stages, plan.pipeline_schedule,
-                                   plan.accumulation_steps, plan.stage_layers), stage_costs(spec)[1:])
+    return _busiest(_shares(plan, spec), stage_costs(spec)[1:])
 
 
 @functools.lru_cache(maxsize=4096)  # a search asks for each of its plans; a pipeline has up to 64 devices
@@ -302,8 +305,7 @@ def peak_shares(plan, spec: ModelSpec) -> tuple[DeviceShare, ...]:
     """The pipeline devices whose memory can be the largest: the first (the most micro-batches in flight, the
     embedding), the last (the head and its logits) and the one whose layers hold the most activations, each once;
     the others need no prediction."""
-    return _peak_shares(_device_shares(spec.num_layers, plan.pipeline_stages, plan.pipeline_schedule,
-                                       plan.accumulation_steps, plan.stage_layers))
+    return _peak_shares(_shares(plan, spec))
 
 
 @functools.lru_cache(maxsize=4096)

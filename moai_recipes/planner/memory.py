@@ -137,8 +137,6 @@ def predict_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     stages' layers and micro-batches in flight as the schedule keeps them.
     """
     shares = peak_shares(plan, work.spec)
-    if len(shares) == 1:
-        return _device_memory(plan, work, device_kind, traced_scale, shares[0])
     return max((_device_memory(plan, work, device_kind, traced_scale, share) for share in shares),
                key=lambda m: m.total)
 
@@ -267,8 +265,8 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     if rollout:
         # recipes.grpo's sampling (planner/rollouts.py): the chunk's KV cache and logits, the layers gathered as in a
         # forward (or all of them, kept for the round: plan.gather_for_generation), no gradient yet.
-        phases.append(("generation", root_gathered + (L * layer_c if plan.gather_for_generation else layers_gathered(2)),
-                       0, rollout[0], rollout[1]))
+        gathered = root_gathered + (L * layer_c if plan.gather_for_generation else layers_gathered(2))
+        phases.append(("generation", gathered, 0, rollout[0], rollout[1]))
     # A replica sums its gradients over the processes through one flat copy of them (train/parallel.py).
     phases.append(("gradients all-reduced", 0, sharded_grads * 2 if plan.replicate else 0, 0, 0))
     if traced_scale != 1.0:  # the traced bytes as this machine's calibration scales them

@@ -389,7 +389,12 @@ def _candidates(work: Workload, flavor: Flavor, forced: dict, *, until_fit: bool
         candidates += _priced(last_resort, work, flavor, forced, until_fit=until_fit)
     if not candidates:
         raise UserError(_impossible(forced, flavor, work))
-    return candidates, int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
+    return candidates, _device_budget(flavor)
+
+
+def _device_budget(flavor: Flavor) -> int:
+    """Bytes a plan may peak at on one device: its memory less SAFETY_MARGIN."""
+    return int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
 
 
 def _priced(options: list[tuple[dict, int]], work: Workload, flavor: Flavor, forced: dict, *,
@@ -397,7 +402,7 @@ def _priced(options: list[tuple[dict, int]], work: Workload, flavor: Flavor, for
     """The plans of `options` (each with the sequences a copy of the model gets), with their predictions."""
     n = flavor.num_devices
     compute, master, states = stored_dtypes(work, flavor)
-    budget = int(flavor.device_memory_gb * GiB * (1 - SAFETY_MARGIN))
+    budget = _device_budget(flavor)
     host_budget = int(flavor.host_memory_gb * GiB * (1 - SAFETY_MARGIN))
     candidates, scales = [], calibration.scales(flavor.device.name)
     flops, (peak, _) = ModelFlops.of(work.spec, work.lora), device_speed(flavor.device, compute_dtype=compute, num_devices=n)
