@@ -42,3 +42,9 @@ def broken_reward(prompts, completions, **kwargs) -> list[float]:
 def raising_reward(prompts, completions, **kwargs) -> list[float]:
     """Fails as a user's function may: recipes.grpo names it, the prompt and the error."""
     raise KeyError("answer")
+
+
+def picture_reward(prompts, completions, completion_ids, images, answer, **kwargs) -> list[float]:
+    """Reads the pictures' column as TRL passes it (a list of a prompt's images: paths here, PIL images in TRL's
+    dataset) and the answers' column."""
+    return [float(len(pictures)) + (sum(c) % 7) / 7 + len(a) % 3 for c, pictures, a in zip(completion_ids, images, answer)]

@@ -128,3 +128,17 @@ def picture_pairs(folder: Path) -> Path:
     out = folder / "pairs.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
+
+
+def picture_prompts(folder: Path, count: int = 4) -> Path:
+    """The pictures' rows as recipes.grpo's prompts: the question (after its picture) the prompt, the answer a column
+    the rewards read, the pictures in an `images` column."""
+    source = write_picture_rows(folder, count, size=56)
+    rows = []
+    for line in source.read_text().splitlines():
+        row = json.loads(line)
+        question, answer = row["messages"]
+        rows.append({"prompt": [question], "answer": answer["content"][0]["text"], "images": row["images"]})
+    out = folder / "prompts.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out

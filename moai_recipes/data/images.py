@@ -200,11 +200,14 @@ class ImageSamples:
         digest.update(str(getattr(self.processor, "chat_template", "")).encode())
         return digest.hexdigest()
 
-    def _process(self, messages: list[dict], images: list) -> dict:
+    def _render(self, messages: list[dict], **kwargs) -> str:
         try:
-            text = self.processor.apply_chat_template(messages, tokenize=False)
+            return self.processor.apply_chat_template(messages, tokenize=False, **kwargs)
         except Exception as e:  # noqa: BLE001 - the template's own refusal
             raise UserError(f"the chat template of {self.name} rejects this conversation: {e}") from None
+
+    def _process(self, messages: list[dict], images: list) -> dict:
+        text = self._render(messages)
         out = self.processor(text=[text], images=images or None, return_tensors="pt")
         return {"text": text, **out}
 
@@ -244,14 +247,8 @@ class ImageSamples:
             raise UserError("the chosen and rejected completions are the same: a pair teaches nothing when both sides "
                             "are equal; remove the row")
 
-        def render(messages, **kw):
-            try:
-                return self.processor.apply_chat_template(messages, tokenize=False, **kw)
-            except Exception as e:  # noqa: BLE001 - the template's own refusal
-                raise UserError(f"the chat template of {self.name} rejects this conversation: {e}") from None
-
-        text = render(prompt, add_generation_prompt=True)
-        with_chosen, with_rejected = render(prompt + chosen), render(prompt + rejected)
+        text = self._render(prompt, add_generation_prompt=True)
+        with_chosen, with_rejected = self._render(prompt + chosen), self._render(prompt + rejected)
         # The prompt is what both renderings begin with (a template may render the generation prompt otherwise).
         text = os.path.commonprefix([text, with_chosen, with_rejected])
         images = [open_image(ref, base=base) for ref in refs]
@@ -268,6 +265,20 @@ class ImageSamples:
             return None
         keep = max_seq_len - len(prompt_ids)
         return prompt_ids, completions[0][:keep], completions[1][:keep], text, refs
+
+    def rl_prompt(self, row: dict, *, column_map: dict, base: Path | None) -> ImageSample:
+        """recipes.grpo's prompt of a row, as TRL 1.16's GRPOTrainer makes it for an image-text model: the prompt
+        conversation (image parts in it, or TRL's placement for an `images` or `image` column beside string contents)
+        rendered with the generation prompt and processed with its images, the tokenizer's special tokens added unless
+        the rendering begins with BOS (transformers' processor apply_chat_template decides so)."""
+        messages, refs = _preference_prompt(row, column_map)
+        text = self._render(messages, add_generation_prompt=True)
+        bos = self.processor.tokenizer.bos_token
+        special = not (bos and text.startswith(bos))
+        images = [open_image(ref, base=base) for ref in refs]
+        ids = self.processor(text=[text], images=images or None, return_tensors="pt",
+                             add_special_tokens=special)["input_ids"][0]
+        return ImageSample(ids.numpy().astype(np.int64), None, text, refs, base, special_tokens=special)
 
     def _trained(self, messages: list[dict], text: str, ids: list[int]) -> list[bool]:
         """Per token of `ids` (the conversation with its images' tokens): whether it is an assistant turn's."""
@@ -559,12 +570,13 @@ def image_load(maker: ImageSamples, tokens: list[np.ndarray], inputs, *, copies:
     return dict(example=example, example_tokens=counts[most], tokens=tuple(copies * c for c in counts))
 
 
-def collate_images(samples: list[dict], width: int | None) -> dict:
+def collate_images(samples: list[dict], width: int | None, *, left: bool = False) -> dict:
     """A micro-batch's image inputs: each image input of its samples concatenated along the images (as the processor
-    makes them for several images); each one with a value per token (a list) padded with 0 to the rows' `width`, or
-    (`width` None) laid end to end as the samples' tokens are in a packed row."""
+    makes them for several images); each one with a value per token (a list) padded with 0 to the rows' `width` (at
+    their start, `left`: prompts left-padded for sampling), or (`width` None) laid end to end as the samples' tokens
+    are in a packed row."""
     out: dict[str, torch.Tensor] = {}
-    made = [_made(s.get("images", {})) for s in samples]
+    made = [made_inputs(s.get("images")) for s in samples]
     for k in sorted({k for inputs in made for k in inputs}):
         values = [inputs[k] for inputs in made if k in inputs]
         if torch.is_tensor(values[0]):
@@ -581,11 +593,11 @@ def collate_images(samples: list[dict], width: int | None) -> dict:
         for r, inputs in enumerate(made):
             row = inputs.get(k)
             if row:
-                rows[r, :len(row)] = torch.tensor(row, dtype=torch.long)
+                rows[r, width - len(row) if left else 0:][:len(row)] = torch.tensor(row, dtype=torch.long)
         out[k] = rows
     return out
 
 
-def _made(images) -> dict:
+def made_inputs(images) -> dict:
     """A sample's image inputs as a dict: made now where they are made when looked at (_ImageInputs)."""
-    return images.made() if isinstance(images, _ImageInputs) else dict(images)
+    return images.made() if isinstance(images, _ImageInputs) else dict(images or {})

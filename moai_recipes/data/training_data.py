@@ -91,7 +91,8 @@ def read_data(cfg: DictConfig, tokenizer: Tokenizer, *, dry: bool, progress: boo
                                     images=images)
     elif prompts:
         load = lambda s: load_prompts(s, tokenizer, max_seq_len=cfg.max_seq_len,  # noqa: E731
-                                      max_completion_length=cfg.max_completion_length, progress=progress)
+                                      max_completion_length=cfg.max_completion_length, progress=progress,
+                                      images=images)
     elif images is not None:
         if d.streaming:
             raise UserError("dataset.streaming=true is not offered for an image-text model's rows yet; leave it "

@@ -505,6 +505,22 @@ class TransformersDecoder(nn.Module):
         return [t for t in tree_leaves(out if not hasattr(out, "to_tuple") else out.to_tuple())
                 if torch.is_tensor(t) and t.is_floating_point()]
 
+    def sampling_positions(self, tokens: torch.Tensor, real: torch.Tensor, positions: torch.Tensor,
+                           images: Mapping) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The positions of a sampling's prompts with their images (`tokens` left-padded, `real` where not padding,
+        `positions` their text positions), and each row's offset of the decode steps' positions. A model with
+        multimodal rotary positions (Qwen's get_rope_index) takes [4, rows, tokens], as transformers' generate gives
+        them: the text positions, then time, height and width; a token drawn then sits at its text position moved by
+        its row's offset (the prompt's largest position + 1 - its length). Other models: the text positions, None."""
+        if not hasattr(self.base, "get_rope_index"):
+            return positions, None
+        import inspect
+
+        accepted = inspect.signature(self.base.get_rope_index).parameters
+        rope, offsets = self.base.get_rope_index(tokens, attention_mask=real.long(),
+                                                 **{k: v for k, v in images.items() if k in accepted})
+        return torch.cat([positions[None], rope.to(positions.dtype)]), offsets.to(positions.device)
+
     def image_parameters(self):
         """An image-text model's weights outside its language model and head (its vision tower and projector)."""
         text = {id(p) for p in self.text_model.parameters()} | {id(p) for p in self.output.parameters()}

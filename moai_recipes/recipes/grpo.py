@@ -88,7 +88,8 @@ def train(cfg: DictConfig, flavor: Flavor, world: World) -> None:
                               num_iterations=cfg.num_iterations, scale_rewards=str(cfg.scale_rewards),
                               mask_truncated_completions=cfg.mask_truncated_completions, seed=cfg.seed,
                               tokenizer=inputs.tokenizer, reference=reference, max_length=cfg.max_seq_len,
-                              completions_hook=_test_completions(), spec=inputs.spec)
+                              completions_hook=_test_completions(), spec=inputs.spec,
+                              never=_image_tokens(inputs.image_samples))
     optimizer = build_optimizer(trainable, cfg.optimizer, plan)
     state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.optimizer, total_steps=inputs.total_steps),
                        objective=objective)
@@ -124,6 +125,11 @@ def _test_completions():
         return None
     module, _, name = path.rpartition(".")
     return getattr(importlib.import_module(module), name)
+
+
+def _image_tokens(images) -> tuple[int, ...]:
+    """An image-text model's image token (data/images.ImageSamples): never sampled, as TRL suppresses it."""
+    return (images.image_token_id,) if images is not None and images.image_token_id is not None else ()
 
 
 def _check(cfg: DictConfig) -> None:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
+from moai_recipes.data.images import made_inputs
 from moai_recipes.models.grpo_loss import GRPOLoss, advantages, loss_sum, nanstd, normaliser, token_terms
 from moai_recipes.models.loss import IGNORE_INDEX
 from moai_recipes.models.moe import Routing, RoutingTotals, routing_recorded
@@ -41,7 +42,8 @@ class Rollouts:
     """A generation round's completions on this rank, and what training on them needs."""
 
     round: int
-    rows: list[dict]  # per completion: tokens (prompt + completion), labels (its completion's), prompt_index
+    rows: list[dict]  # per completion: tokens (prompt + completion), labels (its completion's), prompt_index; an
+    # image-text model's: images, its prompt's image inputs
     advantages: torch.Tensor  # [rows]
     completions: int  # of the global batch
     loss_tokens: int  # of the global batch: the completions' tokens the loss counts
@@ -72,6 +74,7 @@ class GRPOObjective:
     max_length: int  # the model's longest row (max_seq_len)
     completions_hook: object = None  # tests: fn(prompt ids, seeds) -> completions, in place of sampling
     spec: object = None  # the model's (models/spec.ModelSpec): a Mixture-of-Experts model's routing is balanced
+    never: tuple[int, ...] = ()  # tokens never sampled (an image-text model's image token)
     rollouts: Rollouts | None = None
     restored: dict | None = None  # a checkpoint's round of completions, every rank's (load_state_dict)
     sampled_s: list = field(default_factory=list)  # (step, seconds to sample and score) of each generating step
@@ -169,8 +172,10 @@ class GRPOObjective:
         if self.rollouts is None:
             return None
         r = self.rollouts
-        rows = [{**row, "advantage": float(r.advantages[i]), "old": r.old[i] if r.old is not None else None,
-                 "ref": r.ref[i] if r.ref is not None else None} for i, row in enumerate(r.rows)]
+        # Without the image inputs: a resumed run makes them again from its prompts (_mine).
+        rows = [{**{k: v for k, v in row.items() if k != "images"}, "advantage": float(r.advantages[i]),
+                 "old": r.old[i] if r.old is not None else None, "ref": r.ref[i] if r.ref is not None else None}
+                for i, row in enumerate(r.rows)]
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, rows)
@@ -189,15 +194,19 @@ class GRPOObjective:
         start = time.perf_counter()
         ids = [p["tokens"] for p in prompts for _ in range(G)]
         seeds = [completion_seed(self.seed, round_, p["index"], g) for p in prompts for g in range(G)]
+        # An image-text model's prompts: their image inputs, made once a round, shared by a prompt's completions.
+        pictures = [made_inputs(p["images"]) if "images" in p else None for p in prompts]
+        images = [m for m in pictures for _ in range(G)] if any(pictures) else None
         cache_bytes = 0
         if self.completions_hook is not None:
             completions = self.completions_hook(ids, seeds)
         else:
-            sampler = Sampler(self.sampling, tuple(self.tokenizer.stop_ids), pad_id, plan, world.device, self.max_length)
+            sampler = Sampler(self.sampling, tuple(self.tokenizer.stop_ids), pad_id, plan, world.device, self.max_length,
+                              never=self.never)
             # Outside the CPU's memory tracking (train/peak_memory.py, its first steps): it would follow each of the
             # decode steps' thousands of small operators. The KV cache is checked against the plan instead.
             with _disable_current_modes():
-                samples = sampler.complete(model, ids, seeds)
+                samples = sampler.complete(model, ids, seeds, images)
             completions, cache_bytes = samples.completions, samples.kv_cache_bytes
         clock["generate"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -226,11 +235,12 @@ class GRPOObjective:
         prompt_tokens = sum(n for e in everyone for n in e[3])
         rows = []
         owners = [p["index"] for p in prompts for _ in range(G)]
-        for prompt_ids, completion, was_cut, owner in zip(ids, completions, truncated, owners):
+        for k, (prompt_ids, completion, was_cut, owner) in enumerate(zip(ids, completions, truncated, owners)):
             masked = was_cut and self.mask_truncated_completions
             labels = [IGNORE_INDEX] * (len(prompt_ids) - 1) + ([IGNORE_INDEX] * len(completion) if masked
                                                               else list(completion)) + [IGNORE_INDEX]
-            rows.append({"tokens": list(prompt_ids) + list(completion), "labels": labels, "prompt_index": owner})
+            rows.append({"tokens": list(prompt_ids) + list(completion), "labels": labels, "prompt_index": owner,
+                         **({"images": images[k]} if images is not None and images[k] else {})})
         loss_tokens = int(sum(0 if (t and self.mask_truncated_completions) else n for n, t in
                               zip(lengths.long().tolist(), cut.tolist())))
         metrics = _generation_metrics(found, per_function, lengths, cut, names=self.rewards.names)
@@ -288,14 +298,18 @@ def _generation_metrics(found, per_function: torch.Tensor, lengths: torch.Tensor
 
 
 def _mine(saved: dict, prompts: list[dict]) -> Rollouts:
-    """This rank's rows of a saved round: its prompts' completions, in its prompts' order."""
+    """This rank's rows of a saved round: its prompts' completions, in its prompts' order (an image-text model's with
+    their prompt's image inputs, made again)."""
     by_prompt: dict[int, list[dict]] = {}
     for row in saved["rows"]:
         by_prompt.setdefault(row["prompt_index"], []).append(row)
     rows = [row for p in prompts for row in by_prompt.get(p["index"], [])]
     old = [row["old"] for row in rows] if rows and rows[0]["old"] is not None else None
     ref = [row["ref"] for row in rows] if rows and rows[0]["ref"] is not None else None
-    kept = [{k: row[k] for k in ("tokens", "labels", "prompt_index")} for row in rows]
+    pictures = {p["index"]: made_inputs(p["images"]) for p in prompts if "images" in p}
+    kept = [{**{k: row[k] for k in ("tokens", "labels", "prompt_index")},
+             **({"images": pictures[row["prompt_index"]]} if pictures.get(row["prompt_index"]) else {})}
+            for row in rows]
     return Rollouts(round=saved["round"], rows=kept, advantages=torch.tensor([row["advantage"] for row in rows]),
                     completions=saved["completions"], loss_tokens=saved["loss_tokens"], metrics=saved["metrics"],
                     old=old, ref=ref)
@@ -304,7 +318,7 @@ def _mine(saved: dict, prompts: list[dict]) -> Rollouts:
 def completion_logps(model, batch: dict, temperature: float, *, entropy: bool = True):
     """(log-probabilities [n], entropies [n] or None, completion of each [n]) of a micro-batch's loss tokens, in their
     order: log_softmax(logits / temperature) at each label, as TRL's fused head computes them, in fp32."""
-    logits = _logits(model, batch["tokens"], batch.get("documents"))
+    logits = _logits(model, batch["tokens"], batch.get("documents"), batch.get("images"))
     labels = batch["labels"].to(logits.device)
     keep = labels != IGNORE_INDEX
     z = logits[keep].float() / temperature

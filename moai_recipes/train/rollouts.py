@@ -10,6 +10,12 @@ uniform number a completion and token).
 Every rank runs the same number of forward passes (FSDP2's gathers are collectives): a rank whose completions have
 all ended keeps stepping with its rows masked until every rank's have ended or `max_completion_length` is reached.
 A completion ends after its first stop token (included, as TRL keeps it).
+
+An image-text model's prompts come with their image inputs: the prompts' pass takes them (the vision tower's features
+in the prompt's place), the decode steps read them from the cache; multimodal rotary positions (Qwen's) are the
+model's own for the prompt, and move on from its largest for each token drawn, as transformers' generate places them.
+The model's image token is never drawn (as TRL suppresses it): an image token in a completion would ask for an image
+that is not there.
 """
 
 import math
@@ -20,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moai_recipes.data.images import collate_images
 from moai_recipes.planner.plan import Plan
 from moai_recipes.train.mixed_precision import in_compute_dtype
 from moai_recipes.train.parallel import gathered
@@ -72,12 +79,15 @@ class Sampler:
     plan: Plan
     device: torch.device
     max_length: int
+    never: tuple[int, ...] = ()  # tokens never drawn (an image-text model's image token)
 
     @torch.no_grad()
-    def complete(self, model: nn.Module, prompts: list[list[int]], seeds: list[int]) -> "Samples":
+    def complete(self, model: nn.Module, prompts: list[list[int]], seeds: list[int],
+                 images: list[dict | None] | None = None) -> "Samples":
         """One completion of each prompt (a prompt repeated G times gives G), each drawn from its own seeded stream;
         a completion is cut after its first stop token (kept) or at max_completion_length tokens. In chunks of the
-        plan's generation_batch, as many on every rank."""
+        plan's generation_batch, as many on every rank. `images`: an image-text model's inputs for each prompt's
+        pictures (data/images.py), or None for a prompt without."""
         size = max(self.plan.generation_batch, 1)
         chunks = -(-len(prompts) // size)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -88,12 +98,14 @@ class Sampler:
         with gathered(model, keep=self.plan.gather_for_generation):
             for k in range(max(chunks, 1)):
                 part = slice(k * size, (k + 1) * size)
-                completions, cache_bytes = self._chunk(model, prompts[part], seeds[part])
+                completions, cache_bytes = self._chunk(model, prompts[part], seeds[part],
+                                                       images[part] if images is not None else None)
                 out += completions
                 cache = max(cache, cache_bytes)
         return Samples(out, cache)
 
-    def _chunk(self, model: nn.Module, prompts: list[list[int]], seeds: list[int]) -> tuple[list[list[int]], int]:
+    def _chunk(self, model: nn.Module, prompts: list[list[int]], seeds: list[int],
+               images: list[dict | None] | None) -> tuple[list[list[int]], int]:
         from torchtune.generation import get_causal_mask_from_padding_mask, get_position_ids_from_padding_mask
         from torchtune.modules.common_utils import local_kv_cache
 
@@ -111,8 +123,15 @@ class Sampler:
         total = width + new
         masks = get_causal_mask_from_padding_mask(real, target_seq_len=total)
         positions = get_position_ids_from_padding_mask(torch.nn.functional.pad(real, (0, new), value=True))
+        pictures = {}
+        if images is not None and any(images):
+            pictures = {k: v.to(device) for k, v in collate_images(
+                [{"tokens": p, "images": m} for p, m in zip(prompts, images)], width, left=True).items()}
+        prompt_positions, offset = (model.sampling_positions(tokens, real, positions[:, :width], pictures)
+                                    if pictures else (positions[:, :width], None))
         generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
         stops = torch.tensor(self.stop_ids, device=device)
+        never = torch.tensor(self.never, dtype=torch.long, device=device)
         out = [[] for _ in range(rows)]
         done = torch.zeros(max(rows, 1), dtype=torch.bool, device=device)
         done[rows:] = True
@@ -125,11 +144,14 @@ class Sampler:
                 cache_bytes = sum(b.numel() * b.element_size() for name, b in model.named_buffers()
                                   if name.endswith(("kv_cache.k_cache", "kv_cache.v_cache")))
                 _unchecked_cache_updates(model)
-                logits = _last(model(tokens, mask=masks, input_pos=positions[:, :width]))
+                logits = _last(model(tokens, mask=masks, input_pos=prompt_positions,
+                                     **({"images": pictures} if pictures else {})))
                 # The drawn tokens stay on the device until the chunk ends (one copy to the host then): a decode step
                 # waits on the host once, for whether every row is done.
                 drawn, kept = [], []
                 for t in range(new):
+                    if len(never):
+                        logits = logits.index_fill(-1, never, -math.inf)
                     nxt = _draw(filtered_logits(logits, settings), generators, rows)
                     drawn.append(nxt)
                     kept.append(~done)  # a row's token counts until its first stop token, which it keeps
@@ -140,7 +162,10 @@ class Sampler:
                     step_mask = masks.new_zeros((tokens.size(0), 1, total))
                     step_mask[:, 0, :width] = real
                     step_mask[:, 0, width:pos + 1] = True
-                    logits = _last(model(nxt.unsqueeze(1), mask=step_mask, input_pos=positions[:, pos:pos + 1]))
+                    step = positions[:, pos:pos + 1]
+                    if offset is not None:  # multimodal rotary positions: text, then time, height, width moved on
+                        step = torch.cat([step[None], (step + offset)[None].expand(3, -1, -1)])
+                    logits = _last(model(nxt.unsqueeze(1), mask=step_mask, input_pos=step))
         finally:
             model.train(was_training)
         if drawn:
