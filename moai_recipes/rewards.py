@@ -25,6 +25,16 @@ def exact_answer(completions, answer, **kwargs) -> list[float]:
     return out
 
 
+def contains_answer(completions, answer, **kwargs) -> list[float]:
+    """1 where the completion holds the row's `answer` column, case and spacing aside ("It is red." holds "red"; an
+    invoice's "Total: 1,234.50" holds "1,234.50"), else 0: a check for questions about documents and pictures."""
+    def folded(text) -> str:
+        return " ".join(str(text).lower().split())
+
+    return [1.0 if folded(expected) and folded(expected) in folded(_text(c)) else 0.0
+            for c, expected in zip(completions, answer)]
+
+
 def number_only(completions, **kwargs) -> list[float]:
     """A format reward: 1 where the completion is one number and nothing else (a final period and spaces allowed),
     else 0."""

@@ -104,7 +104,7 @@ def test_the_sampler_continues_picture_prompts_as_transformers_generate(tmp_path
     from tests.helpers import model_of, setup as setup_of
 
     folder = make_vision_checkpoint(tmp_path / "model", name)
-    data = picture_prompts(tmp_path / "data", 4)
+    data = picture_prompts(tmp_path / "data", 4, size=112)  # up to 16 image tokens: Qwen's positions 12 behind
     maker = image_samples(folder)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     rows[1]["prompt"][0]["content"][1]["text"] = "Look closely at the picture, then say: what colour is it?"
@@ -129,6 +129,10 @@ def test_the_sampler_continues_picture_prompts_as_transformers_generate(tmp_path
     weights = load_file(folder / "model.safetensors")
     head = "lm_head.weight" if "lm_head.weight" in weights else next(k for k in weights if "embed_tokens" in k)
     weights[head][image_token] = 20 * weights[head][first]
+    # Sharper attention (a random model's is nearly even, where positions barely matter): queries 8 x longer.
+    for k in weights:
+        if "q_proj" in k and "visual" not in k and "vision" not in k:
+            weights[k] *= 8
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     hf = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -147,3 +151,72 @@ def test_the_sampler_continues_picture_prompts_as_transformers_generate(tmp_path
     assert ours == theirs, (ours, theirs)
     unsuppressed = Sampler(greedy, **common).complete(model, prompts, list(range(len(prompts))), inputs).completions
     assert unsuppressed[0][0] == image_token, unsuppressed
+
+
+def test_sampled_on_pictures_and_resumed_mid_round_on_two_processes_as_on_one(tmp_path):
+    """Sampled for real (temperature 1), num_iterations 2, three steps on one process; resumed from step 1's
+    checkpoint on two (FSDP2, the completions packed in a row with their pictures: Qwen's positions per document).
+    Step 2 trains again on step 1's completions, their pictures made again from the prompts (the checkpoint keeps no
+    pixels); step 3 samples anew on two processes: the same completions, rewards, losses, KL and gradient norms."""
+    model = make_vision_checkpoint(tmp_path / "model", "qwen2_5_vl")
+    data = picture_prompts(tmp_path / "data", PROMPTS)
+    common = [f"model.checkpoint_dir={model}", "dataset=prompt", f"dataset.path={data}", f"batch_size={BATCH}",
+              f"num_generations={GROUP}", f"max_completion_length={LONGEST}", "max_seq_len=128", "max_steps=3",
+              "epochs=3", "optimizer.lr=3e-2", "optimizer.warmup_steps=0", "dtype=fp32", "beta=0.04",
+              "num_iterations=2", "rewards=[tests.grpo_helpers.picture_reward]", "logger=stdout", "checkpoint_every=1",
+              "checkpoint_keep=3"]
+    r = run_recipe(*common, "flavor=cpu", "plan.packing=false", f"output_dir={tmp_path / 'one'}", module="recipes.grpo")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = run_recipe(*common, "flavor=cpu-2", "plan.replicate=false", "plan.packing=true",
+                   f"resume={tmp_path / 'one' / 'checkpoints' / 'step-000001'}", f"output_dir={tmp_path / 'two'}",
+                   module="recipes.grpo")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert plan_of(tmp_path / "two")["sharded"] and plan_of(tmp_path / "two")["packing"]
+    assert not plan_of(tmp_path / "one")["packing"]
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [row["step"] for row in two] == [2, 3]
+    for a, b in zip(one[1:], two, strict=True):
+        for key in ("loss", "grad_norm", "kl", "reward", "reward_std", "completions/mean_length", "num_tokens"):
+            assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]) + 1e-6, (a["step"], key, a[key], b[key])
+    assert one[-1]["kl"] > 0 and one[-1]["reward_std"] > 0
+
+
+def test_a_missing_picture_is_named_with_its_row_and_the_vision_tower_is_planned(tmp_path):
+    """A prompt whose picture is missing: exit 2 before any step, the row and the file named; a string prompt with
+    a picture column, which TRL refuses too. The planner prices the vision tower on the prompts' pictures, which each
+    of a prompt's completions carries (data/prompts.PromptSet.image_load)."""
+    model = make_vision_checkpoint(tmp_path / "model", "qwen2_5_vl")
+    data = picture_prompts(tmp_path / "data", PROMPTS)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    broken = tmp_path / "data" / "broken.jsonl"
+    for change, said in ((lambda r: r.update(images=["pictures/404.png"]), f"{broken}:3: image pictures/404.png is not "
+                          "a file"),
+                         (lambda r: r.update(prompt="What shape is it?"), f"{broken}:3: column 'prompt' must be a "
+                          "non-empty list of messages for an image-text model, got str")):
+        wrong = [dict(r) for r in rows]
+        change(wrong[2])
+        broken.write_text("".join(json.dumps(r) + "\n" for r in wrong))
+        r = run_recipe(f"model.checkpoint_dir={model}", "dataset=prompt", f"dataset.path={broken}", "max_seq_len=128",
+                       "rewards=[tests.grpo_helpers.picture_reward]", f"output_dir={tmp_path / 'out'}",
+                       module="recipes.grpo")
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert said in r.stderr, r.stderr[-2000:]
+
+    from moai_recipes.config.compose import load_config
+    from moai_recipes.flavors import resolve_flavor
+    from moai_recipes.inputs import read_inputs
+
+    cfg = load_config("grpo", [f"model.checkpoint_dir={model}", "dataset=prompt", f"dataset.path={data}",
+                               "max_seq_len=128", "output_dir=-"])
+    work = read_inputs(cfg, resolve_flavor(**cfg.flavor), dry=True, output=False).workload
+    assert work.images is not None and len(work.images.tokens) == PROMPTS and min(work.images.tokens) > 0
+    assert max(work.images.tokens) == work.images.example_tokens
+
+
+def test_the_shipped_answer_reward_finds_the_answer_in_the_completion():
+    """moai_recipes.rewards.contains_answer, as the README's command uses it: the answer column's text anywhere in the
+    completion, case and spacing aside; a conversational completion read from its content."""
+    from moai_recipes.rewards import contains_answer
+
+    completions = ["It is  RED.", [{"role": "assistant", "content": "Total: 1,234.50 EUR"}], "a circle", "blue"]
+    assert contains_answer(completions, answer=["red", "1,234.50", "A square.", ""]) == [1.0, 1.0, 0.0, 0.0]

@@ -103,13 +103,14 @@ def placeholders(tmp_path_factory) -> dict[str, str]:
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{i} + 2 =", "answer": str(i + 2)}) + "\n" for i in range(40)))
     from moai_recipes.data.pictures import write_picture_rows
-    from tests.vision_models import make_vision_checkpoint, picture_pairs
+    from tests.vision_models import make_vision_checkpoint, picture_pairs, picture_prompts
 
     vision = make_vision_checkpoint(root / "qwen2_5_vl", "qwen2_5_vl")
     invoices = write_picture_rows(root / "invoices", 20)
     return {"/data/Qwen2.5-0.5B": made["qwen2"], "chats.jsonl": str(chats), "OUT/adapter": str(adapter),
             "/data/Qwen2.5-VL-3B-Instruct": str(vision), "invoices.jsonl": str(invoices),
             "chart_pairs.jsonl": str(picture_pairs(root / "charts")),
+            "invoice_questions.jsonl": str(picture_prompts(root / "questions")),
             "prompts.jsonl": str(prompts),
             "my_tasks": str(tasks), "[my_task]": "[quiz_mc]", "pairs.jsonl": str(pairs),
             "outputs/full_finetune/DATE/model": made["llama"], "OUT/model": made["llama"],

@@ -130,10 +130,10 @@ def picture_pairs(folder: Path) -> Path:
     return out
 
 
-def picture_prompts(folder: Path, count: int = 4) -> Path:
+def picture_prompts(folder: Path, count: int = 4, *, size: int = 56) -> Path:
     """The pictures' rows as recipes.grpo's prompts: the question (after its picture) the prompt, the answer a column
-    the rewards read, the pictures in an `images` column."""
-    source = write_picture_rows(folder, count, size=56)
+    the rewards read, the pictures (`size` pixels high) in an `images` column."""
+    source = write_picture_rows(folder, count, size=size)
     rows = []
     for line in source.read_text().splitlines():
         row = json.loads(line)

@@ -9,7 +9,8 @@ functions -> plan -> the policy built on meta (LoRA: adapters on the frozen base
 reference (beta > 0: the adapters switched off, or a frozen copy) -> optimizer -> the train loop with the GRPO
 objective (train/grpo_step.py: generate, score, train) -> save: model/ (full), adapter/ and model/ merged (LoRA).
 A step's completions, rewards, loss and gradients are those of its global batch, on any flavor; settings carry TRL's
-GRPOConfig names, so a TRL config reads across.
+GRPOConfig names, so a TRL config reads across. An image-text model's prompts hold pictures (docs/vision.md): sampled
+and trained with them, the image token never drawn.
 """
 
 import importlib
