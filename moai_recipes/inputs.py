@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from pathlib import Path
 
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from moai_recipes.checkpoint.disk import CHECKPOINT_BYTES_PER_TRAINABLE, check_room
 from moai_recipes.checkpoint.integrity import all_gathered
@@ -119,6 +119,11 @@ class RunInputs:
                             if whole else ""))
         if self.data is not None:
             lines += self.data.describe(cfg)
+        pictures = self.workload.images
+        if pictures is not None and pictures.assumed:
+            height, width = pictures.assumed
+            lines.append(f"Pictures assumed (no data read): one of {height} x {width} pixels a sample, "
+                         f"{pictures.example_tokens:,} image tokens of its row (picture_size=[HEIGHT,WIDTH])")
         if self.out is not None:
             lines.append(f"Output {self.out}: " + (f"resumes from {self.resume_from}" if self.resume_from else "a new run"))
         return lines
@@ -180,7 +185,7 @@ def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: b
                         clips=cfg.optimizer.max_grad_norm is not None, rollout=_rollout(cfg),
                         lengths=data.lengths if data is not None else None,
                         steps=data.total_steps if data is not None else cfg.max_steps,
-                        images=_image_load(data))
+                        images=_image_load(data) or (_assumed_pictures(cfg, spec) if data is None else None))
     eval_tasks = None
     if cfg.eval_tasks and not dry:  # their data read now: a task missing is said before step 1, not at its first eval
         from moai_recipes.inference.harness import Tasks, load_tasks  # lm-eval: imported by the runs that use it
@@ -288,6 +293,23 @@ def _rollout(cfg: DictConfig) -> Rollout | None:
     # (Workload.reference, set by the recipe).
     return Rollout(completion_length=cfg.max_completion_length, num_iterations=cfg.num_iterations,
                    extra_passes=int(cfg.num_iterations > 1) + int(cfg.beta != 0 and cfg.method == "lora"))
+
+
+def _assumed_pictures(cfg: DictConfig, spec) -> ImageLoad | None:
+    """An image-text model planned without its data (recipes.plan without a checkpoint folder): one picture of
+    `picture_size` a sample, made into inputs by the model's image processor (its config entry's image_processor), its
+    image tokens those the vision tower makes of it. None for a text model, or where the entry has no image processor."""
+    if not spec.reads_images or "picture_size" not in cfg or not cfg.model.get("image_processor"):
+        return None
+    import torch
+
+    from moai_recipes.data.images import assumed_picture, image_example
+    from moai_recipes.planner.activations import trace_images
+
+    settings = OmegaConf.to_container(cfg.model.image_processor, resolve=True)
+    example = image_example(assumed_picture(settings, tuple(cfg.picture_size)))
+    tokens = trace_images(spec, example, dtype=torch.bfloat16, lora=None).tokens
+    return ImageLoad(example=example, example_tokens=tokens, tokens=(tokens,), assumed=tuple(cfg.picture_size))
 
 
 def _image_load(data: RunData | None) -> ImageLoad | None:

@@ -69,7 +69,8 @@ def test_llama3_rope_scaling_in_both_config_layouts():
 @pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: p.stem)
 def test_model_config_builds_on_meta_and_matches_transformers(path):
     top = yaml.safe_load(path.read_text())
-    assert set(top) - {"pypi"} == {"name", "hf_repo", "checkpoint_dir", "architecture"} and top["name"] == path.stem
+    assert set(top) - {"pypi", "image_processor"} == {"name", "hf_repo", "checkpoint_dir", "architecture"}
+    assert top["name"] == path.stem
     spec = spec_for(architecture=top["architecture"], checkpoint_dir=top["checkpoint_dir"])
     with torch.device("meta"):
         model = build_model(spec, max_seq_len=4096)
@@ -90,7 +91,9 @@ def test_model_config_builds_on_meta_and_matches_transformers(path):
                                             ("qwen3_5_9b", 9.0), ("qwen3_5_27b", 27.0), ("qwen3_5_35b_a3b", 35.0),
                                             ("qwen3_5_122b_a10b", 122.0), ("qwen3_5_397b_a17b", 397.0),
                                             ("deepseek_v3", 671.0), ("llama4_scout", 107.8), ("phi4", 14.7),
-                                            ("smollm3_3b", 3.08)])
+                                            ("smollm3_3b", 3.08),
+                                            # image-text models whole: Qwen3-VL-8B's 8.77B, gemma-3-27b-it's 27.4B
+                                            ("qwen3_vl_8b", 8.77), ("gemma3_27b_vl", 27.4)])
 def test_known_sizes(name, billions):
     spec = spec_for(architecture=architecture(MODEL_CONFIGS[0].parent / f"{name}.yaml"), checkpoint_dir=None)
     assert spec.num_params() == pytest.approx(billions * 1e9, rel=0.01)

@@ -357,3 +357,30 @@ def test_a_ranks_pictures_are_made_only_for_its_own_share_of_the_batch(checkpoin
     assert data.processed == 0 and all(len(s["tokens"]) for s in batch)
     mine = collate(batch[:3], pad_id=0)  # this rank's micro-batch
     assert data.processed == 3 and mine["images"]["image_grid_thw"].shape[0] == 3
+
+
+@pytest.mark.parametrize("name, size, tokens", [("qwen3_vl_8b", [768, 1024], 768), ("qwen3_vl_8b", [28, 28], 64),
+                                                ("gemma3_27b_vl", [768, 1024], 256)])
+def test_a_plan_without_data_prices_one_picture_a_sample_as_the_image_processor_sizes_it(name, size, tokens):
+    """recipes.plan of an image-text model only on the Hub (no checkpoint, no data read): each sample holds one picture
+    of picture_size, made into inputs by the model's image processor (its config entry's preprocessor settings), its
+    image tokens those the vision tower hands the language model. Qwen3-VL: 768 x 1024 pixels are 24 x 32 tokens of 32
+    pixels; a 28-pixel picture is enlarged to its 65,536-pixel least (8 x 8 tokens). Gemma 3: 256 tokens whatever
+    the size. An image processor transformers does not know is refused by name."""
+    from moai_recipes.config.compose import load_config
+    from moai_recipes.errors import UserError
+    from moai_recipes.flavors import resolve_flavor
+    from moai_recipes.inputs import read_inputs
+
+    common = [f"model={name}", "flavor=small", "flavor.device=h100", "flavor.memory_gb=640", "batch_size=64",
+              "max_seq_len=4096", "output_dir=-"]
+    cfg = load_config("plan", [*common, f"picture_size=[{size[0]},{size[1]}]"])
+    inputs = read_inputs(cfg, resolve_flavor(**cfg.flavor), dry=True, output=False)
+    images = inputs.workload.images
+    assert images is not None and images.assumed == tuple(size)
+    assert images.example_tokens == tokens and images.tokens == (tokens,)
+    assert f"one of {size[0]} x {size[1]} pixels a sample, {tokens:,} image tokens" in "\n".join(inputs.describe(cfg))
+    if name == "gemma3_27b_vl":
+        cfg = load_config("plan", [*common, "model.image_processor.image_processor_type=NoSuchProcessor"])
+        with pytest.raises(UserError, match="'NoSuchProcessor' is not an image processor"):
+            read_inputs(cfg, resolve_flavor(**cfg.flavor), dry=True, output=False)

@@ -156,6 +156,9 @@ class ModelConfig:
     checkpoint_dir: Optional[str] = setting(None, "a Hugging Face folder (config.json, *.safetensors, tokenizer files); "
                                             "its config.json is the truth for the architecture")
     architecture: dict[str, Any] = setting({}, "config.json's fields, for planning without files")
+    image_processor: dict[str, Any] = setting({}, "an image-text model's preprocessor_config.json fields "
+                                                  "(image_processor_type, its settings), for planning its pictures "
+                                                  "without files")
     implementation: str = setting("auto", "which code builds the model: auto (our own layers where they build it, "
                                           "transformers' modules otherwise) | native | transformers")
     trust_remote_code: bool = setting(False, "run the code a checkpoint brings (config.json's auto_map) to build a "
@@ -342,6 +345,9 @@ class PlanRecipeConfig(LoraRecipeConfig):
     method: Method = setting(Method.full, "what recipes.plan plans: full | lora (lora.quantize_base=true: QLoRA)")
     longest: bool = setting(False, "print the longest samples (every one of the global batch that long) a plan of "
                                    "the flavor trains, and that plan, instead of planning max_seq_len")
+    picture_size: list[int] = setting([768, 1024], "an image-text model planned without its data (no checkpoint "
+                                                   "folder): each sample holds one picture this high and wide in "
+                                                   "pixels, sized by the model's image processor")
 
 
 @dataclass

@@ -564,10 +564,41 @@ def image_load(maker: ImageSamples, tokens: list[np.ndarray], inputs, *, copies:
     most = max(range(len(counts)), key=counts.__getitem__)
     if not counts[most]:
         return None
-    example = tuple((k, tuple(v.shape), str(v.dtype).removeprefix("torch."),
-                     tuple(v.flatten().tolist()) if not v.is_floating_point() else None)
-                    for k, v in inputs(most).items() if torch.is_tensor(v))
-    return dict(example=example, example_tokens=counts[most], tokens=tuple(copies * c for c in counts))
+    return dict(example=image_example(inputs(most)), example_tokens=counts[most],
+                tokens=tuple(copies * c for c in counts))
+
+
+def image_example(inputs: Mapping) -> tuple:
+    """One sample's image inputs as the planner traces the vision tower on them (planner/plan.ImageLoad.example): each
+    tensor's name, shape and dtype, and the values of an integer one (Qwen's grid of patches)."""
+    return tuple((k, tuple(v.shape), str(v.dtype).removeprefix("torch."),
+                  tuple(v.flatten().tolist()) if not v.is_floating_point() else None)
+                 for k, v in inputs.items() if torch.is_tensor(v))
+
+
+def assumed_picture(settings: Mapping, size: tuple[int, int]) -> dict:
+    """The image inputs of one blank picture `size` (height, width) pixels, as the image processor that `settings`
+    describe (a preprocessor_config.json's fields: image_processor_type and its settings) makes them: what a plan
+    without data prices an image-text model's pictures by (recipes.plan picture_size=...)."""
+    import transformers
+    from PIL import Image
+
+    settings = dict(settings)
+    kind = str(settings.pop("image_processor_type", "")).removesuffix("Fast")
+    cls = getattr(transformers, kind, None) if kind else None
+    if cls is None:
+        raise UserError(f"model.image_processor.image_processor_type={kind or None!r} is not an image processor of "
+                        "the installed transformers; copy the checkpoint's preprocessor_config.json fields")
+    height, width = size
+    if height < 1 or width < 1:
+        raise UserError(f"picture_size={list(size)} must be a height and a width of at least one pixel")
+    try:
+        processor = cls(**settings)
+        out = processor(images=[Image.new("RGB", (width, height), "white")], return_tensors="pt")
+    except (TypeError, ValueError) as e:
+        raise UserError(f"model.image_processor: {kind} refuses its settings or picture_size={list(size)}: {e}") \
+            from None
+    return {k: v for k, v in out.items() if torch.is_tensor(v)}
 
 
 def collate_images(samples: list[dict], width: int | None, *, left: bool = False) -> dict:

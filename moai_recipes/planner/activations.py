@@ -44,7 +44,7 @@ from moai_recipes.planner.live_storages import LiveStorages
 from moai_recipes.models.recompute import apply_recompute
 from moai_recipes.models.tiled_mlp import apply_tiled_mlp
 
-_VERSION = 19  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 20  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,7 @@ class ImageTrace:
     flops: int  # matmul and attention FLOPs of forward and backward
     inputs: int = 0  # bytes of the image inputs themselves (pixel values), alive for the step
     ops: int = 0  # operators dispatched (each costs a launch), per micro-batch
+    tokens: int = 0  # the features handed to the language model: the image tokens of the sample's row
 
 
 def trace_images(spec: ModelSpec, example: tuple, *, dtype: torch.dtype, lora: tuple | None = None) -> ImageTrace:
@@ -185,7 +186,15 @@ def _trace_images(spec: ModelSpec, example: tuple, *, dtype: torch.dtype, lora: 
         retained = count.storages.current if trains else 0
         if trains:
             torch.autograd.backward(features, [torch.empty_like(f) for f in features])
-    return ImageTrace(retained=retained, flops=count.flops, inputs=_nbytes(inputs.values()), ops=count.ops)
+    return ImageTrace(retained=retained, flops=count.flops, inputs=_nbytes(inputs.values()), ops=count.ops,
+                      tokens=_image_tokens(features, spec.embed_dim))
+
+
+def _image_tokens(features: list[torch.Tensor], width: int) -> int:
+    """The image tokens of a row: the features as wide as the language model (the projector's output; Qwen3-VL's deep
+    stack adds more of the same count, the tower's own are narrower and unmerged)."""
+    handed = [f for f in features if f.shape[-1] == width] or features
+    return handed[0].numel() // handed[0].shape[-1]
 
 
 # Rows longer than this are extrapolated by trace_head rather than traced whole (8K: Llama 3's rows are traced).

@@ -30,6 +30,7 @@ class ImageLoad:
     example: tuple
     example_tokens: int
     tokens: tuple[int, ...]
+    assumed: tuple[int, int] | None = None  # a plan without data: every sample's picture this high and wide
 
     @property
     def most(self) -> int:
