@@ -84,11 +84,12 @@ def test_grpo_on_pictures_equals_trl(tmp_path):
     _same(ours, _trl(tmp_path, model, data), KEYS + ("kl",))
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl", "gemma3_vl"])
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "gemma3_vl", "mllama"])
 def test_the_sampler_continues_picture_prompts_as_transformers_generate(tmp_path, name):
     """Four picture prompts of different lengths (their pictures and questions differ) and one without a picture, in
     one left-padded batch with the KV cache, drawn greedily (top_k 1) by recipes.grpo's sampler: each completion is
-    what transformers' `generate` gives that prompt alone (greedy, the image token suppressed as TRL suppresses it).
+    what transformers' `generate` gives that prompt alone (greedy, the image token suppressed as TRL suppresses it;
+    Llama 3.2 Vision's decode steps seeing the tiles the prompt's last token saw).
     The image token's output weights are made its first choice after the first prompt: drawn unless suppressed (seen
     below, so the suppression is tested)."""
     from dataclasses import replace
@@ -104,11 +105,16 @@ def test_the_sampler_continues_picture_prompts_as_transformers_generate(tmp_path
     from tests.helpers import model_of, setup as setup_of
 
     folder = make_vision_checkpoint(tmp_path / "model", name)
-    data = picture_prompts(tmp_path / "data", 4, size=112)  # up to 16 image tokens: Qwen's positions 12 behind
+    # Up to 16 image tokens: Qwen's positions 12 behind. Llama 3.2 Vision's pictures of one or two of its 4 tiles of
+    # 28 pixels: the tiles a token sees are not all of them.
+    data = picture_prompts(tmp_path / "data", 4, size=28 if name == "mllama" else 112)
     maker = image_samples(folder)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     rows[1]["prompt"][0]["content"][1]["text"] = "Look closely at the picture, then say: what colour is it?"
-    rows.append({"prompt": [{"role": "user", "content": "Say a word."}]})
+    rows[2]["prompt"][0]["content"][1]["text"] = "Tell me, in a word, its shape."
+    if name != "mllama":  # Llama 3.2 Vision: a row without a picture in a batch with pictures reads the padding
+        # picture's features (transformers' batch, unlike the row alone, which skips the cross-attention layers)
+        rows.append({"prompt": [{"role": "user", "content": "Say a word."}]})
     made = [maker.rl_prompt(row, column_map={}, base=data.parent) for row in rows]
     prompts = [m.tokens.tolist() for m in made]
     inputs = [maker.image_inputs(m.text, [open_image(v, base=m.base) for v in m.images], m.tokens.tolist(),
@@ -127,7 +133,8 @@ def test_the_sampler_continues_picture_prompts_as_transformers_generate(tmp_path
     hf = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     first = generate(hf, 0, suppress=True)[0]
     weights = load_file(folder / "model.safetensors")
-    head = "lm_head.weight" if "lm_head.weight" in weights else next(k for k in weights if "embed_tokens" in k)
+    head = next((k for k in weights if k.endswith("lm_head.weight")), None) or next(k for k in weights
+                                                                                   if "embed_tokens" in k)
     weights[head][image_token] = 20 * weights[head][first]
     # Sharper attention (a random model's is nearly even, where positions barely matter): queries 8 x longer.
     for k in weights:

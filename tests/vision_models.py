@@ -81,8 +81,37 @@ def _gemma3(tokenizer):
         {"extra_special_tokens": extra}
 
 
+_MLLAMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|image|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+_MLLAMA_TOKENS = ["<|image|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def _mllama(tokenizer):
+    """Llama 3.2 Vision: each picture cut into up to 4 tiles of 28 pixels, read by cross-attention layers (here the
+    second of three) from the vision tower's features of every tile."""
+    import transformers
+    from transformers import MllamaImageProcessor
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + _MLLAMA_TOKENS}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+                cross_attention_layers=[1], rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                  image_size=28, patch_size=7, max_num_tiles=4, intermediate_layers_indices=[0],
+                  vision_output_dim=64)
+    config = transformers.AutoConfig.for_model("mllama", text_config=text, vision_config=vision,
+                                               image_token_index=ids["<|image|>"])
+    images = MllamaImageProcessor(size={"height": 28, "width": 28}, max_image_tiles=4)
+    return config, images, _MLLAMA_TEMPLATE, "MllamaProcessor", {}, {}
+
+
 VISION = {"qwen2_5_vl": (_qwen2_5_vl, QWEN_TOKENS), "qwen3_vl": (_qwen3_vl, QWEN_TOKENS),
-          "gemma3_vl": (_gemma3, _GEMMA_TOKENS)}
+          "gemma3_vl": (_gemma3, _GEMMA_TOKENS), "mllama": (_mllama, _MLLAMA_TOKENS)}
 
 
 def make_vision_checkpoint(folder: Path, name: str, *, seed: int = 0) -> Path:
@@ -101,8 +130,10 @@ def make_vision_checkpoint(folder: Path, name: str, *, seed: int = 0) -> Path:
     model = transformers.AutoModelForImageTextToText.from_config(config)
     perturb(model)
     with torch.no_grad():  # Gemma 3's projector starts at zeros, where no gradient would reach the vision tower
-        for p in model.parameters():
-            if not p.any():
+        for name_, p in model.named_parameters():
+            if "cross_attn" in name_ and "gate" in name_:  # Llama 3.2 Vision's gates: the pictures matter (tanh 0.76)
+                p.fill_(1.0)
+            elif not p.any():
                 p.normal_(0, 0.05)
     model.save_pretrained(folder)
     ProcessorFiles(tokenizer, images, template, processor_class, processor_fields, tokenizer_fields).save(folder)

@@ -319,7 +319,8 @@ class ImageSamples:
         for k, v in out.items():
             if k in _TEXT_KEYS or not torch.is_tensor(v):
                 continue
-            per_token = v.dim() == 2 and v.shape == (1, len(made))
+            # A value per token (Gemma 3's token types; Llama 3.2 Vision's mask of the picture tiles each token sees)
+            per_token = v.dim() >= 2 and v.shape[:2] == (1, len(made)) and not v.is_floating_point()
             inputs[k] = v[0, :len(tokens)].tolist() if per_token else v
         return inputs
 
@@ -601,32 +602,80 @@ def assumed_picture(settings: Mapping, size: tuple[int, int]) -> dict:
     return {k: v for k, v in out.items() if torch.is_tensor(v)}
 
 
+# Image inputs a processor lays out a row at a time, the row's pictures along dim 1, padded to the batch's most (Llama 3.2
+# Vision's); other models' are every row's pictures end to end along dim 0.
+_PER_ROW = ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")
+
+
 def collate_images(samples: list[dict], width: int | None, *, left: bool = False) -> dict:
     """A micro-batch's image inputs: each image input of its samples concatenated along the images (as the processor
-    makes them for several images); each one with a value per token (a list) padded with 0 to the rows' `width` (at
-    their start, `left`: prompts left-padded for sampling), or (`width` None) laid end to end as the samples' tokens
-    are in a packed row."""
+    makes them for several images; Llama 3.2 Vision's a row each, its pictures padded to the most of any row); each one
+    with a value per token (a list) padded with 0 to the rows' `width` (at their start, `left`: prompts left-padded
+    for sampling), or (`width` None) laid end to end as the samples' tokens are in a packed row (a token's value
+    per picture, Llama 3.2 Vision's cross-attention mask, on the row's pictures: each sample's in its own columns)."""
     out: dict[str, torch.Tensor] = {}
     made = [made_inputs(s.get("images")) for s in samples]
+    per_row = any("aspect_ratio_ids" in inputs for inputs in made)
     for k in sorted({k for inputs in made for k in inputs}):
         values = [inputs[k] for inputs in made if k in inputs]
         if torch.is_tensor(values[0]):
-            out[k] = torch.cat(values)
+            out[k] = _rows_of_pictures(made, k, packed=width is None) if per_row and k in _PER_ROW else torch.cat(values)
             continue
-        if width is None:
-            row = []
-            for s, inputs in zip(samples, made):
-                own = list(inputs.get(k) or [])
-                row += own + [0] * (len(s["tokens"]) - len(own))
-            out[k] = torch.tensor([row], dtype=torch.long)
-            continue
-        rows = torch.zeros(len(samples), width, dtype=torch.long)
-        for r, inputs in enumerate(made):
-            row = inputs.get(k)
-            if row:
-                rows[r, width - len(row) if left else 0:][:len(row)] = torch.tensor(row, dtype=torch.long)
-        out[k] = rows
+        out[k] = _per_token(samples, made, k, width, left=left)
     return out
+
+
+def _rows_of_pictures(made: list[dict], key: str, *, packed: bool) -> torch.Tensor:
+    """Llama 3.2 Vision's input `key` ([1, pictures, ...] a sample): one packed row of every sample's pictures, or a
+    row a sample, its pictures padded with zeros (no picture: aspect ratio 0) to the most of any."""
+    present = [inputs[key] for inputs in made if key in inputs]
+    if packed:
+        return torch.cat(present, dim=1)
+    most = max(v.shape[1] for v in present)
+    rest = present[0].shape[2:]
+    rows = torch.zeros(len(made), most, *rest, dtype=present[0].dtype)
+    for r, inputs in enumerate(made):
+        if key in inputs:
+            rows[r, :inputs[key].shape[1]] = inputs[key][0]
+    return rows
+
+
+def _per_token(samples: list[dict], made: list[dict], key: str, width: int | None, *, left: bool) -> torch.Tensor:
+    """An input with a value per token (a list a sample; a value per token and picture tile for Llama 3.2 Vision's
+    cross-attention mask): [rows, width, ...], or one packed row, 0 where a sample has none. A prompt's (a DPO pair's,
+    a GRPO completion's row) goes on over the sample's other tokens as transformers' generate continues it: token
+    types 0, the tiles a token sees those the prompt's last token sees."""
+    own = [continued(torch.tensor(inputs[key], dtype=torch.long), len(s["tokens"])) if inputs.get(key) else None
+           for s, inputs in zip(samples, made)]
+    shapes = [t.shape[1:] for t in own if t is not None]
+    if width is None:  # one row: each sample's tokens after the last's, its pictures after the last's
+        pictures = sum(t.shape[1] for t in own if t is not None) if shapes and len(shapes[0]) else None
+        rest = (() if pictures is None else (pictures, *(max(d) for d in zip(*[sh[1:] for sh in shapes]))))
+        row = torch.zeros(1, sum(len(s["tokens"]) for s in samples), *rest, dtype=torch.long)
+        at = seen = 0
+        for s, t in zip(samples, own):
+            if t is not None:
+                where = (0, slice(at, at + len(t))) + ((slice(seen, seen + t.shape[1]),) if rest else ())
+                row[where + tuple(slice(0, d) for d in t.shape[2:])] = t
+                seen += t.shape[1] if rest else 0
+            at += len(s["tokens"])
+        return row
+    rest = tuple(max(d) for d in zip(*shapes)) if shapes else ()
+    rows = torch.zeros(len(samples), width, *rest, dtype=torch.long)
+    for r, t in enumerate(own):
+        if t is not None:
+            start = width - len(t) if left else 0
+            rows[(r, slice(start, start + len(t))) + tuple(slice(0, d) for d in t.shape[1:])] = t
+    return rows
+
+
+def continued(value: torch.Tensor, length: int) -> torch.Tensor:
+    """A per-token input [tokens, ...] of a prompt, over `length` tokens: 0 for each token after it, or (a value per
+    picture tile: Llama 3.2 Vision's cross-attention mask) the last prompt token's, as transformers' generate goes on."""
+    more = length - value.shape[0]
+    if more <= 0 or value.dim() == 1:
+        return value
+    return torch.cat([value, value[-1:].expand(more, *value.shape[1:])])
 
 
 def made_inputs(images) -> dict:

@@ -164,6 +164,8 @@ def attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: tor
         return own(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
 
     boolean = own is _sdpa()
+    if type(module).__name__.endswith("CrossAttention"):  # text to pictures (Llama 3.2 Vision): the model's own mask
+        return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if hasattr(documents, "attend"):  # a context device's share of a row: the gather way, under the model's masks
         lazy = documents.row_masks[module.layer_idx]
 
@@ -355,20 +357,11 @@ def causal_lm_class(config, *, trust_remote_code: bool = False):
 
 
 def image_text_class(config):
-    """transformers' image-text-to-text class of a config (Qwen2.5-VL, Qwen3-VL, Gemma 3...) whose images reach its
-    language model as embeddings among the text's (self-attention over both); None for any other config. A model that
-    reads images through cross-attention layers (Llama 3.2 Vision) is refused by name: its images are not tokens of
-    the row."""
+    """transformers' image-text-to-text class of a config (Qwen2.5-VL, Qwen3-VL, Gemma 3: images as embeddings among
+    the text's; Llama 3.2 Vision: images read by cross-attention layers); None for any other config."""
     from transformers import AutoModelForImageTextToText
 
-    cls = AutoModelForImageTextToText._model_mapping.get(type(config), None)
-    if cls is None:
-        return None
-    if getattr(config.get_text_config(), "cross_attention_layers", None):
-        raise UserError(f"model_type {config.model_type!r} ({cls.__name__}) reads its images through cross-attention "
-                        "layers, which are not trained here yet; image-text models whose images are tokens of the "
-                        "row train (Qwen2.5-VL, Qwen3-VL, Gemma 3)")
-    return cls
+    return AutoModelForImageTextToText._model_mapping.get(type(config), None)
 
 
 class TransformersDecoder(nn.Module):
@@ -415,6 +408,9 @@ class TransformersDecoder(nn.Module):
         # An image-text model (its language model inside the base, beside a vision tower): its image inputs
         # (data/images.collate_images) come with the rows, forward's `images`.
         self.reads_images = self.text_name != ""
+        # Llama 3.2 Vision's layers that read the pictures by cross-attention (transformers skips them for rows
+        # without pictures; here they run on stand-ins that change nothing, so that every device runs every layer).
+        self.cross_attention_layers = tuple(getattr(text, "cross_attention_layers", None) or ())
 
     # The parts, under the names the library's layouts use.
     @property
@@ -465,6 +461,8 @@ class TransformersDecoder(nn.Module):
                 self._row_masks(mask, tokens.device)
         elif mask is not None or self.caches_are_enabled():
             kwargs.update(self._cached_inputs(tokens, mask))
+        if self.cross_attention_layers and not images and not self.caches_are_enabled():
+            kwargs.update(self.stand_in_pictures(tokens.shape[0], tokens.shape[1], device=tokens.device))
         if input_pos is not None and input_pos.dim() < 2:  # torchtune's generate squeezes a single row's positions
             input_pos = input_pos.reshape(1, tokens.shape[1]).expand(tokens.shape[0], -1)
         # The final norm runs in unembed (the chunked loss's head).
@@ -500,10 +498,27 @@ class TransformersDecoder(nn.Module):
         get_image_features computes them."""
         import inspect
 
+        if not hasattr(self.base, "get_image_features"):  # Llama 3.2 Vision: the tower's tiles, then the projector
+            seen = self.base.vision_model(**{k: images[k] for k in ("pixel_values", "aspect_ratio_ids",
+                                                                     "aspect_ratio_mask") if k in images})
+            return [self.base.multi_modal_projector(seen.last_hidden_state)]
         accepted = inspect.signature(self.base.get_image_features).parameters
         out = self.base.get_image_features(**{k: v for k, v in images.items() if k in accepted})
         return [t for t in tree_leaves(out if not hasattr(out, "to_tuple") else out.to_tuple())
                 if torch.is_tensor(t) and t.is_floating_point()]
+
+    def stand_in_pictures(self, rows: int, tokens: int, *, device, tiles: int = 1) -> dict:
+        """A cross-attention model's inputs for rows without pictures (Llama 3.2 Vision): features of one picture of
+        `tiles` tiles, all zeros, that no token may see. Each cross-attention layer then runs and adds exactly nothing:
+        its keys and values are zeros, and the rows that see no picture have its MLP's output masked out, as
+        transformers masks a text token before the first picture. transformers skips the layers instead, which FSDP2
+        cannot: a device whose micro-batch has pictures gathers their weights, and every device must."""
+        vision = self.base.vision_model
+        dtype = self.tok_embeddings.weight.dtype
+        states = torch.zeros(rows, tiles * vision.num_patches, self.config.get_text_config().hidden_size,
+                             dtype=dtype, device=device)
+        return {"cross_attention_states": states,
+                "cross_attention_mask": torch.zeros(rows, tokens, 1, tiles, dtype=torch.long, device=device)}
 
     def sampling_positions(self, tokens: torch.Tensor, real: torch.Tensor, positions: torch.Tensor,
                            images: Mapping) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -706,6 +721,9 @@ def build_transformers_model(config, *, trust_remote_code: bool = False) -> Tran
         if recurrent and not mixers:  # a token mixer of its own, not found: its state would cross documents
             model.unpackable = (f"its {types[i]} layers mix tokens with a module of their own, which would carry "
                                 "one document's state into the next")
+    if model.cross_attention_layers:
+        model.unpackable = ("its text tokens before a picture attend to every picture tile of the row (transformers' "
+                            "cross-attention mask of Llama 3.2 Vision), which would be other documents' pictures")
     _record_routing(model)
     # Buffers that are not in any checkpoint (rotary tables): computed now, put back by init_buffers.
     model._initial_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
@@ -852,6 +870,9 @@ def layer_call(model: TransformersDecoder, index: int, *, tokens: int, documents
     layer.forward = capture
     ids = torch.zeros(rows, tokens, dtype=torch.long)
     kwargs = {} if documents is None else {DOCUMENTS: documents, "position_ids": documents.positions(ids.device)}
+    if index in model.cross_attention_layers:  # it reads a picture: one of the most tiles the model cuts one into
+        tiles = getattr(model.config.vision_config, "max_num_tiles", 1)
+        kwargs.update(model.stand_in_pictures(rows, tokens, device=ids.device, tiles=tiles))
     try:
         model.base(input_ids=ids, use_cache=False, **kwargs)
     except _Captured as c:

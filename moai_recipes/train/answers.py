@@ -5,6 +5,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moai_recipes.data.images import continued
 from moai_recipes.data.tokenizer import Tokenizer, prompt_ids
 from moai_recipes.errors import UserError
 from moai_recipes.planner.plan import Plan
@@ -15,23 +16,32 @@ def greedy_continuation(model: nn.Module, prompt: list[int], *, max_new_tokens: 
                         device: torch.device, images: dict | None = None) -> list[int]:
     """Greedy decoding without a cache (short demo answers); every rank runs it so FSDP's gathers match. `images`: an
     image-text model's inputs for the prompt's pictures, as its processor made them with the prompt (an input with a
-    value per prompt token is given 0 for each token generated)."""
+    value per prompt token is given, for each token generated, 0 or, as transformers' generate gives Llama 3.2
+    Vision's cross-attention mask, the last prompt token's)."""
     tokens = list(prompt)
     images = {k: v.to(device) for k, v in (images or {}).items()}
-    per_token = [k for k, v in images.items() if v.dim() == 2 and v.shape == (1, len(prompt))]
+    per_token = [k for k, v in images.items()
+                 if v.dim() >= 2 and v.shape[:2] == (1, len(prompt)) and not v.is_floating_point()]
     # Eager even where the layers are compiled for training (plan.compile): a graph for every prompt length
     # without gradients would cost more compiling than the few tokens it generates.
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         for _ in range(max_new_tokens):
             extra = {}
             if images:
-                grown = {k: torch.nn.functional.pad(images[k], (0, len(tokens) - len(prompt))) for k in per_token}
+                grown = {k: _grown(images[k], len(tokens)) for k in per_token}
                 extra["images"] = {**images, **grown}
             nxt = int(model(torch.tensor([tokens], device=device), **extra)[0, -1].argmax())
             if nxt in stop_ids:
                 break
             tokens.append(nxt)
     return tokens[len(prompt):]
+
+
+def _grown(value: torch.Tensor, length: int) -> torch.Tensor:
+    """A per-token input [1, prompt, ...] over `length` tokens (data/images.continued), token types 0 (padded)."""
+    if value.dim() == 2:
+        return torch.nn.functional.pad(value, (0, length - value.shape[1]))
+    return continued(value[0], length)[None]
 
 
 class Answers:

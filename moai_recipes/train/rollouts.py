@@ -129,6 +129,10 @@ class Sampler:
                 [{"tokens": p, "images": m} for p, m in zip(prompts, images)], width, left=True).items()}
         prompt_positions, offset = (model.sampling_positions(tokens, real, positions[:, :width], pictures)
                                     if pictures else (positions[:, :width], None))
+        # What a decode step reads of the pictures besides the cache: Llama 3.2 Vision's tiles each row's token sees,
+        # those its prompt's last token sees (transformers' generate goes on so).
+        seeing = {k: v[:, -1:] for k, v in pictures.items()
+                  if v.dim() > 2 and v.shape[:2] == tokens.shape and not v.is_floating_point()}
         generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
         stops = torch.tensor(self.stop_ids, device=device)
         never = torch.tensor(self.never, dtype=torch.long, device=device)
@@ -165,7 +169,8 @@ class Sampler:
                     step = positions[:, pos:pos + 1]
                     if offset is not None:  # multimodal rotary positions: text, then time, height, width moved on
                         step = torch.cat([step[None], (step + offset)[None].expand(3, -1, -1)])
-                    logits = _last(model(nxt.unsqueeze(1), mask=step_mask, input_pos=step))
+                    logits = _last(model(nxt.unsqueeze(1), mask=step_mask, input_pos=step,
+                                         **({"images": seeing} if seeing else {})))
         finally:
             model.train(was_training)
         if drawn:
