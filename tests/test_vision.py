@@ -389,3 +389,35 @@ def test_a_plan_without_data_prices_one_picture_a_sample_as_the_image_processor_
         cfg = load_config("plan", [*common, "model.image_processor.image_processor_type=NoSuchProcessor"])
         with pytest.raises(UserError, match="'NoSuchProcessor' is not an image processor"):
             read_inputs(cfg, resolve_flavor(**cfg.flavor), dry=True, output=False)
+
+
+def test_a_prompts_cross_attention_mask_goes_on_over_its_completion_as_the_processor_makes_it(checkpoints, pictures):
+    """Llama 3.2 Vision, recipes.dpo's and recipes.grpo's rows: a prompt's image inputs (its processor's, over the
+    prompt) with a completion after it. Collated, the completion's tokens see the tiles the prompt's last token sees:
+    the logits are transformers' on the whole conversation as the processor makes it (its mask over every token).
+    (TRL 1.16's DPOTrainer and GRPOTrainer stop on this model: they give it the prompt's mask only.)"""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from moai_recipes.data.images import collate_images, open_image
+
+    folder = checkpoints["mllama"]
+    maker = image_samples(folder)
+    row = json.loads(pictures.read_text().splitlines()[0])
+    prompt, answer = row["messages"]
+    made = maker.rl_prompt({"prompt": [prompt], "images": row["images"]}, column_map={}, base=pictures.parent)
+    inputs = maker.image_inputs(made.text, [open_image(v, base=made.base) for v in made.images], made.tokens.tolist(),
+                                special_tokens=made.special_tokens)
+    whole = maker.processor.apply_chat_template([prompt, answer], tokenize=False)
+    theirs_inputs = maker.processor(text=[whole], images=[Image.open(pictures.parent / row["images"][0]).convert("RGB")],
+                                    return_tensors="pt", add_special_tokens=made.special_tokens)
+    tokens = theirs_inputs["input_ids"][0].tolist()
+    assert tokens[:len(made.tokens)] == made.tokens.tolist() and len(tokens) > len(made.tokens) + 3
+    batch = collate_images([{"tokens": tokens, "images": inputs}], len(tokens))
+    assert torch.equal(batch["cross_attention_mask"], theirs_inputs["cross_attention_mask"])
+    reference = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    model = _loaded(HFFolder.open(folder))
+    with torch.no_grad():
+        ours = model(torch.tensor([tokens]), images=batch)
+        theirs = reference(**theirs_inputs).logits
+    assert (ours - theirs).abs().max() <= 1e-4

@@ -273,7 +273,8 @@ def _instruct_messages(row: dict, column_map: dict) -> list[dict]:
 def image_refusal(j: int, col: str) -> UserError:
     """What a text recipe or model says of a message holding an image part."""
     return UserError(f"message {j} of '{col}' holds an image: images are trained by recipes.full_finetune, "
-                     "recipes.lora_finetune, recipes.dpo and recipes.grpo, with an image-text model (Qwen2.5-VL, Qwen3-VL, Gemma 3) "
+                     "recipes.lora_finetune, recipes.dpo and recipes.grpo, with an image-text model (Qwen2.5-VL, "
+                     "Qwen3-VL, Gemma 3, Llama 3.2 Vision) "
                      "as model.checkpoint_dir; this model or recipe reads text only")
 
 
