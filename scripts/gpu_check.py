@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py --out DIR          # on the device: its kernels, then training runs planned for it
     python scripts/gpu_check.py --cpu --out DIR    # the same sequence at tiny sizes on this CPU (the suite runs it)
+    python scripts/gpu_check.py --wheels .whl --out DIR   # a bare GPU machine: scripts/gpu_wheels.sh's wheels first
 
 It writes DIR/report.json and DIR/report.md: the card, the versions, each check (passed or not, what it measured,
 its seconds) and each run. A check that fails or raises is recorded and the rest go on: one call must say as much
@@ -31,6 +32,7 @@ as it can about a machine lent for minutes.
 
 import argparse
 import json
+import os
 import platform
 import re
 import subprocess
@@ -362,7 +364,8 @@ def versions() -> dict:
     import importlib.metadata as md
 
     out = {"python": platform.python_version(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
+           "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
+           "wheels_installed_into": os.environ.get(_WHEELS_ON)}
     for name in ("transformers", "torchtune", "torchao", "peft", "trl"):
         try:
             out[name] = md.version(name)
@@ -422,13 +425,41 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+_WHEELS_ON = "MOAI_GPU_CHECK_WHEELS"  # set in the check's own process once the wheels are installed
+
+
+def _with_wheels(wheels: Path) -> int:
+    """Install `wheels` (no index, no dependencies: they are the closure scripts/gpu_wheels.sh downloaded) into a
+    folder of their own, ahead of the image's packages on PYTHONPATH (its transformers is older than ours), and run
+    this check again in a process that sees them; the recipes it starts inherit the path."""
+    import tempfile
+
+    found = sorted(Path(wheels).glob("*.whl"))
+    if not found:
+        print(f"--wheels {wheels}: no .whl files there; run scripts/gpu_wheels.sh here first", file=sys.stderr)
+        return 2
+    site = Path(tempfile.mkdtemp(prefix="moai-wheels-")) / "site"
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
+                    "--disable-pip-version-check", "--target", str(site), *map(str, found)], check=True)
+    print(f"== installed {len(found)} wheels into {site} in {time.perf_counter() - start:.1f} s", flush=True)
+    env = {**os.environ, _WHEELS_ON: str(site),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)}
+    return subprocess.run([sys.executable, *sys.argv], env=env).returncode
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="the whole sequence at tiny sizes on the CPU")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--steps", type=int, default=None, help="steps of each training run (default: 6, CPU 3)")
     parser.add_argument("--methods", default="full,lora", help="the training runs' methods (default: full,lora)")
+    parser.add_argument("--wheels", type=Path, default=None,
+                        help="install these wheels (scripts/gpu_wheels.sh: what the machine's image lacks) into a "
+                             "folder of their own, then run the check with them")
     args = parser.parse_args()
+    if args.wheels is not None and not os.environ.get(_WHEELS_ON):
+        return _with_wheels(args.wheels)
     gpu = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda") if gpu else torch.device("cpu")
     dtype, tol = (torch.bfloat16, 2e-2) if gpu else (torch.float32, 1e-5)
