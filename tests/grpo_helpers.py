@@ -48,3 +48,18 @@ def picture_reward(prompts, completions, completion_ids, images, answer, **kwarg
     """Reads the pictures' column as TRL passes it (a list of a prompt's images: paths here, PIL images in TRL's
     dataset) and the answers' column."""
     return [float(len(pictures)) + (sum(c) % 7) / 7 + len(a) % 3 for c, pictures, a in zip(completion_ids, images, answer)]
+
+
+def trl_logs_on_fixed_completions(trainer) -> list[dict]:
+    """Train TRL's GRPOTrainer `trainer` on `fixed` completions (in place of its sampling), its generation batch kept
+    in its order (TRL shuffles it with the global RNG: the micro-batch is the whole batch in the tests, so only
+    summation order would change); the log of each step that trained."""
+    import trl.trainer.grpo_trainer as grpo_trainer
+
+    trainer._generate_single_turn = lambda prompt_ids, *a, **k: (fixed(prompt_ids), None)
+    original, grpo_trainer.shuffle_sequence_dict = grpo_trainer.shuffle_sequence_dict, lambda d: d
+    try:
+        trainer.train()
+    finally:
+        grpo_trainer.shuffle_sequence_dict = original
+    return [h for h in trainer.state.log_history if "loss" in h and "reward" in h or "entropy" in h]

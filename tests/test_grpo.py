@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.grpo_helpers import EOS, GROUP, LONGEST, fixed
+from tests.grpo_helpers import EOS, GROUP, LONGEST
 from tests.helpers import make_hf_checkpoint, metrics, plan_of, run_recipe, start_adapter
 
 pytest.importorskip("trl")
@@ -75,7 +75,6 @@ def _ours(tmp_path: Path, name: str, model: Path, data: Path, case: dict, *extra
 
 
 def _trl(tmp_path: Path, model, tokenizer_dir: Path, case: dict, *, lr: float = LR, chat: bool = False) -> list[dict]:
-    import trl.trainer.grpo_trainer as grpo_trainer
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -90,15 +89,7 @@ def _trl(tmp_path: Path, model, tokenizer_dir: Path, case: dict, *, lr: float = 
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, processing_class=AutoTokenizer.from_pretrained(
         tokenizer_dir), train_dataset=Dataset.from_dict({"prompt": [_chat(p) for p in PROMPTS] if chat else PROMPTS,
                                                          "target": TARGETS}))
-    # The same completions as ours (in place of sampling); the generation batch kept in its order (TRL shuffles it
-    # with the global RNG: the micro-batch is the whole batch here, so only summation order would change).
-    trainer._generate_single_turn = lambda prompt_ids, *a, **k: (fixed(prompt_ids), None)
-    original, grpo_trainer.shuffle_sequence_dict = grpo_trainer.shuffle_sequence_dict, lambda d: d
-    try:
-        trainer.train()
-    finally:
-        grpo_trainer.shuffle_sequence_dict = original
-    return [h for h in trainer.state.log_history if "loss" in h and "reward" in h or "entropy" in h]
+    return helpers.trl_logs_on_fixed_completions(trainer)  # the same completions as ours
 
 
 def _same(ours: list[dict], theirs: list[dict], keys=KEYS) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.grpo_helpers import GROUP, LONGEST, fixed
+from tests.grpo_helpers import GROUP, LONGEST
 from tests.helpers import metrics, plan_of, run_recipe
 from tests.test_grpo import KEYS, _same
 from tests.vision_models import make_vision_checkpoint, picture_prompts
@@ -50,7 +50,6 @@ def _ours(tmp_path: Path, name: str, model: Path, data: Path, *extra, fixed_comp
 
 def _trl(tmp_path: Path, folder: Path, data: Path) -> list[dict]:
     import transformers
-    import trl.trainer.grpo_trainer as grpo_trainer
     from datasets import Dataset
     from PIL import Image
     from trl import GRPOConfig, GRPOTrainer
@@ -68,13 +67,7 @@ def _trl(tmp_path: Path, folder: Path, data: Path) -> list[dict]:
     model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=[helpers.picture_reward], args=args,
                           processing_class=load_processor(folder), train_dataset=Dataset.from_list(rows))
-    trainer._generate_single_turn = lambda prompt_ids, *a, **k: (fixed(prompt_ids), None)
-    original, grpo_trainer.shuffle_sequence_dict = grpo_trainer.shuffle_sequence_dict, lambda d: d
-    try:
-        trainer.train()
-    finally:
-        grpo_trainer.shuffle_sequence_dict = original
-    return [h for h in trainer.state.log_history if "loss" in h and "reward" in h or "entropy" in h]
+    return helpers.trl_logs_on_fixed_completions(trainer)  # the same completions as ours
 
 
 def test_grpo_on_pictures_equals_trl(tmp_path):
