@@ -220,3 +220,34 @@ def test_the_shipped_answer_reward_finds_the_answer_in_the_completion():
 
     completions = ["It is  RED.", [{"role": "assistant", "content": "Total: 1,234.50 EUR"}], "a circle", "blue"]
     assert contains_answer(completions, answer=["red", "1,234.50", "A square.", ""]) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_the_planner_prices_the_prompts_pictures_in_the_sampling_round(tmp_path):
+    """A round's prefill runs each prompt's pictures through the vision tower (forward only): the planner's sampling
+    time of picture prompts exceeds the same prompts' without pictures by that tower's forward FLOPs at the prefill's
+    efficiency, and grows with the pictures' image tokens (56 against 112 pixels: 4 times the tokens)."""
+    from dataclasses import replace
+
+    from moai_recipes.config.compose import load_config
+    from moai_recipes.flavors import resolve_flavor
+    from moai_recipes.inputs import read_inputs
+    from moai_recipes.planner.rollouts import picture_flops
+    from moai_recipes.planner.search import choose_plan
+
+    model = make_vision_checkpoint(tmp_path / "model", "qwen2_5_vl")
+    rounds = {}
+    for size in (56, 112):
+        data = picture_prompts(tmp_path / f"data{size}", PROMPTS, size=size)
+        cfg = load_config("grpo", [f"model.checkpoint_dir={model}", "dataset=prompt", f"dataset.path={data}",
+                                   "max_seq_len=512", f"batch_size={BATCH}", "output_dir=-"])
+        flavor = resolve_flavor(**cfg.flavor)
+        work = read_inputs(cfg, flavor, dry=True, output=False).workload
+        chosen = choose_plan(work, flavor).chosen
+        blind = choose_plan(replace(work, images=None), flavor, forced={
+            k: getattr(chosen.plan, k) for k in ("micro_batch_size", "packing", "generation_batch")}).chosen
+        assert picture_flops(chosen.plan, work) > 0 and picture_flops(chosen.plan, replace(work, images=None)) == 0
+        rounds[size] = (chosen.time.terms["rollout"], blind.time.terms["rollout"], work.images.most)
+        assert rounds[size][0] > rounds[size][1], rounds
+    (small, small_blind, small_tokens), (large, large_blind, large_tokens) = rounds[56], rounds[112]
+    assert large_tokens > 2 * small_tokens
+    assert (large - large_blind) > 2 * (small - small_blind), rounds

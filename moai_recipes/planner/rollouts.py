@@ -59,6 +59,23 @@ def rollout_bytes(plan: Plan, work: Workload) -> tuple[int, int]:
     return kv_cache_bytes(work, rows, total, plan.param_dtype), logits
 
 
+def picture_flops(plan: Plan, work: Workload) -> float:
+    """An image-text model's vision tower and projector, forward only, on a prompt's pictures (their mean image
+    tokens): what each prompt of a chunk adds to its prefill. Traced as training traces them (planner/activations.py:
+    forward and backward where the tower trains, a third of it forward)."""
+    images = work.images
+    if images is None or not images.example_tokens:
+        return 0.0
+    import torch
+
+    from moai_recipes.planner.activations import trace_images
+
+    dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
+    seen = trace_images(work.spec, images.example, dtype=dtype, lora=work.lora_key)
+    forward = seen.flops / 3 if seen.retained else seen.flops
+    return forward * sum(images.tokens) / len(images.tokens) / images.example_tokens
+
+
 @dataclass(frozen=True)
 class Speed:
     """A device as predict_time sees it: its kind, peak FLOP/s and usable bytes/s, the matmuls' share of the peak at a
@@ -75,7 +92,8 @@ class Speed:
 
 def rollout_seconds(plan: Plan, work: Workload, speed: Speed) -> float:
     """Seconds a step spends sampling (a round's, spread over its num_iterations steps): each chunk's prefill (the
-    training's efficiency at its tokens, `efficiency(tokens)`) and its decode steps (above), every completion run to
+    training's efficiency at its tokens, `efficiency(tokens)`; an image-text model's prompts' pictures through the
+    vision tower too) and its decode steps (above), every completion run to
     max_completion_length; on FSDP2 shards, the weights gathered for each of those forwards, or once for the round
     (plan.gather_for_generation)."""
     spec, r = work.spec, work.rollout
@@ -89,7 +107,7 @@ def rollout_seconds(plan: Plan, work: Workload, speed: Speed) -> float:
     matmul = 2 * (spec.num_params(active=True) - embedding * (1 if spec.tie_word_embeddings else 2) + embedding)
     fixed = spec.num_params() * DTYPE_BYTES[plan.param_dtype] / speed.bandwidth + \
         (spec.num_layers * DECODE_OPS_PER_LAYER + HEAD_OPS) * speed.per_op_s
-    prefill = matmul * batch * width / (peak * efficiency(batch * width)) + fixed
+    prefill = (matmul * batch * width + batch * picture_flops(plan, work)) / (peak * efficiency(batch * width)) + fixed
     cached = min(width + r.completion_length, work.seq_len)  # the cache's positions (train/rollouts.py)
     attention = cached ** 2 * (CACHE_SQUARED_S[kind] + spec.num_heads * spec.head_dim * CACHE_SQUARED_QUERY_S[kind])
     per_row = (matmul / (peak * efficiency(batch)) + spec.num_layers * attention + spec.vocab_size * DRAW_VALUE_S[kind]
