@@ -151,6 +151,14 @@ def test_the_sampler_continues_picture_prompts_as_transformers_generate(tmp_path
     assert ours == theirs, (ours, theirs)
     unsuppressed = Sampler(greedy, **common).complete(model, prompts, list(range(len(prompts))), inputs).completions
     assert unsuppressed[0][0] == image_token, unsuppressed
+    if name == "mllama":  # a prompt without a picture, alone: its cross-attention layers run on stand-ins that add
+        # nothing (every device runs every layer, as FSDP2 needs), where generate skips them
+        text = maker.rl_prompt({"prompt": [{"role": "user", "content": "Say a word."}]}, column_map={}, base=None)
+        prompts, inputs = [text.tokens.tolist()], [None]
+        with torch.no_grad():
+            theirs = [generate(hf, 0, suppress=True)]
+        ours = Sampler(greedy, never=(image_token,), **common).complete(model, prompts, [0], inputs).completions
+        assert ours == theirs, (ours, theirs)
 
 
 def test_sampled_on_pictures_and_resumed_mid_round_on_two_processes_as_on_one(tmp_path):

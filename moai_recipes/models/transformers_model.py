@@ -461,8 +461,8 @@ class TransformersDecoder(nn.Module):
                 self._row_masks(mask, tokens.device)
         elif mask is not None or self.caches_are_enabled():
             kwargs.update(self._cached_inputs(tokens, mask))
-        if self.cross_attention_layers and not images and not self.caches_are_enabled():
-            kwargs.update(self.stand_in_pictures(tokens.shape[0], tokens.shape[1], device=tokens.device))
+        if self.cross_attention_layers and not images:
+            kwargs.update(self._stand_ins(tokens))
         if input_pos is not None and input_pos.dim() < 2:  # torchtune's generate squeezes a single row's positions
             input_pos = input_pos.reshape(1, tokens.shape[1]).expand(tokens.shape[0], -1)
         # The final norm runs in unembed (the chunked loss's head).
@@ -506,6 +506,21 @@ class TransformersDecoder(nn.Module):
         out = self.base.get_image_features(**{k: v for k, v in images.items() if k in accepted})
         return [t for t in tree_leaves(out if not hasattr(out, "to_tuple") else out.to_tuple())
                 if torch.is_tensor(t) and t.is_floating_point()]
+
+    def _stand_ins(self, tokens: torch.Tensor) -> dict:
+        """A cross-attention model's stand-ins (stand_in_pictures) for rows without pictures. Sampling with the cache:
+        the prompts' pass caches the stand-ins' keys and values, and each decode step sees none of them (a mask of
+        zeros), so that every device runs the cross-attention layers at every step, as FSDP2 needs, and each adds
+        nothing; a sampling whose prompts had pictures goes on from its cache as transformers' does."""
+        rows, length = tokens.shape
+        holder = self.sampling.kv_cache if self.caches_are_enabled() else None
+        if holder is None or holder.cache.get_seq_length() == 0:  # no cache, or the prompts' pass
+            if holder is not None:
+                holder.stood_in = True
+            return self.stand_in_pictures(rows, length, device=tokens.device)
+        if getattr(holder, "stood_in", False):
+            return {"cross_attention_mask": torch.zeros(rows, length, 1, 1, dtype=torch.long, device=tokens.device)}
+        return {}
 
     def stand_in_pictures(self, rows: int, tokens: int, *, device, tiles: int = 1) -> dict:
         """A cross-attention model's inputs for rows without pictures (Llama 3.2 Vision): features of one picture of
