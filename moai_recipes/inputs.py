@@ -313,6 +313,13 @@ def _assumed_pictures(cfg: DictConfig, spec) -> ImageLoad | None:
 
 
 def _image_load(data: RunData | None) -> ImageLoad | None:
-    """An image-text model's images as the planner prices them (data/images.ImageTextDataset.image_load)."""
+    """An image-text model's images as the planner prices them (data/images.ImageTextDataset.image_load), with what a
+    packed row of the data's samples can hold of them (each sample's length beside its image tokens)."""
     load = data.train.image_load() if data is not None and hasattr(data.train, "image_load") else None
-    return ImageLoad(**load) if load else None
+    if not load:
+        return None
+    lengths = data.lengths
+    if lengths is not None and len(lengths) == len(load["tokens"]):
+        load.update(densest=max(t / max(n, 1) for t, n in zip(load["tokens"], lengths)),
+                    shortest=max(min(lengths), 1))
+    return ImageLoad(**load)

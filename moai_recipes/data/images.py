@@ -670,12 +670,14 @@ def _per_token(samples: list[dict], made: list[dict], key: str, width: int | Non
 
 
 def continued(value: torch.Tensor, length: int) -> torch.Tensor:
-    """A per-token input [tokens, ...] of a prompt, over `length` tokens: 0 for each token after it, or (a value per
-    picture tile: Llama 3.2 Vision's cross-attention mask) the last prompt token's, as transformers' generate goes on."""
+    """A per-token input [tokens, ...] of a prompt, over `length` tokens: 0 for each token after it (a token type), or
+    (a value per picture tile: Llama 3.2 Vision's cross-attention mask) the last prompt token's, as transformers'
+    generate goes on."""
     more = length - value.shape[0]
-    if more <= 0 or value.dim() == 1:
+    if more <= 0:
         return value
-    return torch.cat([value, value[-1:].expand(more, *value.shape[1:])])
+    after = value.new_zeros(more) if value.dim() == 1 else value[-1:].expand(more, *value.shape[1:])
+    return torch.cat([value, after])
 
 
 def made_inputs(images) -> dict:

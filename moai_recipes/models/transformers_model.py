@@ -518,7 +518,7 @@ class TransformersDecoder(nn.Module):
             if holder is not None:
                 holder.stood_in = True
             return self.stand_in_pictures(rows, length, device=tokens.device)
-        if getattr(holder, "stood_in", False):
+        if holder.stood_in:
             return {"cross_attention_mask": torch.zeros(rows, length, 1, 1, dtype=torch.long, device=tokens.device)}
         return {}
 
@@ -664,6 +664,7 @@ class _Cache(nn.Module):
         super().__init__()
         self.cache = DynamicCache(config=config)
         self.padded: bool | None = None  # whether the prompts sampled from are padded (TransformersDecoder._cached_inputs)
+        self.stood_in = False  # whether the prompts' pass ran cross-attention on stand-ins (_stand_ins)
 
     def forward(self, *args):
         raise RuntimeError("transformers' cache is passed to its model, not called")

@@ -126,14 +126,12 @@ def _image_tokens(plan: Plan, work: Workload, rows: int, row_tokens: int) -> flo
     images = work.images
     if not plan.packing:
         return rows * images.most
-    lengths = work.lengths if work.lengths is not None and len(work.lengths) == len(images.tokens) else None
-    if not lengths:  # no data read: every sample a row's length with the most image tokens
+    if not images.shortest:  # the samples' lengths not known: every sample a row's length with the most image tokens
         return rows * max(1, row_tokens // max(work.seq_len, 1)) * images.most
     # The fewer of: the row filled at the densest sample's share of image tokens, and as many of the shortest samples
     # as the row holds, each with the most image tokens.
-    densest = max(t / max(n, 1) for t, n in zip(images.tokens, lengths))
-    fitting = max(1, row_tokens // max(min(lengths), 1)) * images.most
-    return rows * max(images.most, min(min(1.0, densest) * row_tokens, fitting))
+    fitting = max(1, row_tokens // images.shortest) * images.most
+    return rows * max(images.most, min(min(1.0, images.densest) * row_tokens, fitting))
 
 
 def predict_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: float = 1.0) -> MemoryBreakdown:

@@ -31,10 +31,20 @@ class ImageLoad:
     example_tokens: int
     tokens: tuple[int, ...]
     assumed: tuple[int, int] | None = None  # a plan without data: every sample's picture this high and wide
+    # Of the data's samples (their lengths known): the most image tokens a token of any has (its image tokens over its
+    # length), and the shortest's length; what a packed row can hold (planner/memory._image_tokens). 0: not known.
+    densest: float = 0.0
+    shortest: int = 0
 
-    @property
+    # A search prices tens of thousands of plans, each asking these: computed once.
+    @cached_property
     def most(self) -> int:
         return max(self.tokens, default=0)
+
+    @cached_property
+    def mean(self) -> float:
+        """A sample's image tokens on average."""
+        return sum(self.tokens) / len(self.tokens) if self.tokens else 0.0
 
 
 @dataclass(frozen=True)

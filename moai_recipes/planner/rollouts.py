@@ -73,7 +73,7 @@ def picture_flops(plan: Plan, work: Workload) -> float:
     dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
     seen = trace_images(work.spec, images.example, dtype=dtype, lora=work.lora_key)
     forward = seen.flops / 3 if seen.retained else seen.flops
-    return forward * sum(images.tokens) / len(images.tokens) / images.example_tokens
+    return forward * images.mean / images.example_tokens
 
 
 @dataclass(frozen=True)

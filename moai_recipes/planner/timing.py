@@ -245,7 +245,7 @@ def predict_time(plan: Plan, work: Workload, device: Device, scales: dict | None
     images, seen = work.images, None
     if images is not None and images.example_tokens:  # an image-text model's vision tower, on its samples' images
         seen = trace_images(spec, images.example, dtype=dtype, lora=lora)
-        flops += seen.flops * plan.batch_per_device * sum(images.tokens) / len(images.tokens) / images.example_tokens
+        flops += seen.flops * plan.batch_per_device * images.mean / images.example_tokens
     if plan.context_parallel_way == "gather":
         # Each block of local queries against the keys from its document's start to its last query, under a mask,
         # once more in the backward (the block's checkpoint): more than causal attention's kernel (GATHERED_ATTENTION).

@@ -28,20 +28,13 @@ def greedy_continuation(model: nn.Module, prompt: list[int], *, max_new_tokens: 
         for _ in range(max_new_tokens):
             extra = {}
             if images:
-                grown = {k: _grown(images[k], len(tokens)) for k in per_token}
+                grown = {k: continued(images[k][0], len(tokens))[None] for k in per_token}
                 extra["images"] = {**images, **grown}
             nxt = int(model(torch.tensor([tokens], device=device), **extra)[0, -1].argmax())
             if nxt in stop_ids:
                 break
             tokens.append(nxt)
     return tokens[len(prompt):]
-
-
-def _grown(value: torch.Tensor, length: int) -> torch.Tensor:
-    """A per-token input [1, prompt, ...] over `length` tokens (data/images.continued), token types 0 (padded)."""
-    if value.dim() == 2:
-        return torch.nn.functional.pad(value, (0, length - value.shape[1]))
-    return continued(value[0], length)[None]
 
 
 class Answers:

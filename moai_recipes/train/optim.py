@@ -111,9 +111,13 @@ def clip_gradients(model: nn.Module, max_norm: float | None, *, stages=None, cou
         # whose gradient is summed over the tensor devices later) are all scaled right by it. torch 2.11's DTensor
         # scales a partial sum wrongly (a replicated weight's partial gradient came out 0.004 off, its norm 0.007):
         # its local tensors are scaled here on any version.
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()
-                 if p.grad is not None]
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+        groups: dict = {}
+        for p in model.parameters():
+            if p.grad is not None:
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                groups.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), grads in groups.items():  # one pass a device and dtype, as torch's own clipping groups them
+            torch._foreach_mul_(grads, coef.to(device))
     return float(norm)
 
 
