@@ -96,6 +96,8 @@ class Flavor:
 def local_accelerator() -> tuple[Device, int]:
     """What this machine has, as one accelerator: every visible GPU (their type, count and memory as torch reports
     them), or the CPU. A GPU type without a data sheet here gets conservative figures, and a warning says so."""
+    if "torch" not in sys.modules and not _gpu_device_files():
+        return DEVICES["cpu"], 1  # what torch would say, without its 2 s import (`moai flavors` is a table)
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
@@ -110,6 +112,12 @@ def local_accelerator() -> tuple[Device, int]:
           "1 TB/s, 25 GB/s links). Pick a known device with flavor.device=NAME if it is one", file=sys.stderr)
     device = Device(props.name, "gpu", memory_gb, 1, 8, 100, 20, 1000, 25, 12.5, host_memory_gb=_host_memory_gb())
     return device, torch.cuda.device_count()
+
+
+def _gpu_device_files() -> bool:
+    """Whether this machine shows a GPU's device files, which any CUDA or ROCm device needs: NVIDIA's (/dev/nvidiactl),
+    AMD's (/dev/kfd), WSL's (/dev/dxg)."""
+    return any(os.path.exists(f) for f in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg"))
 
 
 def resolve_flavor(*, name: str, device: str, memory_gb: float | None, processes: int | None,

@@ -6,6 +6,7 @@ processes composes once and hands its workers the resolved config (`resolved_con
 """
 
 import difflib
+import functools
 import re
 import sys
 from datetime import datetime
@@ -17,7 +18,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from moai_recipes.config.schema import SCHEMAS, RecipeConfig
+from moai_recipes.config.schema import SCHEMAS, RecipeConfig, store_schemas
 from moai_recipes.config.user_settings import switched_flavor
 from moai_recipes.errors import UserError
 from moai_recipes.files import demo_pictures_dir
@@ -53,11 +54,14 @@ def group_options(config_dir: Path = CONFIG_DIR) -> dict[str, list[str]]:
 
 def recipe_groups(config_file: Path) -> list[str]:
     """The groups a config composes, in the order of its defaults (generate has only `model`)."""
+    return [g for d in _defaults(config_file) if OmegaConf.is_dict(d) for g in d if g in GROUPS]
+
+
+def _defaults(config_file: Path) -> list:
     try:
-        defaults = OmegaConf.load(config_file).get("defaults") or []
+        return list(OmegaConf.load(config_file).get("defaults") or [])
     except Exception:  # a malformed or missing file: composing it says what is wrong
         return []
-    return [g for d in defaults if OmegaConf.is_dict(d) for g in d if g in GROUPS]
 
 
 def _split_argv(argv: list[str], recipe: str) -> tuple[dict, list[str]]:
@@ -119,8 +123,16 @@ def _did_you_mean(key: str | None, parent: str | None, recipe: str) -> str:
     return f" (did you mean {(parent + '.') if parent else ''}{near[0]}?)" if near else ""
 
 
+@functools.cache
+def _schema(recipe: str) -> DictConfig:
+    """A recipe's schema as a config, read only: made once a process (20 ms each, and every command asks)."""
+    schema = OmegaConf.structured(SCHEMAS.get(recipe, RecipeConfig))
+    OmegaConf.set_readonly(schema, True)
+    return schema
+
+
 def _schema_keys(parent: str | None, recipe: str) -> list[str]:
-    node = OmegaConf.structured(SCHEMAS.get(recipe, RecipeConfig))
+    node = _schema(recipe)
     for part in (parent.split(".") if parent else []):
         node = node.get(part) if isinstance(node, DictConfig) else None
     return list(node.keys()) if isinstance(node, DictConfig) else []
@@ -139,6 +151,7 @@ def load_config(recipe: str, argv: list[str] | None = None) -> DictConfig:
         overrides.append(f"hydra.searchpath=['file://{shipped}']")
     overrides += _switched_flavor(overrides, config_file)
     overrides = _open_maps_take_new_keys(overrides, flags["config_name"])
+    store_schemas({d for d in _defaults(config_file) if isinstance(d, str)})
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
@@ -159,7 +172,7 @@ def _open_maps_take_new_keys(overrides: list[str], recipe: str) -> list[str]:
     """`dataset.column_map.output=response` as the docs write it: a key new to an open map of the schema (a dict
     field, not a dataclass) is added, where Hydra would want `+` for a new key and refuse `+` for an existing one
     (`++` does both)."""
-    schema = OmegaConf.structured(SCHEMAS.get(recipe, RecipeConfig))
+    schema = _schema(recipe)
     out = []
     for o in overrides:
         key, eq, _ = o.partition("=")
