@@ -53,3 +53,38 @@ def test_a_compile_dynamo_would_leave_eager_is_never_planned_and_refused_when_fo
                 if c.plan.packing and c.plan.recompute != "none"]
     with pytest.raises(UserError, match="nothing\\s+would be compiled"):
         choose_plan(work, flavor, forced={"compile": True, "packing": True, "recompute": "selective"})
+
+
+def test_a_selectively_recomputed_layer_compiled_again_is_read_from_the_cache(tmp_path, monkeypatch):
+    """torch.compile keys the graphs it traced by the recomputation's policy (its cache_hash): a second run of the same
+    layer (dynamo reset as a new process would be) reads them from the cache instead of tracing again (a tiny model's
+    compiled run: 18 s warm without it, 5.7 s with it, eager 6 s)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from moai_recipes.models.recompute import apply_recompute
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # cold, this test's own
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.silu(self.up(x)))
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([Layer()])
+    apply_recompute(layers, "selective")
+    x = torch.randn(4, 16, requires_grad=True)
+    grads = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(layers[0])(x).sum().backward()
+        grads.append(x.grad.clone())
+        x.grad = None
+    assert counters["aot_autograd"]["autograd_cache_hit"] >= 1, dict(counters["aot_autograd"])
+    assert not counters["aot_autograd"]["autograd_cache_bypass"], dict(counters["aot_autograd"])
+    assert torch.equal(*grads)
