@@ -409,3 +409,23 @@ def test_run_starts_a_recipe_from_any_folder_and_passes_its_command_line(tmp_pat
     r = subprocess.run([moai_script, "generate", "--help"], **where)
     assert r.returncode == 0 and "with the groups model," in r.stdout, r.stdout + r.stderr
     clean_error(subprocess.run([moai_script, "run", "full_finetun"], **where), "'full_finetun'", "full_finetune")
+
+
+UNTOUCHED_TORCH = """
+import atexit, sys
+atexit.register(lambda: print("torch imported:", "torch" in sys.modules, file=sys.stderr))
+if sys.argv[1] == "moai":
+    from moai_recipes.tools.cli import main
+    sys.exit(main(sys.argv[2:]))
+from moai_recipes.launch.entry import main
+sys.exit(main("full_finetune", sys.argv[2:]))
+"""
+
+
+def test_what_needs_no_tensor_answers_without_importing_torch():
+    """torch's import is 2 s of a command's start: the flavors table, a switch, a config printed and a mistyped key
+    answer without it (flavor=auto looks for a GPU's device files before asking torch)."""
+    for args, code in ((["moai", "flavors"], 0), (["moai", "switch", "cpu"], 0),
+                       (["recipe", "--cfg", "job"], 0), (["recipe", "optimizer.lrr=3"], 2)):
+        r = run_python("-c", UNTOUCHED_TORCH, *args)
+        assert r.returncode == code and "torch imported: False" in r.stderr, (args, r.stdout[-500:], r.stderr[-2000:])

@@ -25,7 +25,8 @@ import sys
 # Read when a run reads them, not when a module is imported: a command may change them for itself.
 RUNTIME_PREFIXES = ("MOAI_", "WANDB_")
 RUNTIME_VARIABLES = ("HOME", "NETRC", "TERM")
-PRELOADED = ("moai_recipes.launch.entry", "moai_recipes.recipes.full_finetune", "moai_recipes.recipes.lora_finetune",
+PRELOADED = ("moai_recipes.launch.entry", "moai_recipes.launch.elastic", "moai_recipes.launch.worker",
+             "moai_recipes.recipes.full_finetune", "moai_recipes.recipes.lora_finetune",
              "moai_recipes.recipes.dpo", "moai_recipes.recipes.grpo",
              # What a launcher imports before it forks its workers (inputs.import_ahead), but a model family's own:
              # torchtune (the tokenizer's base: 1.9 s of a cpu-2 run of 6.3) and transformers' modelling (1.6 s).

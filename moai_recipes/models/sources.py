@@ -5,7 +5,6 @@ from pathlib import Path
 
 from moai_recipes import env
 from moai_recipes.errors import UserError
-from moai_recipes.models.tiny import tiny_checkpoint_dir
 
 # What a training run needs from a Hub repository: no original/ consolidated weights, no .bin twins.
 _PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
@@ -28,7 +27,9 @@ def resolve_model_dir(*, name: str, checkpoint_dir: str | None, hf_repo: str | N
             raise UserError(f"model.checkpoint_dir={checkpoint_dir} is not a folder; give a Hugging Face checkpoint "
                             f"folder (config.json, *.safetensors, tokenizer.json)")
         return folder
-    if name == "tiny":
+    if name == "tiny":  # made with torch, imported only to make it (a refused command answers without it)
+        from moai_recipes.models.tiny import tiny_checkpoint_dir
+
         return tiny_checkpoint_dir()
     if name == "tiny_vl":
         from moai_recipes.models.tiny_vision import tiny_vl_checkpoint_dir
