@@ -10,9 +10,9 @@
 # make demo-vision: a tiny image-text model (Qwen2.5-VL-shaped) trained from scratch on 2,000 generated pictures of
 # coloured shapes answers questions about pictures it never saw (34 s on this 2-core machine, 2026-11-27).
 # make test: install with the test extras (about 7 minutes once, llama.cpp's build most of it), then run the test
-# suite (665 passed and 12 skipped in 13:08 on a fresh clone on two cores, a new home and a cold inductor cache, pip's
-# cache as make test's install leaves it; 12:57 and 13:25 one test earlier; 2026-11-28. The same modules as
-# 2026-11-27's 11:01 took 15% longer in all three: the new tests add about 55 s of one worker).
+# suite (667 passed and 12 skipped in 10:04 on a fresh clone on two cores, a new home and a cold inductor cache, pip's
+# cache as make test's install leaves it, 2026-11-28; the commit before this session's speed-ups took 10:53 right
+# after, and 13:08 earlier that day: this machine's speed drifts by a fifth between hours, so compare in one sitting).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
