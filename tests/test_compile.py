@@ -37,7 +37,8 @@ def test_compiled_layers_train_as_eager_ones(tmp_path, varied_file):
         assert ("compiled layers" if compiled else "eager layers") in r.stdout
         assert layout(out) == ("sharded" if "cpu-2" in " ".join(forced) else "single")
         graphs = re.search(r"torch.compile captured (\d+) graph", r.stdout)
-        assert (int(graphs.group(1)) >= 1) if compiled else graphs is None, r.stdout[-2000:]
+        # One graph serves every layer, the first too, whose input LoRA's frozen embeddings give no gradient.
+        assert (int(graphs.group(1)) == 1) if compiled else graphs is None, r.stdout[-2000:]
         losses[name] = [m["loss"] for m in metrics(out)]
     assert len(losses["eager"]) == 4
     for name, got in losses.items():

