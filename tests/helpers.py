@@ -78,27 +78,83 @@ _ZYGOTE: list[subprocess.Popen] = []  # this pytest process's (tests/zygote.py),
 def _forked(args: list[str], *, module: str, env: dict | None, timeout: int):
     """`python -m module args` forked from this pytest process's zygote, which imported the training stack once
     (tests/zygote.py); as subprocess.run would return it."""
+    proc = start_forked(*args, module=module, env=env)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:  # as subprocess.run's timeout: the command's process killed, its output given
+        proc.kill()
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
+    out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def start_forked(*args, module: str = "recipes.full_finetune", env: dict | None = None, merged: bool = False,
+                 stdout: Path | None = None) -> "ForkedProcess":
+    """`python -m module args` started from this pytest process's zygote and not waited for: what
+    subprocess.Popen(..., text=True) gives a test that signals or kills a run mid-way, without the 5 s of imports
+    a fresh process pays. `merged`: stderr into stdout (stderr=subprocess.STDOUT); `stdout`: a file to write it to
+    instead of one of its own. One at a time: the zygote serves its next command once this one ended."""
+    if not zygote.runtime_only(env or {}):
+        raise ValueError(f"{sorted(env)}: a variable a library reads as it is imported needs a process of its own")
     if not _ZYGOTE or _ZYGOTE[0].poll() is not None:
         # Unbuffered: a line read never reads ahead into the next, which select() then would not see.
         _ZYGOTE[:] = [subprocess.Popen([sys.executable, "-m", "tests.zygote"], cwd=ROOT, env=command_env(),
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)]
         atexit.register(_ZYGOTE[0].kill)
-    server = _ZYGOTE[0]
-    with tempfile.TemporaryDirectory(prefix="moai-forked-") as folder:
-        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+    return ForkedProcess(_ZYGOTE[0], [str(a) for a in args], module=module, env=env, merged=merged, stdout=stdout)
+
+
+class ForkedProcess:
+    """A command forked from the zygote, held as subprocess.Popen holds a process: pid, poll, wait, send_signal,
+    kill, communicate (its output, read from the files it wrote once it ended)."""
+
+    in_flight: "ForkedProcess | None" = None
+
+    def __init__(self, server: subprocess.Popen, args: list[str], *, module: str, env: dict | None, merged: bool,
+                 stdout: Path | None):
+        if ForkedProcess.in_flight is not None:
+            raise RuntimeError(f"the zygote still runs {ForkedProcess.in_flight.args}: wait for it first")
+        self.args, self.returncode, self._server = [sys.executable, "-m", module, *args], None, server
+        self._folder = tempfile.TemporaryDirectory(prefix="moai-forked-")
+        self._out = Path(stdout) if stdout else Path(self._folder.name) / "stdout"
+        self._err = self._out if merged else Path(self._folder.name) / "stderr"
         server.stdin.write(json.dumps({"module": module, "args": args, "env": command_env(env), "cwd": str(ROOT),
-                                       "stdout": str(out), "stderr": str(err)}).encode() + b"\n")
-        pid = json.loads(server.stdout.readline() or b'{"pid": null}')["pid"]
-        if pid is None:
+                                       "stdout": str(self._out), "stderr": str(self._err)}).encode() + b"\n")
+        self.pid = json.loads(server.stdout.readline() or b'{"pid": null}')["pid"]
+        if self.pid is None:
             raise RuntimeError(f"tests/zygote.py ended (exit code {server.wait()}) before forking {module} {args}")
-        ready, _, _ = select.select([server.stdout], [], [], timeout)
-        if not ready:  # as subprocess.run's timeout: the command's process killed, its output given
-            os.kill(pid, signal.SIGKILL)
-            server.stdout.readline()
-            raise subprocess.TimeoutExpired([module, *args], timeout, out.read_text(), err.read_text())
-        code = json.loads(server.stdout.readline())["code"]
-        return subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, out.read_text(),
-                                           err.read_text())
+        ForkedProcess.in_flight = self
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._server.stdout], [], [], 0)[0]:
+            self._ended()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._server.stdout], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._ended()
+        return self.returncode
+
+    def _ended(self) -> None:
+        self.returncode = json.loads(self._server.stdout.readline())["code"]
+        ForkedProcess.in_flight = None
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        self.wait(timeout)
+        out = self._out.read_text()
+        err = None if self._err == self._out else self._err.read_text()
+        self._folder.cleanup()
+        return out, err
 
 
 def _in_process(args: list[str], *, module: str, env: dict | None):

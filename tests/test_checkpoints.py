@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from moai_recipes.checkpoint.integrity import checksums
 from moai_recipes.errors import EXIT_STOPPED
 from tests.helpers import (FSDP, ROOT, assert_same_weights, command_env, layout, make_hf_checkpoint, metrics,
-                           run_recipe)
+                           run_recipe, start_forked)
 
 pytestmark = pytest.mark.slow
 
@@ -36,9 +36,9 @@ LAYOUTS = {"sharded": FSDP, "replicated": ("plan.replicate=true",)}
 SLOW = {"MOAI_FAULT_STEP_DELAY": "0.25"}  # the remaining steps outlast any signal's way to the workers
 
 
-def start(*args, stdout=subprocess.PIPE, env: dict | None = None):
-    return subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *COMMON, *map(str, args)], cwd=ROOT,
-                            env=command_env({**SLOW, **(env or {})}), stdout=stdout, stderr=subprocess.STDOUT, text=True)
+def start(*args, stdout: Path | None = None, env: dict | None = None):
+    """The run started and not waited for, its stderr in its stdout (forked from the suite's zygote: helpers)."""
+    return start_forked(*COMMON, *args, env={**SLOW, **(env or {})}, merged=True, stdout=stdout)
 
 
 def workers_of(proc) -> list[psutil.Process]:
@@ -217,15 +217,15 @@ def test_a_killed_launcher_takes_its_workers_down_with_a_checkpoint(tmp_path, re
     stop as if preempted, saving the step they reached, and the same command finishes the run exactly. Workers
     forked from the launcher, and started bare as on GPUs (MOAI_FORK_WORKERS=0)."""
     out = tmp_path / "run"
-    with open(tmp_path / "log", "w") as log:  # a file, not a pipe: nobody reads it once the launcher is gone
-        proc = start("flavor=cpu-2", f"output_dir={out}", stdout=log,
-                     env={"MOAI_FORK_WORKERS": "0" if workers == "bare" else None})
-        wait_for_step(out, 3, proc)
-        workers = workers_of(proc)
-        assert len(workers) == 2
-        proc.kill()
-        proc.wait()
-        _, alive = psutil.wait_procs(workers, timeout=120)
+    # A file, not a pipe: nobody reads it once the launcher is gone.
+    proc = start("flavor=cpu-2", f"output_dir={out}", stdout=tmp_path / "log",
+                 env={"MOAI_FORK_WORKERS": "0" if workers == "bare" else None})
+    wait_for_step(out, 3, proc)
+    workers = workers_of(proc)
+    assert len(workers) == 2
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(workers, timeout=120)
     assert not alive, (tmp_path / "log").read_text()
     done = len(metrics(out))
     assert done < 12 and int(sorted((out / "checkpoints").glob("step-*"))[-1].name[5:]) == done
@@ -241,12 +241,10 @@ def test_killed_outright_mid_save_and_mid_export_the_same_command_ends_bit_for_b
     MOAI_FAULT_SAVE_DELAY): each time the same command goes on, and the run ends with the uninterrupted run's losses
     and weights. bench/chaos.py draws many such moments at random."""
     out = tmp_path / "run"
-    env = command_env({"MOAI_FAULT_SAVE_DELAY": "0.3"})
 
     def killed_when(ready):
-        proc = subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *COMMON, "flavor=cpu-2",
-                                 f"output_dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = start_forked(*COMMON, "flavor=cpu-2", f"output_dir={out}", env={"MOAI_FAULT_SAVE_DELAY": "0.3"},
+                            merged=True)
         end = time.time() + 300
         while not ready():
             assert proc.poll() is None and time.time() < end, proc.communicate()[0]
@@ -277,9 +275,7 @@ def test_a_disk_that_fills_mid_run_ends_it_cleanly_and_the_last_checkpoint_resum
     disk = small_disk(48)
     out = disk.path / "run"
     args = [*COMMON, "flavor=cpu-2", *FSDP, f"output_dir={out}"]
-    proc = subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *args], cwd=ROOT,
-                            env=command_env({"MOAI_FAULT_STEP_DELAY": "0.3"}), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_forked(*args, env={"MOAI_FAULT_STEP_DELAY": "0.3"})
     end = time.time() + 300
     while not (out / "checkpoints" / "step-000002" / "meta.json").exists():
         assert proc.poll() is None and time.time() < end, proc.communicate()

@@ -196,10 +196,8 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(setup, tmp_path):
     """LoRA with the reference cached: the resumed run caches it again (the same numbers) and ends bit for bit as the
     uninterrupted one."""
     import signal
-    import subprocess
-    import sys
 
-    from tests.helpers import ROOT, command_env, tensors
+    from tests.helpers import start_forked, tensors
 
     model, files = setup
     common = [f"model.checkpoint_dir={model}", "dataset=preference", f"dataset.path={files[False]}", "batch_size=4",
@@ -208,9 +206,8 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(setup, tmp_path):
     whole = tmp_path / "whole"
     assert run_recipe(*common, f"output_dir={whole}", module="recipes.dpo").returncode == 0
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "recipes.dpo", *common, f"output_dir={out}"], cwd=ROOT,
-                            env=command_env({"MOAI_FAULT_STEP_DELAY": "0.3"}), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = start_forked(*common, f"output_dir={out}", module="recipes.dpo", env={"MOAI_FAULT_STEP_DELAY": "0.3"},
+                        merged=True)
     while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
         assert proc.poll() is None, proc.communicate()[0]
     proc.send_signal(signal.SIGTERM)

@@ -9,15 +9,13 @@ from its own configuration line. Run: pytest tests/test_expert_parallel.py (abou
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 from safetensors.torch import load_file, save_file
 
 from moai_recipes.errors import EXIT_STOPPED
-from tests.helpers import ROOT, command_env, make_hf_checkpoint, metrics, run_recipe
+from tests.helpers import make_hf_checkpoint, metrics, run_recipe, start_forked
 
 pytestmark = pytest.mark.slow
 
@@ -121,9 +119,7 @@ def test_a_layout_gives_one_process_numbers(tmp_path, checkpoints, reference, na
 
 
 def start(*args):
-    return subprocess.Popen([sys.executable, "-m", "recipes.full_finetune", *COMMON, *map(str, args)], cwd=ROOT,
-                            env=command_env({"MOAI_FAULT_STEP_DELAY": "0.3"}), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return start_forked(*COMMON, *args, env={"MOAI_FAULT_STEP_DELAY": "0.3"}, merged=True)
 
 
 def stopped_after(proc, out, step: int) -> tuple[int, str]:

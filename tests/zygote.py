@@ -46,6 +46,9 @@ def _child(request: dict) -> None:
     os.chdir(request["cwd"])
     for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        if fd == 2 and path == request["stdout"]:  # stderr=STDOUT: one file, one offset, as a shell's 2>&1
+            os.dup2(1, 2)
+            continue
         opened = os.open(path, mode, 0o644)
         os.dup2(opened, fd)
         os.close(opened)
