@@ -10,9 +10,10 @@
 # make demo-vision: a tiny image-text model (Qwen2.5-VL-shaped) trained from scratch on 2,000 generated pictures of
 # coloured shapes answers questions about pictures it never saw (34 s on this 2-core machine, 2026-11-27).
 # make test: install with the test extras (about 7 minutes once, llama.cpp's build most of it), then run the test
-# suite (667 passed and 12 skipped in 10:04 on a fresh clone on two cores, a new home and a cold inductor cache, pip's
-# cache as make test's install leaves it, 2026-11-28; the commit before this session's speed-ups took 10:53 right
-# after, and 13:08 earlier that day: this machine's speed drifts by a fifth between hours, so compare in one sitting).
+# suite (667 passed and 12 skipped in 8:57 on a fresh clone on two cores, a new home and a cold inductor cache, pip's
+# cache as make test's install leaves it, 2026-11-28; the commit before that day's speed-ups took 10:53 in the same
+# sitting, and 13:08 earlier that day: this machine's speed drifts by a fifth between hours, so compare in one
+# sitting. On an AVX2-only CPU, where bf16 is emulated, expect about twice as long: not measured yet).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
