@@ -7,7 +7,8 @@ imports are paid once for the whole suite instead of ~4.7 s a run. A run of seve
 cpu-4) is a process of its own, where the launcher, the workers and their exit codes are what is tested: forked
 from a process that imported the training stack once (tests/zygote.py: 5.3 s of CPU a run saved, 1:30 of the
 suite's 11 minutes), or, when it changes a variable a library reads as it is imported, and whenever a test asks
-with `isolated=True`, a fresh `python -m recipes.X`.
+with `isolated=True`, a fresh `python -m recipes.X`. `start_forked` forks one from the zygote without waiting for it,
+for the tests that signal or kill a run mid-way.
 """
 
 import atexit
