@@ -95,7 +95,8 @@ def start_forked(*args, module: str = "recipes.full_finetune", env: dict | None 
     """`python -m module args` started from this pytest process's zygote and not waited for: what
     subprocess.Popen(..., text=True) gives a test that signals or kills a run mid-way, without the 5 s of imports
     a fresh process pays. `merged`: stderr into stdout (stderr=subprocess.STDOUT); `stdout`: a file to write it to
-    instead of one of its own. One at a time: the zygote serves its next command once this one ended."""
+    instead of one of its own. One at a time: the zygote serves its next command once this one ended (a run a failed
+    test left running is killed first)."""
     if not zygote.runtime_only(env or {}):
         raise ValueError(f"{sorted(env)}: a variable a library reads as it is imported needs a process of its own")
     if not _ZYGOTE or _ZYGOTE[0].poll() is not None:
@@ -114,8 +115,9 @@ class ForkedProcess:
 
     def __init__(self, server: subprocess.Popen, args: list[str], *, module: str, env: dict | None, merged: bool,
                  stdout: Path | None):
-        if ForkedProcess.in_flight is not None:
-            raise RuntimeError(f"the zygote still runs {ForkedProcess.in_flight.args}: wait for it first")
+        if ForkedProcess.in_flight is not None:  # left running by a test that failed before it ended it
+            ForkedProcess.in_flight.kill()
+            ForkedProcess.in_flight.communicate(timeout=120)
         self.args, self.returncode, self._server = [sys.executable, "-m", module, *args], None, server
         self._folder = tempfile.TemporaryDirectory(prefix="moai-forked-")
         self._out = Path(stdout) if stdout else Path(self._folder.name) / "stdout"
