@@ -118,6 +118,11 @@ class MemoryBreakdown:
         return {**self.__dict__, "total": self.total}
 
 
+def param_dtype(plan: Plan) -> torch.dtype:
+    """The dtype the plan's weights are traced in."""
+    return torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
+
+
 def _image_tokens(plan: Plan, work: Workload, rows: int, row_tokens: int) -> float:
     """The most image tokens a micro-batch of `rows` rows of `row_tokens` holds: padded, a sample a row, each with the
     most of any sample; packed, a row's tokens filled with samples as dense in image tokens as the densest (a packed
@@ -219,7 +224,7 @@ def _device_memory(plan: Plan, work: Workload, device_kind: str, traced_scale: f
     if plan.optimizer_in_backward:
         later_grads = layer_trainable * m / n
 
-    dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
+    dtype = param_dtype(plan)
     # Packed rows attend document by document except in a GPU's varlen kernel (models/attention.py).
     per_document = plan.packing and not (device_kind == "gpu" and plan.param_dtype == "bfloat16")
     act = trace_layer(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora,
@@ -357,7 +362,7 @@ def offloaded_activations(plan: Plan, work: Workload) -> float:
     micro-batch in flight on the busiest pipeline device (models/activation_offload.py)."""
     if not plan.offload_activations:
         return 0.0
-    dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
+    dtype = param_dtype(plan)
     # Full recomputation keeps the layer's input alone, however its attention runs.
     act = trace_layer(work.spec, seq_len=work.seq_len, recompute=plan.recompute, dtype=dtype, lora=work.lora_key,
                       form=RowForm.of(tiles=plan.tiled_mlp))

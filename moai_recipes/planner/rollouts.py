@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from moai_recipes.planner.memory import DTYPE_BYTES
+from moai_recipes.planner.activations import trace_images
+from moai_recipes.planner.memory import DTYPE_BYTES, param_dtype
 from moai_recipes.planner.plan import Plan, Workload
 
 # A decode step on the CPU (its forward with the KV cache, fp32, 2 threads, measured: SmolLM2-135M 39.0, 73.8 and
@@ -66,12 +67,7 @@ def picture_flops(plan: Plan, work: Workload) -> float:
     images = work.images
     if images is None or not images.example_tokens:
         return 0.0
-    import torch
-
-    from moai_recipes.planner.activations import trace_images
-
-    dtype = torch.bfloat16 if plan.param_dtype == "bfloat16" else torch.float32
-    seen = trace_images(work.spec, images.example, dtype=dtype, lora=work.lora_key)
+    seen = trace_images(work.spec, images.example, dtype=param_dtype(plan), lora=work.lora_key)
     forward = seen.flops / 3 if seen.retained else seen.flops
     return forward * images.mean / images.example_tokens
 

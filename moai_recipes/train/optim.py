@@ -87,7 +87,7 @@ def clip_gradients(model: nn.Module, max_norm: float | None, *, stages=None, cou
     shard (DTensor), and over the pipeline's `stages` (a process group: each stage holds its own layers).
     `counted_elsewhere`: parameters another stage holds too (a tied embedding's copy, train/pipeline.py), clipped here
     but counted in the norm there."""
-    # DTensors on different meshes (split experts beside FSDP2's shards) are measured and scaled mesh by mesh.
+    # DTensors on different meshes (split experts beside FSDP2's shards) are measured mesh by mesh.
     by_mesh: dict = {}
     for p in model.parameters():
         if p.grad is not None:
@@ -112,10 +112,9 @@ def clip_gradients(model: nn.Module, max_norm: float | None, *, stages=None, cou
         # scales a partial sum wrongly (a replicated weight's partial gradient came out 0.004 off, its norm 0.007):
         # its local tensors are scaled here on any version.
         groups: dict = {}
-        for p in model.parameters():
-            if p.grad is not None:
-                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                groups.setdefault((g.device, g.dtype), []).append(g)
+        for p in (p for group in by_mesh.values() for p in group):
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            groups.setdefault((g.device, g.dtype), []).append(g)
         for (device, _), grads in groups.items():  # one pass a device and dtype, as torch's own clipping groups them
             torch._foreach_mul_(grads, coef.to(device))
     return float(norm)
