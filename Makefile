@@ -13,7 +13,9 @@
 # suite (667 passed and 12 skipped in 8:57 on a fresh clone on two cores, a new home and a cold inductor cache, pip's
 # cache as make test's install leaves it, 2026-11-28; the commit before that day's speed-ups took 10:53 in the same
 # sitting, and 13:08 earlier that day: this machine's speed drifts by a fifth between hours, so compare in one
-# sitting. On an AVX2-only CPU, where bf16 is emulated, expect about twice as long: not measured yet).
+# sitting. With the kernels of an AVX2-only CPU (bash scripts/as_avx2.sh: bf16 emulated at about 3 GFLOP/s) the
+# suite passes in about the same time, 667 and 12, 2026-11-28; an AVX2-only machine's slower cores are not emulated:
+# issue 51's took 2.3 times as long as this one).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
