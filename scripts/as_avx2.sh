@@ -2,7 +2,8 @@
 # Run a command as it runs on an AVX2-only CPU, on a host with AVX-512: PyTorch's own kernels, oneDNN's and MKL's are
 # held to AVX2, so bf16 is emulated (about 3 GFLOP/s at two threads here, against 950 natively) and every reduction
 # runs in AVX2's order. What it cannot show is the slower core itself: the AVX2-only EPYC of issue 51 measured fp32
-# at 108 GFLOP/s, this host 200 either way. It prints the rates it sees, then runs the command.
+# at 108 GFLOP/s, this host 200 either way. It prints the rates the planner measures with those kernels
+# (moai_recipes/planner/cpu_speed.py, cached apart from the native ones), then runs the command.
 #
 #     bash scripts/as_avx2.sh .venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 #     bash scripts/as_avx2.sh .venv/bin/python -m recipes.plan flavor=48xlarge model=llama3_70b batch_size=512
@@ -17,21 +18,13 @@ if [ ! -x "$root/.venv/bin/python" ]; then  # make has not installed yet: nothin
     exec "$@"
 fi
 "$root/.venv/bin/python" - <<'PY' >&2
-import time
-
 import torch
 
+from moai_recipes.planner.cpu_speed import cpu_speed, process_threads
 
-def rate(dtype, n):
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
-    start = time.perf_counter()
-    a @ b
-    return 2 * n**3 / (time.perf_counter() - start) / 1e9
-
-
-print(f"== as_avx2: ATen dispatches {torch.backends.cpu.get_cpu_capability()} kernels; matmul at "
-      f"{torch.get_num_threads()} threads: fp32 {rate(torch.float32, 1024):.0f} GFLOP/s, "
-      f"bf16 {rate(torch.bfloat16, 256):.1f} GFLOP/s")
+threads = process_threads(1)
+speed = cpu_speed(threads)  # as the planner measures it (and caches it, by instruction set)
+print(f"== as_avx2: ATen dispatches {torch.backends.cpu.get_cpu_capability()} kernels; matmul at {threads} threads: "
+      f"fp32 {speed.fp32_flops / 1e9:.0f} GFLOP/s, bf16 {speed.bf16_flops / 1e9:.1f} GFLOP/s")
 PY
 exec "$@"

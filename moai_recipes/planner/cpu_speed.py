@@ -68,8 +68,11 @@ def cpu_speed(threads: int) -> CpuSpeed:
 
 
 def speed_key(threads: int) -> str:
-    """This machine's entry in the cache file (cpu-speed.json)."""
-    return f"{_cpu_name()}|{os.cpu_count()}|{threads}|{torch.__version__}|3"  # |3: whether it was quiet too
+    """This machine's entry in the cache file (cpu-speed.json): its kernels' instruction set too, which a user may hold
+    below the CPU's (ATEN_CPU_CAPABILITY=avx2, as scripts/as_avx2.sh does: bf16 then runs emulated, 300 times
+    slower)."""
+    return (f"{_cpu_name()}|{os.cpu_count()}|{threads}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}"
+            "|3")  # |3: whether it was quiet too
 
 
 def _best_of(old: dict | None, new: dict) -> dict:
