@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 import uuid
 from pathlib import Path
@@ -62,8 +63,7 @@ def command_env(changes: dict | None = None) -> dict:
     """The environment of a recipe's process: this one, quiet and offline, with `changes` (None removes one). Not
     this process's W&B service: a run in this process (a test's in-process run with logger=wandb) leaves its address
     in WANDB_SERVICE, and a command given it writes its runs through that service rather than one of its own, as a
-    user's command would. (Suspected, not shown: twice in whole suites test_wandb_records_offline_when_not_logged_in
-    read back an offline run with no step in it; alone, after an in-process W&B run, it passed.)"""
+    user's command would."""
     full = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "WANDB_SERVICE": None, **(changes or {})}
     return {k: v for k, v in full.items() if v is not None}
 
@@ -415,16 +415,28 @@ def wandb_records(run_dir: Path) -> dict:
     """What an offline W&B run logged, read back from its run-*.wandb file with wandb's own record type
     (wandb.proto's Record; wandb 0.31 ships no reader of its own): {"history": [rows with "_step"], "summary": {},
     "config": {}}. The file is LevelDB's log format: a 7-byte header, then 32 KiB blocks of records, each a 7-byte
-    header (crc32c, length, type: 1 whole, 2 first, 3 middle, 4 last) and its bytes."""
+    header (crc32c, length, type: 1 whole, 2 first, 3 middle, 4 last) and its bytes.
+
+    W&B's service writes the file, not the run's process, and `run.finish()` can return before the service has
+    written it out: a run in this process (whose service lives on) was read back with no history three times in
+    whole suites. The run ends with an "exit" record: read until it is there (a minute at most, then say so)."""
+    (path,) = Path(run_dir).glob("run-*.wandb")
+    for _ in range(600):
+        found = _wandb_file(path.read_bytes())
+        if found.pop("exit"):
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"{path}: no exit record a minute after the run ended (what was there: {found})")
+
+
+def _wandb_file(data: bytes) -> dict:
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = Path(run_dir).glob("run-*.wandb")
-    data = path.read_bytes()
     assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0), data[:7]
     values = lambda items: {".".join(i.nested_key) or i.key: json.loads(i.value_json) for i in items}
-    found = {"history": [], "summary": {}, "config": {}}
+    found = {"history": [], "summary": {}, "config": {}, "exit": False}
     pos, record = 7, b""
     while pos + 7 <= len(data):
         left = 32768 - pos % 32768
@@ -439,6 +451,7 @@ def wandb_records(run_dir: Path) -> dict:
         r = wandb_internal_pb2.Record()
         r.ParseFromString(record)
         which = r.WhichOneof("record_type")
+        found["exit"] |= which == "exit"
         if which == "history":
             found["history"].append({**values(r.history.item), "_step": r.history.step.num})
         elif which == "summary":
