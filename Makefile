@@ -15,7 +15,9 @@
 # sitting, and 13:08 earlier that day: this machine's speed drifts by a fifth between hours, so compare in one
 # sitting. With the kernels of an AVX2-only CPU (bash scripts/as_avx2.sh: bf16 emulated at about 3 GFLOP/s) the
 # suite passes in about the same time, 667 and 12, 2026-11-28; an AVX2-only machine's slower cores are not emulated:
-# issue 51's took 2.3 times as long as this one).
+# issue 51's took 2.3 times as long as this one, of which 1.46x is what a venv without bytecode costs where
+# PYTHONDONTWRITEBYTECODE is set, if its image set it as this one does: 10:04 here then, a venv without bytecode
+# written as the suite runs, 2026-11-28).
 PYTHON ?= python3
 VENV ?= .venv
 # Bytecode: pip installs with --no-compile (a faster install) and the first process to import a module writes its
