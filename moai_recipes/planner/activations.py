@@ -20,6 +20,7 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -531,8 +532,6 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
                                seq_len=seq_len, embed_dim=spec.embed_dim, dtype=dtype)
         # transformers' modules: each kind of layer traced with what the model's forward gives it, the model's
         # mean layer made of them (its peak: the kind whose backward holds the most).
-        from moai_recipes.models.transformers_model import layer_call
-
         _transformers_formulas()
         _on_fake_storage(model, dtype=dtype)
         kinds = spec.parts.kinds
@@ -545,13 +544,13 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
         traces = []
         for kind, gradient in dict.fromkeys(zip(kinds, reach)):
             index = first if gradient == "within" else spec.parts.representative(kind)
-            args, kwargs = layer_call(model, index, tokens=seq_len, documents=docs)
+            args, kwargs = _layer_call(model, spec, index, seq_len=seq_len, documents=docs, lora=lora)
             layer = model.layers[index]
             trace = _trace_call(layer, args[1:], kwargs, seq_len=seq_len, embed_dim=spec.embed_dim, dtype=dtype,
                                 gradient=gradient)
             if lora and gradient != "none" and any(p.requires_grad and p.dim() > 2 for p in layer.parameters()):
-                trace = _per_micro_batch(model, index, trace, seq_len=seq_len, embed_dim=spec.embed_dim,
-                                         dtype=dtype, gradient=gradient)
+                trace = _per_micro_batch(model, spec, index, trace, seq_len=seq_len, dtype=dtype, lora=lora,
+                                         gradient=gradient)
             if gradient == "within" and first < len(kinds) - 1:
                 # Its backward comes last, the later layers' activations gone: not the transient the peak's phases
                 # add to every layer's (planner/memory.py). Traced, it is larger than theirs: 3.6x the same Qwen3.5-MoE
@@ -561,19 +560,58 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
     return _mean_layer(traces)
 
 
-def _per_micro_batch(model, index: int, trace: LayerTrace, *, seq_len: int, embed_dim: int, dtype: torch.dtype,
-                     gradient: str) -> LayerTrace:
+def _per_micro_batch(model, spec: ModelSpec, index: int, trace: LayerTrace, *, seq_len: int, dtype: torch.dtype,
+                     lora: tuple, gradient: str) -> LayerTrace:
     """`trace` (of one sequence) with the bytes a layer holds once per micro-batch whatever its rows told apart
     (adapted stacked experts: their merged weights), from the layer traced again on one row and on two."""
-    from moai_recipes.models.transformers_model import layer_call
-
-    one, two = ((layer_call(model, index, tokens=seq_len, rows=rows), rows) for rows in (1, 2))
+    embed_dim = spec.embed_dim
+    one, two = ((_layer_call(model, spec, index, seq_len=seq_len, documents=None, lora=lora, rows=rows), rows)
+                for rows in (1, 2))
     one, two = (_trace_call(model.layers[index], args[1:], kwargs, seq_len=seq_len, embed_dim=embed_dim,
                             dtype=dtype, rows=rows, gradient=gradient) for (args, kwargs), rows in (one, two))
     retained = max(0, 2 * one.retained - two.retained)
     transient = max(0, 2 * one.transient - two.transient)
     return replace(trace, retained=max(0, trace.retained - retained), transient=max(0, trace.transient - transient),
                    retained_fixed=retained, transient_fixed=transient)
+
+
+# transformers_model.layer_call's (args, kwargs), by what they depend on: captured once for every recomputation and
+# tiling of a layer on the same rows (they change neither), then given to each later trace as new fake tensors of the
+# same shapes in its own FakeTensorMode. The model's forward up to the layer was a third of such a trace's time.
+_CALLS: dict[tuple, tuple] = {}
+
+
+def _layer_call(model, spec: ModelSpec, index: int, *, seq_len: int, documents, lora: tuple | None,
+                rows: int = 1) -> tuple:
+    """What layer `index` of a model of transformers' modules is called with on `rows` rows of `seq_len` tokens (one of
+    packed `documents`, if given); call under the trace's FakeTensorMode."""
+    from moai_recipes.models.transformers_model import layer_call
+
+    key = (spec.key, lora, index, seq_len, documents is not None, rows)
+    kept = _CALLS.get(key)
+    if kept is not None:
+        return _restaged(kept)
+    args, kwargs = layer_call(model, index, tokens=seq_len, documents=documents, rows=rows)
+    _CALLS[key] = _restaged((args, kwargs))  # a copy: the layer may write into what it is given (Gemma 4's shared KV)
+    return args, kwargs
+
+
+def _restaged(value):
+    """`value` with each fake tensor in it (in tuples, lists and mappings) a new one of the same shape, strides, dtype and
+    need of a gradient, made in the active FakeTensorMode; anything else as it is."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(value, FakeTensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                   device=value.device).requires_grad_(value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_restaged(v) for v in value)
+    if isinstance(value, Mapping):
+        out = type(value)()
+        for k, v in value.items():
+            out[k] = _restaged(v)
+        return out
+    return value
 
 
 def _trace_call(layer, args: tuple, kwargs: dict, *, seq_len: int, embed_dim: int, dtype: torch.dtype,
