@@ -103,6 +103,30 @@ def test_the_loss_is_transformers_and_each_packed_document_its_own(checkpoints, 
             assert abs(float(F.cross_entropy(ours[:-1], document[1:])) - alone) <= 1e-5
 
 
+
+def test_a_layer_traced_again_reusing_what_it_was_called_with_is_traced_as_from_nothing(checkpoints, monkeypatch,
+                                                                                      tmp_path):
+    """The planner captures what a layer of transformers' modules is called with once and gives later traces of it
+    (another recomputation, dtype, form of row) new tensors of the same shapes (planner/activations._layer_call): each
+    such trace equals one made in a process that traced nothing before. Gemma 4: its shared keys and values are
+    written into what its layers are given."""
+    from moai_recipes.planner import activations
+    from moai_recipes.planner.activations import RowForm, trace_layer
+
+    spec = HFFolder.open(checkpoints["gemma4"]).spec
+    asks = [("none", torch.float32, False), ("full", torch.float32, False), ("none", torch.bfloat16, False),
+            ("selective", torch.bfloat16, True), ("selective", torch.float32, True)]
+    traced = lambda recompute, dtype, packed: trace_layer(  # noqa: E731
+        spec, seq_len=40, recompute=recompute, dtype=dtype, form=RowForm.of(per_document=packed))
+    monkeypatch.setenv("MOAI_CACHE", str(tmp_path / "reused"))
+    reused = [traced(*ask) for ask in asks]
+    for i, ask in enumerate(asks):
+        for name in ("_CACHE", "_ASKED", "_CALLS"):
+            monkeypatch.setattr(activations, name, {})
+        monkeypatch.setenv("MOAI_CACHE", str(tmp_path / f"fresh{i}"))
+        assert traced(*ask) == reused[i], ask
+
+
 @pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "deepseek_v3", "phi4", "gpt_oss"])
 def test_lora_adapters_load_in_peft_with_our_logits_and_merge_as_peft_merges(checkpoints, name, tmp_path):
     import peft

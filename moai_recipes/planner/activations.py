@@ -544,7 +544,7 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
         traces = []
         for kind, gradient in dict.fromkeys(zip(kinds, reach)):
             index = first if gradient == "within" else spec.parts.representative(kind)
-            args, kwargs = _layer_call(model, spec, index, seq_len=seq_len, documents=docs, lora=lora)
+            args, kwargs = _layer_call(model, spec, index, seq_len=seq_len, documents=docs, dtype=dtype, lora=lora)
             layer = model.layers[index]
             trace = _trace_call(layer, args[1:], kwargs, seq_len=seq_len, embed_dim=spec.embed_dim, dtype=dtype,
                                 gradient=gradient)
@@ -565,7 +565,8 @@ def _per_micro_batch(model, spec: ModelSpec, index: int, trace: LayerTrace, *, s
     """`trace` (of one sequence) with the bytes a layer holds once per micro-batch whatever its rows told apart
     (adapted stacked experts: their merged weights), from the layer traced again on one row and on two."""
     embed_dim = spec.embed_dim
-    one, two = ((_layer_call(model, spec, index, seq_len=seq_len, documents=None, lora=lora, rows=rows), rows)
+    one, two = ((_layer_call(model, spec, index, seq_len=seq_len, documents=None, dtype=dtype, lora=lora,
+                            rows=rows), rows)
                 for rows in (1, 2))
     one, two = (_trace_call(model.layers[index], args[1:], kwargs, seq_len=seq_len, embed_dim=embed_dim,
                             dtype=dtype, rows=rows, gradient=gradient) for (args, kwargs), rows in (one, two))
@@ -581,13 +582,13 @@ def _per_micro_batch(model, spec: ModelSpec, index: int, trace: LayerTrace, *, s
 _CALLS: dict[tuple, tuple] = {}
 
 
-def _layer_call(model, spec: ModelSpec, index: int, *, seq_len: int, documents, lora: tuple | None,
-                rows: int = 1) -> tuple:
-    """What layer `index` of a model of transformers' modules is called with on `rows` rows of `seq_len` tokens (one of
-    packed `documents`, if given); call under the trace's FakeTensorMode."""
+def _layer_call(model, spec: ModelSpec, index: int, *, seq_len: int, documents, dtype: torch.dtype,
+                lora: tuple | None, rows: int = 1) -> tuple:
+    """What layer `index` of a model of transformers' modules (in `dtype`) is called with on `rows` rows of `seq_len`
+    tokens (one of packed `documents`, if given); call under the trace's FakeTensorMode."""
     from moai_recipes.models.transformers_model import layer_call
 
-    key = (spec.key, lora, index, seq_len, documents is not None, rows)
+    key = (spec.key, dtype, lora, index, seq_len, documents is not None, rows)
     kept = _CALLS.get(key)
     if kept is not None:
         return _restaged(kept)
