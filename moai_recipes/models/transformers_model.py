@@ -850,19 +850,24 @@ def restore_buffers(model: TransformersDecoder, device) -> None:
 # What the planner needs of an architecture it has no formula for.
 
 
-def _leaves(value):
-    """`value` with each tensor in it (in tuples, lists and mappings, Gemma 4's KVSharingDict among them) a leaf of
-    its own: detached, needing a gradient where it did."""
+def map_tensors(value, fn):
+    """`value` with `fn` applied to each tensor in it (in tuples, lists and mappings, each rebuilt as its own type:
+    Gemma 4's KVSharingDict among them); anything else as it is."""
     if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_(value.requires_grad)
+        return fn(value)
     if isinstance(value, (tuple, list)):
-        return type(value)(_leaves(v) for v in value)
+        return type(value)(map_tensors(v, fn) for v in value)
     if isinstance(value, Mapping):
         out = type(value)()
         for k, v in value.items():
-            out[k] = _leaves(v)
+            out[k] = map_tensors(v, fn)
         return out
     return value
+
+
+def _leaves(value):
+    """`value` with each tensor in it a leaf of its own: detached, needing a gradient where it did."""
+    return map_tensors(value, lambda t: t.detach().requires_grad_(t.requires_grad))
 
 
 class _Captured(Exception):

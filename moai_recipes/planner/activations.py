@@ -20,7 +20,6 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -598,21 +597,18 @@ def _layer_call(model, spec: ModelSpec, index: int, *, seq_len: int, documents, 
 
 
 def _restaged(value):
-    """`value` with each fake tensor in it (in tuples, lists and mappings) a new one of the same shape, strides, dtype and
-    need of a gradient, made in the active FakeTensorMode; anything else as it is."""
+    """`value` with each fake tensor in it a new one of the same shape, strides, dtype and need of a gradient, made in
+    the active FakeTensorMode; real tensors (positions given as they are) and anything else as they are."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    if isinstance(value, FakeTensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                                   device=value.device).requires_grad_(value.requires_grad)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_restaged(v) for v in value)
-    if isinstance(value, Mapping):
-        out = type(value)()
-        for k, v in value.items():
-            out[k] = _restaged(v)
-        return out
-    return value
+    from moai_recipes.models.transformers_model import map_tensors
+
+    def restaged(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, FakeTensor):
+            return t
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
+
+    return map_tensors(value, restaged)
 
 
 def _trace_call(layer, args: tuple, kwargs: dict, *, seq_len: int, embed_dim: int, dtype: torch.dtype,
