@@ -10,14 +10,11 @@
 # make demo-vision: a tiny image-text model (Qwen2.5-VL-shaped) trained from scratch on 2,000 generated pictures of
 # coloured shapes answers questions about pictures it never saw (34 s on this 2-core machine, 2026-11-27).
 # make test: install with the test extras (about 7 minutes once, llama.cpp's build most of it), then run the test
-# suite (667 passed and 12 skipped in 8:57 on a fresh clone on two cores, a new home and a cold inductor cache, pip's
-# cache as make test's install leaves it, 2026-11-28; the commit before that day's speed-ups took 10:53 in the same
-# sitting, and 13:08 earlier that day: this machine's speed drifts by a fifth between hours, so compare in one
-# sitting. With the kernels of an AVX2-only CPU (bash scripts/as_avx2.sh: bf16 emulated at about 3 GFLOP/s) the
-# suite passes in about the same time, 667 and 12, 2026-11-28; an AVX2-only machine's slower cores are not emulated:
-# issue 51's took 2.3 times as long as this one, of which 1.46x is what a venv without bytecode costs where
-# PYTHONDONTWRITEBYTECODE is set, if its image set it as this one does: 10:04 here then, a venv without bytecode
-# written as the suite runs, 2026-11-28).
+# suite (bash .ci/run on a fresh clone on two cores, a new home and a cold inductor cache, pip's wheels cached: install
+# 40 s, 668 passed and 12 skipped in 9:58, 2026-11-28; this machine's speed drifts by a fifth between hours, so compare
+# in one sitting. With the kernels of an AVX2-only CPU (bash scripts/as_avx2.sh: bf16 emulated at about 3 GFLOP/s) the
+# suite passes in about the same time; an AVX2-only machine's slower cores are not emulated: issue 51's took 2.3 times
+# as long as this one, part of it, if its image set PYTHONDONTWRITEBYTECODE as this one does, bytecode: see below).
 PYTHON ?= python3
 VENV ?= .venv
 # Bytecode: pip installs with --no-compile (a faster install) and the first process to import a module writes its

@@ -103,7 +103,6 @@ def test_the_loss_is_transformers_and_each_packed_document_its_own(checkpoints, 
             assert abs(float(F.cross_entropy(ours[:-1], document[1:])) - alone) <= 1e-5
 
 
-
 def test_a_layer_traced_again_reusing_what_it_was_called_with_is_traced_as_from_nothing(checkpoints, monkeypatch,
                                                                                       tmp_path):
     """The planner captures what a layer of transformers' modules is called with once and gives later traces of it
