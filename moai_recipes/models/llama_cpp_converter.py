@@ -111,8 +111,10 @@ def converter() -> Path:
           file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
+        # Not through pip's HTTP cache: the folder kept here is the cache, and pip (23.2) spent 40 s of CPU storing
+        # the 77 MB archive in its own (48 s against 7.6 s with --no-cache-dir, measured 2026-11-28).
         r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
-                            "--dest", str(tmp), requirement], capture_output=True, text=True)
+                            "--no-cache-dir", "--dest", str(tmp), requirement], capture_output=True, text=True)
         archives = sorted(tmp.glob("*.tar.gz"))
         if r.returncode != 0 or not archives:
             why = (r.stderr.strip().splitlines() or ["no source archive"])[-1]
