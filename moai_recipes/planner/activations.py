@@ -540,7 +540,7 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
         # transformers' modules: each kind of layer traced with what the model's forward gives it, the model's
         # mean layer made of them (its peak: the kind whose backward holds the most).
         _transformers_formulas()
-        _on_fake_storage(model, dtype=dtype)
+        _on_fake_storage(model, dtype=dtype, layers=False)  # each layer once a call runs it (_layer_call)
         kinds = spec.parts.kinds
         # Under LoRA (the embeddings frozen) the gradient starts at the first adapter: the layers before it run
         # forward alone and keep nothing (a hybrid model's Gated DeltaNet layers, adapters on its attention only),
@@ -598,10 +598,27 @@ def _layer_call(model, spec: ModelSpec, index: int, *, seq_len: int, documents, 
     key = (spec.key, dtype, lora, index, seq_len, documents is not None, rows)
     kept = _CALLS.get(key)
     if kept is not None:
+        _with_storage(model, [index])
         return _restaged(kept)
+    _with_storage(model, range(index + 1))  # the forward up to the layer runs those before it
     args, kwargs = layer_call(model, index, tokens=seq_len, documents=documents, rows=rows)
     _CALLS[key] = _restaged((args, kwargs))  # a copy: the layer may write into what it is given (Gemma 4's shared KV)
     return args, kwargs
+
+
+def _with_storage(model, indices) -> None:
+    """Fake storage for these layers of a model of transformers' modules whose others stay on meta: a trace runs the
+    layers before the one it traces only to capture what that one is called with, and never those after it (a real
+    model's 40 to 90 layers given storage were most of a trace's set-up)."""
+    from moai_recipes.models.build import init_buffers
+
+    stored = model.__dict__.setdefault("_layers_stored", set())
+    new = [i for i in indices if i not in stored]
+    for i in new:
+        model.layers[i].to_empty(device="cpu")
+    if new:
+        init_buffers(model, device="cpu")  # their buffers as built (to_empty left them empty)
+        stored.update(new)
 
 
 def _restaged(value):
