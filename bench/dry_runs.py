@@ -4,7 +4,7 @@ names one (say a `git worktree` of an earlier commit), and both outputs are comp
 chosen, the same predictions), apart from the line that says how long planning took.
 
 Run: python bench/dry_runs.py --against /tmp/old-checkout --rounds 2
-Measured (2026-11-28, 2 cores, 4xlarge, batch 64 x 4096 tokens; 88cfca7 -> 8d9d0a5, fake storage only for the layers a
+Measured (2026-11-28, 2 cores, 4xlarge, batch 64 x 4096 tokens; 88cfca7 -> efd179c, fake storage only for the layers a
 trace runs): DeepSeek-V3 118 s -> 40 s, gpt-oss-120b 33 -> 16 s, Gemma 3 27B 21 -> 9.7 s, Qwen3.5-35B-A3B planned in
 20.4 -> 16.4 s; every output the same.
 """
