@@ -126,6 +126,28 @@ def test_a_layer_traced_again_reusing_what_it_was_called_with_is_traced_as_from_
         assert traced(*ask) == reused[i], ask
 
 
+def test_a_head_traced_on_the_model_kept_from_earlier_traces_is_traced_as_from_nothing(checkpoints, monkeypatch,
+                                                                                     tmp_path):
+    """The planner builds the model whose head it traces once per model, dtype and adapters, and puts back what each
+    trace gave storage (planner/activations._trace_head): each head trace equals one made in a process that traced
+    nothing before. Gemma 3: its output tied to its embedding, its logits soft-capped."""
+    from moai_recipes.planner import activations
+    from moai_recipes.planner.activations import trace_head
+
+    spec = HFFolder.open(checkpoints["gemma3"]).spec
+    asks = [(1, 40, False, torch.float32), (3, 40, False, torch.float32), (2, 64, True, torch.float32),
+            (1, 40, False, torch.bfloat16), (2, 40, True, torch.bfloat16)]
+    traced = lambda rows, seq_len, chunked, dtype: trace_head(  # noqa: E731
+        spec, micro_batch_size=rows, seq_len=seq_len, chunked=chunked, dtype=dtype)
+    monkeypatch.setenv("MOAI_CACHE", str(tmp_path / "reused"))
+    reused = [traced(*ask) for ask in asks]
+    for i, ask in enumerate(asks):
+        for name in ("_CACHE", "_ASKED", "_HEAD_MODELS"):
+            monkeypatch.setattr(activations, name, {})
+        monkeypatch.setenv("MOAI_CACHE", str(tmp_path / f"fresh{i}"))
+        assert traced(*ask) == reused[i], ask
+
+
 @pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "deepseek_v3", "phi4", "gpt_oss"])
 def test_lora_adapters_load_in_peft_with_our_logits_and_merge_as_peft_merges(checkpoints, name, tmp_path):
     import peft

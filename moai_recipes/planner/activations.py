@@ -87,6 +87,7 @@ class HeadTrace:
 
 _CACHE: dict[tuple, object] = {}
 _ASKED: dict[tuple, object] = {}  # trace_layer and trace_head by their arguments
+_HEAD_MODELS: dict[tuple, torch.nn.Module] = {}  # _trace_head's, on meta
 
 
 # A tiled MLP's tiles at the fewest (models/tiled_mlp.mlp_tiles).
@@ -683,16 +684,28 @@ def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked
     float) and the loss, or the chunked norm, output and loss."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    model = _meta_model(spec, seq_len=seq_len, recompute="none", dtype=dtype, lora=lora)
-    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _on_fake_storage(model, dtype=dtype, layers=False)
-        h = torch.empty(micro_batch_size, seq_len, spec.embed_dim, dtype=dtype, requires_grad=True)
-        labels = torch.full((micro_batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
-        count = OpCounter(existing=[*model.parameters(), *model.buffers(), h, labels])
-        with count:
-            loss = head_loss_sum(model, h, labels, chunked=chunked)
-            loss.backward()
-        # The weights' gradients are the memory model's (the output projection's lives on with the root's).
-        grads = count.bytes_at_peak([p.grad for p in model.parameters() if p.grad is not None])
+    # One meta model for every head trace of the same model, dtype and adapters (a search traces the head at each
+    # micro-batch and length: 135 times in a dry run of DeepSeek-V3, whose whole model of transformers' modules took
+    # 0.13 s to build each time); the length shapes only a native layer's rotary table.
+    key = (spec.key, seq_len if spec.native else None, dtype, lora)
+    model = _HEAD_MODELS.get(key)
+    if model is None:
+        model = _HEAD_MODELS[key] = _meta_model(spec, seq_len=seq_len, recompute="none", dtype=dtype, lora=lora)
+    # The tensors that get fake storage below, put back after: the model stays on meta for the next trace.
+    kept = [(m, table, dict(getattr(m, table))) for m in model.modules() for table in ("_parameters", "_buffers")]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _on_fake_storage(model, dtype=dtype, layers=False)
+            h = torch.empty(micro_batch_size, seq_len, spec.embed_dim, dtype=dtype, requires_grad=True)
+            labels = torch.full((micro_batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
+            count = OpCounter(existing=[*model.parameters(), *model.buffers(), h, labels])
+            with count:
+                loss = head_loss_sum(model, h, labels, chunked=chunked)
+                loss.backward()
+            # The weights' gradients are the memory model's (the output projection's lives on with the root's).
+            grads = count.bytes_at_peak([p.grad for p in model.parameters() if p.grad is not None])
+    finally:
+        for m, table, tensors in kept:
+            m.__dict__[table] = tensors
     return HeadTrace(peak=count.storages.peak - grads, flops=count.flops, traffic=count.traffic, ops=count.ops)
