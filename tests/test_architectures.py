@@ -126,26 +126,32 @@ def test_a_layer_traced_again_reusing_what_it_was_called_with_is_traced_as_from_
         assert traced(*ask) == reused[i], ask
 
 
-def test_a_head_traced_on_the_model_kept_from_earlier_traces_is_traced_as_from_nothing(checkpoints, monkeypatch,
-                                                                                     tmp_path):
+def test_a_head_traced_on_the_model_kept_from_earlier_traces_is_traced_as_from_nothing(checkpoints, hf_checkpoints,
+                                                                                     monkeypatch, tmp_path):
     """The planner builds the model whose head it traces once per model, dtype and adapters, and puts back what each
     trace gave storage (planner/activations._trace_head): each head trace equals one made in a process that traced
-    nothing before. Gemma 3: its output tied to its embedding, its logits soft-capped."""
+    nothing before. Gemma 3: its output tied to its embedding, its logits soft-capped; Llama (torchtune's modules)
+    with LoRA on its output: LoRALinear.to_empty gives storage to its adapters alone."""
+    from moai_recipes.models.lora import LoraOptions
     from moai_recipes.planner import activations
     from moai_recipes.planner.activations import trace_head
 
-    spec = HFFolder.open(checkpoints["gemma3"]).spec
-    asks = [(1, 40, False, torch.float32), (3, 40, False, torch.float32), (2, 64, True, torch.float32),
-            (1, 40, False, torch.bfloat16), (2, 40, True, torch.bfloat16)]
-    traced = lambda rows, seq_len, chunked, dtype: trace_head(  # noqa: E731
-        spec, micro_batch_size=rows, seq_len=seq_len, chunked=chunked, dtype=dtype)
+    gemma, llama = HFFolder.open(checkpoints["gemma3"]).spec, HFFolder.open(hf_checkpoints["llama"]).spec
+    output = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(LoraOptions(
+        ("q_proj", "v_proj"), True, True, 4, 8.0, 0.0, False).builder_kwargs().items()))
+    asks = [(gemma, 1, 40, False, torch.float32, None), (gemma, 3, 40, False, torch.float32, None),
+            (gemma, 2, 64, True, torch.float32, None), (gemma, 1, 40, False, torch.bfloat16, None),
+            (gemma, 2, 40, True, torch.bfloat16, None), (llama, 1, 40, False, torch.float32, output),
+            (llama, 2, 40, False, torch.float32, output), (llama, 2, 64, True, torch.float32, output)]
+    traced = lambda spec, rows, seq_len, chunked, dtype, lora: trace_head(  # noqa: E731
+        spec, micro_batch_size=rows, seq_len=seq_len, chunked=chunked, dtype=dtype, lora=lora)
     monkeypatch.setenv("MOAI_CACHE", str(tmp_path / "reused"))
     reused = [traced(*ask) for ask in asks]
     for i, ask in enumerate(asks):
         for name in ("_CACHE", "_ASKED", "_HEAD_MODELS"):
             monkeypatch.setattr(activations, name, {})
         monkeypatch.setenv("MOAI_CACHE", str(tmp_path / f"fresh{i}"))
-        assert traced(*ask) == reused[i], ask
+        assert traced(*ask) == reused[i], ask[1:]
 
 
 @pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "deepseek_v3", "phi4", "gpt_oss"])

@@ -510,13 +510,19 @@ def _on_fake_storage(module, *, dtype: torch.dtype, layers: bool = True) -> None
         inside = {id(m) for m in module.layers.modules()}
         for m in module.modules():
             if id(m) not in inside:
-                m.to_empty(device="cpu", recurse=False)
+                _to_empty(m, recurse=False)
     if hasattr(module, "_initial_buffers"):  # transformers' modules: their rotary tables (real), the output tied
         init_buffers(module, device="cpu")
     for m in module.modules():
         if hasattr(m, "is_cache_built"):  # RoPE: a cache of the right shape; its values do not matter here
             m.register_buffer("cache", torch.empty(m.max_seq_len, m.dim // 2, 2, dtype=dtype), persistent=False)
             m.is_cache_built = True
+
+
+def _to_empty(module, *, recurse: bool = True) -> None:
+    """What nn.Module.to_empty(device="cpu") does, whatever the module's class says: torchtune's LoRALinear.to_empty
+    gives storage to its adapters alone, not to its own weight."""
+    module._apply(lambda t: torch.empty_like(t, device="cpu"), recurse=recurse)
 
 
 def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None,
@@ -616,7 +622,7 @@ def _with_storage(model, indices) -> None:
     stored = model.__dict__.setdefault("_layers_stored", set())
     new = [i for i in indices if i not in stored]
     for i in new:
-        model.layers[i].to_empty(device="cpu")
+        _to_empty(model.layers[i])
     if new:
         init_buffers(model, device="cpu")  # their buffers as built (to_empty left them empty)
         stored.update(new)
