@@ -111,10 +111,13 @@ def converter() -> Path:
           file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
-        # Not through pip's HTTP cache: the folder kept here is the cache, and pip (23.2) spent 40 s of CPU storing
-        # the 77 MB archive in its own (48 s against 7.6 s with --no-cache-dir, measured 2026-11-28).
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
-                            "--no-cache-dir", "--dest", str(tmp), requirement], capture_output=True, text=True)
+        # The source archive of this package alone: pip prepares its metadata in a build environment, whose own
+        # requirements (scikit-build-core and the rest) `--no-binary :all:` had built from source too. And not through
+        # pip's HTTP cache: the folder kept here is the cache, and pip (23.2) spent 40 s of CPU storing the 77 MB
+        # archive in its own. Fresh home, 2026-11-28: 103 s (45 s of CPU) before, 17 s (4.5 s of CPU) now.
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+                            "--quiet", "--no-cache-dir", "--dest", str(tmp), requirement], capture_output=True,
+                           text=True)
         archives = sorted(tmp.glob("*.tar.gz"))
         if r.returncode != 0 or not archives:
             why = (r.stderr.strip().splitlines() or ["no source archive"])[-1]
