@@ -109,7 +109,6 @@ def test_a_layer_traced_again_reusing_what_it_was_called_with_is_traced_as_from_
     (another recomputation, dtype, form of row) new tensors of the same shapes (planner/activations._layer_call): each
     such trace equals one made in a process that traced nothing before. Gemma 4: its shared keys and values are
     written into what its layers are given."""
-    from moai_recipes.planner import activations
     from moai_recipes.planner.activations import RowForm, trace_layer
 
     spec = HFFolder.open(checkpoints["gemma4"]).spec
@@ -117,13 +116,7 @@ def test_a_layer_traced_again_reusing_what_it_was_called_with_is_traced_as_from_
             ("selective", torch.bfloat16, True), ("selective", torch.float32, True)]
     traced = lambda recompute, dtype, packed: trace_layer(  # noqa: E731
         spec, seq_len=40, recompute=recompute, dtype=dtype, form=RowForm.of(per_document=packed))
-    monkeypatch.setenv("MOAI_CACHE", str(tmp_path / "reused"))
-    reused = [traced(*ask) for ask in asks]
-    for i, ask in enumerate(asks):
-        for name in ("_CACHE", "_ASKED", "_CALLS"):
-            monkeypatch.setattr(activations, name, {})
-        monkeypatch.setenv("MOAI_CACHE", str(tmp_path / f"fresh{i}"))
-        assert traced(*ask) == reused[i], ask
+    _each_as_from_nothing(asks, traced, ("_CACHE", "_ASKED", "_CALLS"), monkeypatch, tmp_path)
 
 
 def test_a_head_traced_on_the_model_kept_from_earlier_traces_is_traced_as_from_nothing(checkpoints, hf_checkpoints,
@@ -133,7 +126,6 @@ def test_a_head_traced_on_the_model_kept_from_earlier_traces_is_traced_as_from_n
     nothing before. Gemma 3: its output tied to its embedding, its logits soft-capped; Llama (torchtune's modules)
     with LoRA on its output: LoRALinear.to_empty gives storage to its adapters alone."""
     from moai_recipes.models.lora import LoraOptions
-    from moai_recipes.planner import activations
     from moai_recipes.planner.activations import trace_head
 
     gemma, llama = HFFolder.open(checkpoints["gemma3"]).spec, HFFolder.open(hf_checkpoints["llama"]).spec
@@ -145,13 +137,21 @@ def test_a_head_traced_on_the_model_kept_from_earlier_traces_is_traced_as_from_n
             (llama, 2, 40, False, torch.float32, output), (llama, 2, 64, True, torch.float32, output)]
     traced = lambda spec, rows, seq_len, chunked, dtype, lora: trace_head(  # noqa: E731
         spec, micro_batch_size=rows, seq_len=seq_len, chunked=chunked, dtype=dtype, lora=lora)
+    _each_as_from_nothing(asks, traced, ("_CACHE", "_ASKED", "_HEAD_MODELS"), monkeypatch, tmp_path)
+
+
+def _each_as_from_nothing(asks: list[tuple], traced, caches: tuple[str, ...], monkeypatch, tmp_path) -> None:
+    """Each of `asks` traced after all of them equals it traced from nothing: planner/activations' in-memory `caches`
+    emptied and a new disk cache."""
+    from moai_recipes.planner import activations
+
     monkeypatch.setenv("MOAI_CACHE", str(tmp_path / "reused"))
     reused = [traced(*ask) for ask in asks]
     for i, ask in enumerate(asks):
-        for name in ("_CACHE", "_ASKED", "_HEAD_MODELS"):
+        for name in caches:
             monkeypatch.setattr(activations, name, {})
         monkeypatch.setenv("MOAI_CACHE", str(tmp_path / f"fresh{i}"))
-        assert traced(*ask) == reused[i], ask[1:]
+        assert traced(*ask) == reused[i], [a for a in ask if not hasattr(a, "key")]
 
 
 @pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "deepseek_v3", "phi4", "gpt_oss"])
