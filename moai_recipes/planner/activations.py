@@ -505,7 +505,7 @@ def _on_fake_storage(module, *, dtype: torch.dtype, layers: bool = True) -> None
     from moai_recipes.models.build import init_buffers
 
     if layers:
-        module.to_empty(device="cpu")
+        _to_empty(module)
     else:
         inside = {id(m) for m in module.layers.modules()}
         for m in module.modules():
