@@ -90,6 +90,11 @@ def _forked(args: list[str], *, module: str, env: dict | None, timeout: int):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def run_command(module: str, *args, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m module args` (a test's own module, say one that forks its ranks) forked from the zygote."""
+    return _forked([str(a) for a in args], module=module, env=None, timeout=timeout)
+
+
 def start_forked(*args, module: str = "recipes.full_finetune", env: dict | None = None, merged: bool = False,
                  stdout: Path | None = None) -> "ForkedProcess":
     """`python -m module args` started from this pytest process's zygote and not waited for: what

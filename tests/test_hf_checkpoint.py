@@ -5,9 +5,7 @@ Run: python -m pytest tests/test_hf_checkpoint.py -q
 
 import json
 import math
-import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -26,8 +24,8 @@ from moai_recipes.models.hf_format import (
     load_weights,
     save_weights,
 )
-
-SEQ = 128
+from tests.helpers import run_command
+from tests.hf_checkpoint_ranks import SEQ, tokens_for
 
 
 def make_llama32_tied(folder: Path) -> Path:
@@ -78,10 +76,6 @@ def tune_model(hf: HFFolder) -> torch.nn.Module:
 def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return model(tokens).logits
-
-
-def tokens_for(hf: HFFolder) -> torch.Tensor:
-    return torch.randint(0, hf.spec.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
 
 
 def assert_same_checkpoint(a: Path, b: Path) -> None:
@@ -207,53 +201,19 @@ def test_weights_that_do_not_fit_config_json_are_user_errors(checkpoints, tmp_pa
 # ---- two processes, gloo, FSDP2 -------------------------------------------------------------
 
 
-def _exit_cleanly() -> None:
-    """End a worker that did its work. torch 2.13's gloo can abort while the interpreter exits, after
-    destroy_process_group ("terminate called without an active exception", about 1 run in 20 of these
-    tests): everything is written, so leave without running C++ static destructors."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _sharded_worker(rank: int, world_size: int, rendezvous: str, jobs: list[tuple[str, str, str]]) -> None:
-    """Build on meta, shard, load, run, save: the recipe's path on two CPU processes."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from moai_recipes.train.parallel import shard_model
-
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
-    try:
-        mesh = init_device_mesh("cpu", (world_size,))
-        for folder, out_dir, logits_file in jobs:
-            hf = HFFolder.open(folder)
-            with torch.device("meta"):
-                model = build_model(hf.spec, max_seq_len=SEQ)
-            shard_model(model, mesh=mesh, param_dtype=torch.float32)
-            model.to_empty(device="cpu")
-            init_buffers(model, device="cpu")
-            load_weights(model, hf)
-            with torch.no_grad():
-                logits = model.eval()(tokens_for(hf))
-            if rank == 0:
-                torch.save(logits, logits_file)
-            save_weights(model, hf, Path(out_dir), rank=rank)
-        dist.barrier()  # rank 0 writes last: both are done before either tears gloo down
-    finally:
-        dist.destroy_process_group()
-    _exit_cleanly()
+def two_ranks(work: str, tmp_path: Path, jobs: list[tuple[str, str, str]]) -> None:
+    """tests/hf_checkpoint_ranks.py's `work` on two gloo processes, forked from the zygote (which imported the stack
+    once: two spawned workers importing it and this module again took 6 s of CPU each)."""
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    r = run_command("tests.hf_checkpoint_ranks", work, str(tmp_path / "rendezvous"), str(tmp_path / "jobs.json"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 @pytest.mark.slow
 def test_fsdp2_two_processes_load_and_save(checkpoints, tmp_path):
-    import torch.multiprocessing as mp
-
     cases = ["llama_sharded", "qwen2_tied"]
     jobs = [(str(checkpoints[c]), str(tmp_path / c), str(tmp_path / f"{c}.pt")) for c in cases]
-    # spawn, not fork: a forked child of a process that already ran torch threads can deadlock in gloo.
-    mp.start_processes(_sharded_worker, args=(2, str(tmp_path / "rendezvous"), jobs), nprocs=2, join=True,
-                       start_method="spawn")
+    two_ranks("load_and_save", tmp_path, jobs)
     for case, (folder, out_dir, logits_file) in zip(cases, jobs):
         assert_same_checkpoint(Path(folder), Path(out_dir))
         tokens = tokens_for(HFFolder.open(folder))
@@ -301,52 +261,17 @@ def two_halves(name: str) -> int:
     return 0 if "embed_tokens" in name or (layer is not None and layer < 4) else 1
 
 
-def _export_memory_worker(rank: int, world_size: int, rendezvous: str, jobs: list[tuple[str, str, str]]) -> None:
-    """Shard, load, then export under MemTracker; writes the peak of the bytes the export added on this rank."""
-    import torch.distributed as dist
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from moai_recipes.train.parallel import shard_model
-
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
-    try:
-        mesh = init_device_mesh("cpu", (world_size,))
-        for folder, out_dir, peaks_file in jobs:
-            hf = HFFolder.open(folder)
-            with torch.device("meta"):
-                model = build_model(hf.spec, max_seq_len=SEQ)
-            shard_model(model, mesh=mesh, param_dtype=torch.float32)
-            model.to_empty(device="cpu")
-            init_buffers(model, device="cpu")
-            load_weights(model, hf)
-            tracker = MemTracker()
-            tracker.track_external(model)  # the shards exist already: their views (to_local) are not new memory
-            before = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
-            with tracker:
-                save_weights(model, hf, Path(out_dir), rank=rank)
-            peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-            Path(f"{peaks_file}.{rank}").write_text(str(peak - before))
-        dist.barrier()  # rank 0 writes last: both are done before either tears gloo down
-    finally:
-        dist.destroy_process_group()
-    _exit_cleanly()
-
-
 @pytest.mark.slow
 def test_fsdp2_export_holds_at_most_one_input_file_and_one_tensor_per_rank(tmp_path):
     """The promise that lets a 70B model be exported: no rank ever holds more than one input file's
     tensors plus the one being gathered (the all-gather output, and its q/k permuted copy), measured
     with PyTorch's MemTracker, which counts every tensor an operator creates while it is active."""
-    import torch.multiprocessing as mp
-
     src = make_hf_checkpoint(tmp_path / "src", "llama", num_layers=8, seed=5)
     layouts = {"uneven": regroup(src, tmp_path / "uneven", uneven_files),
                "halves": regroup(src, tmp_path / "halves", two_halves)}
     jobs = [(str(folder), str(tmp_path / f"out-{name}"), str(tmp_path / f"peak-{name}"))
             for name, folder in layouts.items()]
-    mp.start_processes(_export_memory_worker, args=(2, str(tmp_path / "rendezvous"), jobs), nprocs=2, join=True,
-                       start_method="spawn")
+    two_ranks("export_memory", tmp_path, jobs)
 
     peaks = {}
     for (name, folder), (_, out_dir, peaks_file) in zip(layouts.items(), jobs):
