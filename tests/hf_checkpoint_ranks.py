@@ -35,70 +35,63 @@ def _exit_cleanly() -> None:
     os._exit(0)
 
 
-def _load_and_save(rank: int, world_size: int, rendezvous: str, jobs: list[tuple[str, str, str]]) -> None:
-    """Build on meta, shard, load, run, save: the recipe's path on two CPU processes."""
+def _rank(rank: int, work, world_size: int, rendezvous: str, jobs: list[tuple[str, str, str]]) -> None:
+    """One rank of the gloo world: `work(rank, mesh, *job)` for each job, then leave together."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-
-    from moai_recipes.train.parallel import shard_model
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,))
-        for folder, out_dir, logits_file in jobs:
-            hf = HFFolder.open(folder)
-            with torch.device("meta"):
-                model = build_model(hf.spec, max_seq_len=SEQ)
-            shard_model(model, mesh=mesh, param_dtype=torch.float32)
-            model.to_empty(device="cpu")
-            init_buffers(model, device="cpu")
-            load_weights(model, hf)
-            with torch.no_grad():
-                logits = model.eval()(tokens_for(hf))
-            if rank == 0:
-                torch.save(logits, logits_file)
-            save_weights(model, hf, Path(out_dir), rank=rank)
+        for job in jobs:
+            work(rank, mesh, *job)
         dist.barrier()  # rank 0 writes last: both are done before either tears gloo down
     finally:
         dist.destroy_process_group()
     _exit_cleanly()
 
 
-def _export_memory(rank: int, world_size: int, rendezvous: str, jobs: list[tuple[str, str, str]]) -> None:
-    """Shard, load, then export under MemTracker; writes the peak of the bytes the export added on this rank."""
-    import torch.distributed as dist
+def _sharded(folder: str, mesh) -> tuple[HFFolder, torch.nn.Module]:
+    """Build on meta, shard, give memory, load: the recipe's path."""
+    from moai_recipes.train.parallel import shard_model
+
+    hf = HFFolder.open(folder)
+    with torch.device("meta"):
+        model = build_model(hf.spec, max_seq_len=SEQ)
+    shard_model(model, mesh=mesh, param_dtype=torch.float32)
+    model.to_empty(device="cpu")
+    init_buffers(model, device="cpu")
+    load_weights(model, hf)
+    return hf, model
+
+
+def _load_and_save(rank: int, mesh, folder: str, out_dir: str, logits_file: str) -> None:
+    """Load sharded, run, save: the logits (rank 0's) and the saved checkpoint are the test's to compare."""
+    hf, model = _sharded(folder, mesh)
+    with torch.no_grad():
+        logits = model.eval()(tokens_for(hf))
+    if rank == 0:
+        torch.save(logits, logits_file)
+    save_weights(model, hf, Path(out_dir), rank=rank)
+
+
+def _export_memory(rank: int, mesh, folder: str, out_dir: str, peaks_file: str) -> None:
+    """Load sharded, then export under MemTracker; writes the peak of the bytes the export added on this rank."""
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from moai_recipes.train.parallel import shard_model
-
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
-    try:
-        mesh = init_device_mesh("cpu", (world_size,))
-        for folder, out_dir, peaks_file in jobs:
-            hf = HFFolder.open(folder)
-            with torch.device("meta"):
-                model = build_model(hf.spec, max_seq_len=SEQ)
-            shard_model(model, mesh=mesh, param_dtype=torch.float32)
-            model.to_empty(device="cpu")
-            init_buffers(model, device="cpu")
-            load_weights(model, hf)
-            tracker = MemTracker()
-            tracker.track_external(model)  # the shards exist already: their views (to_local) are not new memory
-            before = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
-            with tracker:
-                save_weights(model, hf, Path(out_dir), rank=rank)
-            peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-            Path(f"{peaks_file}.{rank}").write_text(str(peak - before))
-        dist.barrier()  # rank 0 writes last: both are done before either tears gloo down
-    finally:
-        dist.destroy_process_group()
-    _exit_cleanly()
+    hf, model = _sharded(folder, mesh)
+    tracker = MemTracker()
+    tracker.track_external(model)  # the shards exist already: their views (to_local) are not new memory
+    before = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
+    with tracker:
+        save_weights(model, hf, Path(out_dir), rank=rank)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    Path(f"{peaks_file}.{rank}").write_text(str(peak - before))
 
 
 WORK = {"load_and_save": _load_and_save, "export_memory": _export_memory}
 
 if __name__ == "__main__":
     work, rendezvous, jobs = sys.argv[1], sys.argv[2], json.loads(Path(sys.argv[3]).read_text())
-    mp.start_processes(WORK[work], args=(2, rendezvous, [tuple(job) for job in jobs]), nprocs=2, join=True,
+    mp.start_processes(_rank, args=(WORK[work], 2, rendezvous, [tuple(job) for job in jobs]), nprocs=2, join=True,
                        start_method="fork")
