@@ -25,6 +25,40 @@ def test_recompute_keeps_less_and_activations_grow_with_the_sequence():
     assert longer == pytest.approx(2 * kept["none"], rel=0.01)  # SDPA keeps O(seq), not O(seq^2)
 
 
+def test_a_small_layer_traced_on_real_tensors_counts_what_its_fake_trace_counts(monkeypatch):
+    """Small dense layers of our own are traced on real tensors (planner/activations.py, REAL_TRACE_FLOPS): every field
+    of the trace equals the fake one's, for each recomputation, row form, dtype and kind of adapters, on Llama and on
+    Qwen3 (per-head q/k norms, a head_dim that is not hidden / heads)."""
+    import itertools
+
+    import torch
+
+    from moai_recipes.models.spec import spec_from_hf_config
+    from moai_recipes.planner import activations
+
+    common = dict(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+    specs = [spec_from_hf_config(dict(model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=5e5, **common)),
+             spec_from_hf_config(dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], rope_theta=1e6,
+                                      head_dim=32, **common))]
+    everywhere = (("apply_lora_to_experts", False), ("apply_lora_to_mlp", True), ("apply_lora_to_output", True),
+                  ("lora_alpha", 16), ("lora_attn_modules", ("q_proj", "k_proj", "v_proj", "output_proj")),
+                  ("lora_dropout", 0.0), ("lora_rank", 8))  # as Workload.lora_key gives it
+    loras = [None, everywhere]
+    forms = [RowForm(), RowForm(per_document=True), RowForm(tiles=8)]
+    cases = [(specs[i % 2], recompute, form, (torch.float32, torch.bfloat16)[i % 2], loras[i // 2 % 2], 24 + 8 * (i % 3))
+             for i, (recompute, form) in enumerate(itertools.product(("none", "selective", "full"), forms))]
+    for spec, recompute, form, dtype, lora, seq_len in cases:
+        assert activations._traced_for_real(spec, seq_len)
+        real = activations._trace(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, form=form)
+        with monkeypatch.context() as m:
+            m.setattr(activations, "REAL_TRACE_FLOPS", -1)
+            assert not activations._traced_for_real(spec, seq_len)
+            fake = activations._trace(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, form=form)
+        assert real == fake, (spec.family, recompute, form, dtype, lora is not None, seq_len)
+        assert real.ops > 0 and real.flops > 0 and (real.retained > 0 or recompute == "full")
+
+
 @pytest.mark.parametrize("recompute,tiles", [("none", 0), ("selective", 0), ("full", 0), ("full", 8)])
 def test_the_traced_layer_keeps_what_a_real_layer_keeps(recompute, tiles):
     """The fake-tensor trace against a real layer, run forward and backward under PyTorch's MemTracker (its MLP
