@@ -536,11 +536,11 @@ def _to_empty(module, *, recurse: bool = True) -> None:
 
 # A small dense layer of our own is traced on real tensors (uninitialised memory): FakeTensorMode dispatches each
 # operator in Python at about half a millisecond, more than the CPU takes to compute a layer of a few million FLOPs
-# (a tiny Llama layer: 70 ms a trace fake, 18 ms real, warm), and what is counted is the same (tests/test_planner.py compares
-# them). Not a Mixture-of-Experts layer (its routing depends on the values: under FakeTensorMode tokens are spread
-# evenly, models/moe.py), nor transformers' modules (their call is captured under the mode, _layer_call), nor a row
-# of one token (a matmul the real kernel folds into one mm is two bmm on fake strides). The budget, in FLOPs of a
-# trace's forward and backward, suits a CPU that emulates bf16 (about 1 GFLOP/s).
+# (a tiny Llama layer, warm: 70 ms a trace fake, 18 ms real), and what is counted is the same (tests/test_planner.py
+# compares them). Not a Mixture-of-Experts layer (its routing depends on the values: under FakeTensorMode tokens are
+# spread evenly, models/moe.py), nor transformers' modules (their call is captured under the mode, _layer_call), nor
+# a row of one token (a matmul the real kernel folds into one mm is two bmm on fake strides). The budget, in FLOPs of
+# a trace's forward and backward, suits a CPU that emulates bf16 (about 1 GFLOP/s).
 REAL_TRACE_FLOPS = 5e7
 
 
