@@ -38,7 +38,8 @@ def test_a_small_layer_traced_on_real_tensors_counts_what_its_fake_trace_counts(
 
     common = dict(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
-    specs = [spec_from_hf_config(dict(model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=5e5, **common)),
+    specs = [spec_from_hf_config(dict(model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=5e5,
+                                      **common)),
              spec_from_hf_config(dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], rope_theta=1e6,
                                       head_dim=32, **common))]
     everywhere = (("apply_lora_to_experts", False), ("apply_lora_to_mlp", True), ("apply_lora_to_output", True),
@@ -46,8 +47,9 @@ def test_a_small_layer_traced_on_real_tensors_counts_what_its_fake_trace_counts(
                   ("lora_dropout", 0.0), ("lora_rank", 8))  # as Workload.lora_key gives it
     loras = [None, everywhere]
     forms = [RowForm(), RowForm(per_document=True), RowForm(tiles=8)]
-    cases = [(specs[i % 2], recompute, form, (torch.float32, torch.bfloat16)[i % 2], loras[i // 2 % 2], 24 + 8 * (i % 3))
-             for i, (recompute, form) in enumerate(itertools.product(("none", "selective", "full"), forms))]
+    cases = [(specs[i % 2], recompute, form, (torch.float32, torch.bfloat16)[i % 2], loras[i // 2 % 2],
+              24 + 8 * (i % 3)) for i, (recompute, form) in enumerate(itertools.product(("none", "selective", "full"),
+                                                                                      forms))]
     for spec, recompute, form, dtype, lora, seq_len in cases:
         assert activations._traced_for_real(spec, seq_len)
         real = activations._trace(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, form=form)

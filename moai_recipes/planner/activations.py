@@ -1,8 +1,8 @@
 """Memory, FLOPs and memory traffic of one transformer layer, counted from the real model, not from a formula.
 
 One layer of the real architecture is built on the meta device, given fake storage
-(FakeTensorMode: shapes and dtypes, no memory; a small dense layer real storage, _traced_for_real), frozen as training freezes it (LoRA), wrapped with
-the recompute policy the plan would use, and run forward and backward at the real sequence length
+(FakeTensorMode: shapes and dtypes, no memory; a small dense layer real storage, _traced_for_real),
+frozen as training freezes it (LoRA), wrapped with the recompute policy the plan would use, and run forward and backward at the real sequence length
 while every operator it dispatches is counted: the tensor storages it creates (alive, and at the
 peak), the FLOPs of its matmuls and attention (PyTorch's own formulas), and the bytes the other
 operators read and write. Llama, Mistral and Qwen have SwiGLU, grouped-query attention and RMSNorm,
