@@ -1,13 +1,13 @@
 """Memory, FLOPs and memory traffic of one transformer layer, counted from the real model, not from a formula.
 
-One layer of the real architecture is built on the meta device, given fake storage
-(FakeTensorMode: shapes and dtypes, no memory; a small dense layer real storage, _traced_for_real),
-frozen as training freezes it (LoRA), wrapped with the recompute policy the plan would use, and run forward and backward at the real sequence length
-while every operator it dispatches is counted: the tensor storages it creates (alive, and at the
-peak), the FLOPs of its matmuls and attention (PyTorch's own formulas), and the bytes the other
-operators read and write. Llama, Mistral and Qwen have SwiGLU, grouped-query attention and RMSNorm,
-so the classic 34·s·b·h formula does not apply; counting what autograd actually keeps does, and
-recomputation shows up as the operators it runs again.
+One layer of the real architecture is built on the meta device, given fake storage (FakeTensorMode:
+shapes and dtypes, no memory; a small dense layer real storage, _traced_for_real), frozen as
+training freezes it (LoRA), wrapped with the recompute policy the plan would use, and run forward
+and backward at the real sequence length while every operator it dispatches is counted: the tensor
+storages it creates (alive, and at the peak), the FLOPs of its matmuls and attention (PyTorch's own
+formulas), and the bytes the other operators read and write. Llama, Mistral and Qwen have SwiGLU,
+grouped-query attention and RMSNorm, so the classic 34·s·b·h formula does not apply; counting what
+autograd actually keeps does, and recomputation shows up as the operators it runs again.
 
 PyTorch's FlopCounterMode is not used: it decomposes the operators it has no formula for (the CPU's
 flash attention, into the math path that materialises the attention matrix), which changes what
@@ -174,7 +174,7 @@ def _trace_images(spec: ModelSpec, example: tuple, *, dtype: torch.dtype, lora: 
     _transformers_formulas()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
-        _on_fake_storage(model, dtype=dtype)
+        _on_storage(model, dtype=dtype)
         pixels = {name: torch.empty(shape, dtype=dtype) for name, shape, kind, values in example if values is None}
     # Integer inputs (Qwen's grid of patches per image) are real, and so is what the tower computes from them (its
     # positions, its windows): the mode is not entered, the fake weights and pixels bring it to the ops they are in.
@@ -507,10 +507,10 @@ def _meta_model(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.d
     return model
 
 
-def _on_fake_storage(module, *, dtype: torch.dtype, layers: bool = True) -> None:
-    """Give a meta module fake storage (call under FakeTensorMode). `layers=False`: all but its layers, which stay on
-    meta (a head trace never runs them: a model of transformers' modules is built whole, and its layers' storage was
-    30% of such a trace's time)."""
+def _on_storage(module, *, dtype: torch.dtype, layers: bool = True) -> None:
+    """Give a meta module storage: fake under FakeTensorMode, real (uninitialised) outside it (a small layer traced
+    for real, _traced_for_real). `layers=False`: all but its layers, which stay on meta (a head trace never runs
+    them: a model of transformers' modules is built whole, and its layers' storage was 30% of such a trace's time)."""
     from moai_recipes.models.build import init_buffers
 
     if layers:
@@ -568,14 +568,14 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
     with contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # dtype-mix notices of fused kernels: irrelevant to sizes
         if spec.native:
-            _on_fake_storage(layer, dtype=dtype)
+            _on_storage(layer, dtype=dtype)
             position = docs.positions(torch.device("cpu")) if docs else None
             return _trace_call(layer, (), dict(mask=docs, input_pos=position) if docs else {},
                                seq_len=seq_len, embed_dim=spec.embed_dim, dtype=dtype)
         # transformers' modules: each kind of layer traced with what the model's forward gives it, the model's
         # mean layer made of them (its peak: the kind whose backward holds the most).
         _transformers_formulas()
-        _on_fake_storage(model, dtype=dtype, layers=False)  # each layer once a call runs it (_layer_call)
+        _on_storage(model, dtype=dtype, layers=False)  # each layer once a call runs it (_layer_call)
         kinds = spec.parts.kinds
         # Under LoRA (the embeddings frozen) the gradient starts at the first adapter: the layers before it run
         # forward alone and keep nothing (a hybrid model's Gated DeltaNet layers, adapters on its attention only),
@@ -673,9 +673,9 @@ def _restaged(value):
 
 def _trace_call(layer, args: tuple, kwargs: dict, *, seq_len: int, embed_dim: int, dtype: torch.dtype,
                 gradient: str = "through", rows: int = 1) -> LayerTrace:
-    """One layer's forward and backward on `rows` rows of `seq_len` tokens (under FakeTensorMode), `args` and `kwargs`
-    after its hidden states. `gradient`: "through" the layer to its input, starting "within" it (its input needs
-    none), or "none" reaching it (its forward alone)."""
+    """One layer's forward and backward on `rows` rows of `seq_len` tokens (under FakeTensorMode, or on real
+    tensors), `args` and `kwargs` after its hidden states. `gradient`: "through" the layer to its input, starting
+    "within" it (its input needs none), or "none" reaching it (its forward alone)."""
     backward = gradient != "none"
     x = torch.empty(rows, seq_len, embed_dim, dtype=dtype, requires_grad=gradient == "through")
     grad_out = torch.empty_like(x)  # the gradient the next layer hands back: not this layer's memory
@@ -730,7 +730,7 @@ def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _on_fake_storage(model, dtype=dtype, layers=False)
+            _on_storage(model, dtype=dtype, layers=False)
             h = torch.empty(micro_batch_size, seq_len, spec.embed_dim, dtype=dtype, requires_grad=True)
             labels = torch.full((micro_batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
             count = OpCounter(existing=[*model.parameters(), *model.buffers(), h, labels])
