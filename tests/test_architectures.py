@@ -119,6 +119,42 @@ def test_a_layer_traced_again_reusing_what_it_was_called_with_is_traced_as_from_
     _each_as_from_nothing(asks, traced, ("_CACHE", "_ASKED", "_CALLS"), monkeypatch, tmp_path)
 
 
+def test_a_small_layer_traced_on_real_tensors_holds_and_computes_what_its_fake_trace_does(checkpoints, monkeypatch):
+    """A small dense model of transformers' modules is traced on real tensors (planner/activations.py,
+    REAL_TRACE_FLOPS), each kind of layer: the bytes it keeps, its transient peak, the gradients at the peak and its
+    FLOPs equal its fake trace's; its operators and traffic within 2% (for fake tensors transformers builds a sliding
+    window's mask by another path, masking_utils.is_tracing: what the real trace counts is what training runs). A
+    model with experts stays fake: its routing depends on the values."""
+    from moai_recipes.models.lora import LoraOptions
+    from moai_recipes.planner import activations
+    from moai_recipes.planner.activations import RowForm
+
+    assert not any(activations._traced_for_real(HFFolder.open(checkpoints[name]).spec, 24)
+                   for name in ("gpt_oss", "deepseek_v3", "llama4"))
+    lora = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(LoraOptions(
+        ("q_proj", "v_proj"), True, False, 4, 8.0, 0.0, False).builder_kwargs().items()))
+    cases = [("gemma3", "none", RowForm(), torch.float32, None, 40),  # sliding and global layers, a window crossed
+             ("gemma4", "selective", RowForm.of(per_document=True), torch.bfloat16, lora, 24),  # shared keys, values
+             ("qwen3_5", "full", RowForm.of(tiles=4), torch.float32, lora, 32),  # linear attention's chunks
+             ("phi4", "selective", RowForm(), torch.bfloat16, None, 24)]
+    for name, recompute, form, dtype, adapters, seq_len in cases:
+        spec = HFFolder.open(checkpoints[name]).spec
+        traces = {}
+        for real in (True, False):
+            monkeypatch.setattr(activations, "_CALLS", {})  # each mode captures the layers' call itself
+            monkeypatch.setattr(activations, "REAL_TRACE_FLOPS", 5e7 if real else -1)
+            assert activations._traced_for_real(spec, seq_len) == real
+            traces[real] = activations._trace(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=adapters,
+                                              form=form)
+        real, fake = traces[True], traces[False]
+        for field in ("retained", "transient", "grads_at_peak", "flops", "attention_flops", "attention_square",
+                      "retained_fixed", "transient_fixed"):
+            assert getattr(real, field) == getattr(fake, field), (name, field, real, fake)
+        for field in ("ops", "traffic"):
+            assert abs(getattr(real, field) - getattr(fake, field)) <= 0.02 * getattr(fake, field), (name, real, fake)
+        assert real.flops > 0 and real.ops > 0 and (real.retained > 0 or recompute == "full")
+
+
 def test_a_head_traced_on_the_model_kept_from_earlier_traces_is_traced_as_from_nothing(checkpoints, hf_checkpoints,
                                                                                      monkeypatch, tmp_path):
     """The planner builds the model whose head it traces once per model, dtype and adapters, and puts back what each

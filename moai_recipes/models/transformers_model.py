@@ -52,6 +52,20 @@ _SPECIAL = ("s_aux", "sinks", "softcap", "position_bias")
 _FINAL_NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", "final_norm", "embedding_norm")
 
 _documents: contextvars.ContextVar[Documents | None] = contextvars.ContextVar("moai_documents", default=None)
+# Set while the planner traces a layer on real tensors (planner/activations.py): a mask is then what its request
+# says, as under FakeTensorMode, and its confirmation (once a forward, LazyMask.is_plain) is not counted as the
+# layer's own work in every layer.
+_as_asked: contextvars.ContextVar[bool] = contextvars.ContextVar("moai_masks_as_asked", default=False)
+
+
+@contextlib.contextmanager
+def masks_as_asked():
+    """Masks taken as their request says, their first rows not confirmed (the planner's traces on real tensors)."""
+    token = _as_asked.set(True)
+    try:
+        yield
+    finally:
+        _as_asked.reset(token)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -111,8 +125,8 @@ class LazyMask:
         """Whether the block (or, without `start`, the whole mask) is the causal triangle and nothing else: then
         SDPA's own causal kernel computes it, and no mask is built. What transformers asked says so (no padding, no
         other mask function, a window or chunk no shorter than the block); a real mask's first rows confirm it,
-        once a mask and block (a forward's layers of one kind share their mask). Under FakeTensorMode (the planner's
-        traces) the request alone decides."""
+        once a mask and block (a forward's layers of one kind share their mask). In the planner's traces (under
+        FakeTensorMode, or on real tensors within masks_as_asked) the request alone decides."""
         key = (start, length)
         if key not in self._plain:
             kw = self.kwargs
@@ -122,7 +136,7 @@ class LazyMask:
                      and (kw.get("local_size") is None or n <= kw["local_size"])
                      and (not whole or (not kw.get("q_offset") and not kw.get("kv_offset")
                                         and kw["q_length"] == kw["kv_length"])))
-            if plain and torch._guards.detect_fake_mode() is None:
+            if plain and not _as_asked.get() and torch._guards.detect_fake_mode() is None:
                 m = min(n, _CHECKED_ROWS)
                 head = self.block(0 if whole else start, m, boolean=True, dtype=torch.float32)
                 plain = head is None or bool(_is_causal(head))

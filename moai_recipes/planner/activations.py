@@ -45,7 +45,7 @@ from moai_recipes.planner.live_storages import LiveStorages
 from moai_recipes.models.recompute import apply_recompute
 from moai_recipes.models.tiled_mlp import apply_tiled_mlp
 
-_VERSION = 21  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 22  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -534,18 +534,24 @@ def _to_empty(module, *, recurse: bool = True) -> None:
     module._apply(lambda t: torch.empty_like(t, device="cpu"), recurse=recurse)
 
 
-# A small dense layer of our own is traced on real tensors (uninitialised memory): FakeTensorMode dispatches each
-# operator in Python at about half a millisecond, more than the CPU takes to compute a layer of a few million FLOPs
-# (a tiny Llama layer, warm: 70 ms a trace fake, 18 ms real), and what is counted is the same (tests/test_planner.py
-# compares them). Not a Mixture-of-Experts layer (its routing depends on the values: under FakeTensorMode tokens are
-# spread evenly, models/moe.py), nor transformers' modules (their call is captured under the mode, _layer_call), nor
-# a row of one token (a matmul the real kernel folds into one mm is two bmm on fake strides). The budget, in FLOPs of
-# a trace's forward and backward, suits a CPU that emulates bf16 (about 1 GFLOP/s).
+# A small dense layer is traced on real tensors (uninitialised memory): FakeTensorMode dispatches each operator in
+# Python at about half a millisecond, more than the CPU takes to compute a layer of a few million FLOPs (a tiny Llama
+# layer, warm: 70 ms a trace fake, 18 ms real; 1,296 traces of nine dense test models of transformers' modules, four
+# of them image-text: 412 s fake, 99 s real). What it keeps, its peaks and FLOPs are the same; on our layers the
+# operators too (tests/test_planner.py), on transformers' modules within 2% (tests/test_architectures.py): for fake
+# tensors transformers builds a sliding window's mask by another path (masking_utils.is_tracing), and the real one
+# is what training runs. Not a Mixture-of-Experts layer (its routing depends on the values: under FakeTensorMode
+# tokens are spread evenly, models/moe.py), nor a row of one token (a matmul the real kernel folds into one mm is two
+# bmm on fake strides). The budget, in FLOPs of a trace's forward and backward, suits a CPU that emulates bf16
+# (about 1 GFLOP/s).
 REAL_TRACE_FLOPS = 5e7
 
 
 def _traced_for_real(spec: ModelSpec, seq_len: int) -> bool:
-    if not spec.native or 2 * len(spec.moe_layers) >= spec.num_layers or seq_len < 2:
+    # Our own model is traced on one layer, dense unless most are experts (_meta_model); transformers' modules on
+    # a layer of each kind, so not if any kind routes tokens.
+    sparse = 2 * len(spec.moe_layers) >= spec.num_layers if spec.native else bool(spec.moe_layers)
+    if sparse or seq_len < 2:
         return False
     d, q, kv = spec.embed_dim, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     weights = 2 * d * q + 2 * d * kv + 3 * d * spec.intermediate_dim
@@ -565,7 +571,9 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
         if docs:
             use_document_attention(layer)
     real = _traced_for_real(spec, seq_len)
-    with contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+    with contextlib.ExitStack() as stack, warnings.catch_warnings():
+        if not real:
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         warnings.simplefilter("ignore")  # dtype-mix notices of fused kernels: irrelevant to sizes
         if spec.native:
             _on_storage(layer, dtype=dtype)
@@ -574,7 +582,10 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
                                seq_len=seq_len, embed_dim=spec.embed_dim, dtype=dtype)
         # transformers' modules: each kind of layer traced with what the model's forward gives it, the model's
         # mean layer made of them (its peak: the kind whose backward holds the most).
+        from moai_recipes.models.transformers_model import masks_as_asked
+
         _transformers_formulas()
+        stack.enter_context(masks_as_asked())
         _on_storage(model, dtype=dtype, layers=False)  # each layer once a call runs it (_layer_call)
         kinds = spec.parts.kinds
         # Under LoRA (the embeddings frozen) the gradient starts at the first adapter: the layers before it run
@@ -619,8 +630,8 @@ def _per_micro_batch(model, spec: ModelSpec, index: int, trace: LayerTrace, *, s
 
 
 # transformers_model.layer_call's (args, kwargs), by what they depend on: captured once for every recomputation and
-# tiling of a layer on the same rows (they change neither), then given to each later trace as new fake tensors of the
-# same shapes in its own FakeTensorMode. The model's forward up to the layer was a third of such a trace's time.
+# tiling of a layer on the same rows (they change neither), then given to each later trace as new tensors of the same
+# shapes (fake ones in its own FakeTensorMode). The model's forward up to the layer was a third of such a trace's time.
 _CALLS: dict[tuple, tuple] = {}
 
 
@@ -657,14 +668,16 @@ def _with_storage(model, indices) -> None:
 
 
 def _restaged(value):
-    """`value` with each fake tensor in it a new one of the same shape, strides, dtype and need of a gradient, made in
-    the active FakeTensorMode; real tensors (positions given as they are) and anything else as they are."""
+    """`value` with each fake tensor in it, and each real one that needs a gradient, a new one of the same shape,
+    strides, dtype and need of a gradient (fake in the active FakeTensorMode, else real and uninitialised: a leaf given
+    to two traces would gather a .grad the second counts as an addition); other real tensors (positions, masks) and
+    anything else as they are."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     from moai_recipes.models.transformers_model import map_tensors
 
     def restaged(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, FakeTensor):
+        if not isinstance(t, FakeTensor) and not t.requires_grad:
             return t
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
 
