@@ -22,19 +22,23 @@ from tests.helpers import machine_cache, make_hf_checkpoint  # noqa: E402
 FAMILIES = ("llama", "mistral", "qwen2")
 
 
-# The modules that take longest, in seconds of one worker (`make test` on a fresh clone of this 2-core machine, cold
-# inductor cache, 2026-11-26). `make test` hands whole modules to its workers in the order collected
-# (--no-loadscope-reorder), and they are collected longest first: the longest start at once, the short ones fill in
-# at the end, and the workers end together instead of one running a long module alone while the other core idles.
-# A module not named here counts as short; a wrong figure costs balance, never a test. (Ordered by this session's
-# warm figures instead, test_checkpoints and test_architectures ran side by side, each spawning its runs' processes,
-# both 20% slower: the suite took 11:04 against 10:22 warm. This order stays until an order is measured faster.)
-LONGEST_FIRST = {"test_checkpoints.py": 187, "test_compile.py": 127, "test_cli.py": 68, "test_context_parallel.py": 65,
-                 "test_layouts.py": 64, "test_full_finetune.py": 53, "test_install.py": 52, "test_planner.py": 51,
-                 "test_eval.py": 47, "test_smollm2.py": 47, "test_precision.py": 46, "test_expert_parallel.py": 40,
-                 "test_config.py": 38, "test_readme.py": 37, "test_grpo.py": 33, "test_lora_finetune.py": 32,
-                 "test_dpo.py": 27, "test_optimizer_in_backward.py": 21, "test_out_of_memory.py": 18,
-                 "test_moe.py": 18, "test_hf_checkpoint.py": 18, "test_multinode.py": 17, "test_export.py": 17}
+# The modules that take longest, in seconds of one worker (`bash .ci/run` on a fresh clone of this 2-core machine,
+# cold caches, 2026-11-28; test_architectures less the traces that run on real tensors since). `make test` hands
+# whole modules to its workers in the order collected (--no-loadscope-reorder), and they are collected longest first:
+# the longest start at once, the short ones fill in at the end, and the workers end together instead of one running
+# a long module alone while the other core idles (in the order of 2026-11-26, which lacked test_architectures,
+# test_gpu_check and test_vision, one worker ended 49 s after the other). A module not named here counts as short;
+# a wrong figure costs balance, never a test. test_compile (118 s) is placed second, above its figure: test_checkpoints
+# and test_architectures side by side, each spawning its runs' processes, were both 20% slower (an order of
+# 2026-11-26), and the worker that ends test_compile first takes test_checkpoints.
+LONGEST_FIRST = {"test_architectures.py": 155, "test_compile.py": 150, "test_checkpoints.py": 133,
+                 "test_gpu_check.py": 89, "test_export.py": 84, "test_layouts.py": 77, "test_context_parallel.py": 70,
+                 "test_smollm2.py": 66, "test_vision.py": 57, "test_precision.py": 55, "test_full_finetune.py": 52,
+                 "test_grpo.py": 47, "test_eval.py": 46, "test_readme.py": 43, "test_install.py": 41,
+                 "test_cli.py": 39, "test_planner.py": 36, "test_dpo.py": 32, "test_expert_parallel.py": 31,
+                 "test_optimizer_in_backward.py": 29, "test_dpo_vision.py": 26, "test_moe.py": 25,
+                 "test_lora_finetune.py": 25, "test_multinode.py": 21, "test_grpo_vision.py": 20,
+                 "test_out_of_memory.py": 20, "test_generate.py": 17}
 
 # Under pytest-xdist each worker gets its share of the cores for the runs it makes (in this process and the
 # processes it starts): two workers of two threads each on two cores made OpenMP's threads wait on each other.
