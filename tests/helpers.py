@@ -424,14 +424,20 @@ def wandb_records(run_dir: Path) -> dict:
 
     W&B's service writes the file, not the run's process, and `run.finish()` can return before the service has
     written it out: a run in this process (whose service lives on) was read back with no history three times in
-    whole suites. The run ends with an "exit" record: read until it is there (a minute at most, then say so)."""
-    (path,) = Path(run_dir).glob("run-*.wandb")
+    whole suites, and once (a suite of 2026-11-28) before the file itself was there. The run ends with an "exit"
+    record: read until the file and that record are there (a minute at most, then say so)."""
+    found = None
     for _ in range(600):
-        found = _wandb_file(path.read_bytes())
-        if found.pop("exit"):
-            return found
+        paths = list(Path(run_dir).glob("run-*.wandb"))
+        assert len(paths) <= 1, paths
+        data = paths[0].read_bytes() if paths else b""
+        if len(data) >= 7:  # its header written
+            found = _wandb_file(data)
+            if found.pop("exit"):
+                return found
         time.sleep(0.1)
-    raise AssertionError(f"{path}: no exit record a minute after the run ended (what was there: {found})")
+    raise AssertionError(f"{run_dir}: no run-*.wandb file with an exit record a minute after the run ended (what was "
+                         f"there: {found})")
 
 
 def _wandb_file(data: bytes) -> dict:

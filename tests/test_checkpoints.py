@@ -211,6 +211,39 @@ def test_a_worker_that_dies_while_exiting_a_finished_run_loses_nothing(tmp_path)
     assert (out / "model" / "config.json").exists() and (out / "loss.png").exists() and len(metrics(out)) == 4
 
 
+def test_a_signal_that_lands_as_torch_starts_timing_a_call_still_stops_the_launcher_as_stopped(tmp_path, monkeypatch):
+    """torch's metrics wrapper reads the clock inside its try; a SIGTERM that lands there raises its SignalException
+    before the clock is read, and the wrapper's finally fails on the reading it never took (UnboundLocalError over the
+    signal). The launcher still ends as stopped (EXIT_STOPPED, as on any other signal), not with a traceback: here
+    the signal is made to land on the launcher's first timed call (torch's clock raising it, once)."""
+    import time as real_time
+
+    from torch.distributed.elastic.metrics import api as metrics_api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from moai_recipes.launch.elastic import start_workers
+    from tests.helpers import setup
+
+    class SignalOnFirstReading:
+        def __init__(self):
+            self.signalled = False
+
+        def time(self):
+            if not self.signalled:
+                self.signalled = True
+                raise SignalException("got signal: 15", sigval=signal.SIGTERM)
+            return real_time.time()
+
+        def __getattr__(self, name):
+            return getattr(real_time, name)
+
+    clock = SignalOnFirstReading()
+    monkeypatch.setattr(metrics_api, "time", clock)
+    _, _, flavor = setup("flavor=cpu-2")
+    assert start_workers(flavor, tmp_path / "job.json", "full_finetune") == EXIT_STOPPED
+    assert clock.signalled
+
+
 @pytest.mark.parametrize("workers", ["forked", "bare"])
 def test_a_killed_launcher_takes_its_workers_down_with_a_checkpoint(tmp_path, reference, workers):
     """kill -9 of the launcher (no signal handler runs there): its workers must not train on unseen; they

@@ -124,4 +124,22 @@ def start_workers(flavor: Flavor, job_file: Path, recipe: str) -> int:
             return EXIT_STOPPED
         print(f"error: worker process failed with exit code {codes} (see its output above)", file=sys.stderr)
         return EXIT_FAILURE
+    except Exception as e:
+        if _interrupted(e, SignalException):
+            return EXIT_STOPPED
+        raise
     return 0
+
+
+def _interrupted(error: BaseException, signalled: type) -> bool:
+    """Whether `error` came of a signal to this process (a `signalled` in its chain of causes). torch's metrics
+    wrapper (elastic/metrics/api.prof) reads the clock inside its try: a SIGTERM that lands before that raises
+    the SignalException there, and its finally then fails on the clock it never read, an UnboundLocalError over the
+    signal (seen once in a suite of 2026-11-28, the workers saved and stopped as asked)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, signalled):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
