@@ -129,7 +129,7 @@ def test_a_small_layer_traced_on_real_tensors_holds_and_computes_what_its_fake_t
     from moai_recipes.planner import activations
     from moai_recipes.planner.activations import RowForm
 
-    assert not any(activations._traced_for_real(HFFolder.open(checkpoints[name]).spec, 24)
+    assert not any(activations._traced_for_real(HFFolder.open(checkpoints[name]).spec, 24, torch.float32)
                    for name in ("gpt_oss", "deepseek_v3", "llama4"))
     lora = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(LoraOptions(
         ("q_proj", "v_proj"), True, False, 4, 8.0, 0.0, False).builder_kwargs().items()))
@@ -142,8 +142,8 @@ def test_a_small_layer_traced_on_real_tensors_holds_and_computes_what_its_fake_t
         traces = {}
         for real in (True, False):
             monkeypatch.setattr(activations, "_CALLS", {})  # each mode captures the layers' call itself
-            monkeypatch.setattr(activations, "REAL_TRACE_FLOPS", 5e7 if real else -1)
-            assert activations._traced_for_real(spec, seq_len) == real
+            monkeypatch.setattr(activations, "REAL_TRACE_FLOPS", activations.REAL_TRACE_FLOPS if real else {})
+            assert activations._traced_for_real(spec, seq_len, dtype) == real
             traces[real] = activations._trace(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=adapters,
                                               form=form)
         real, fake = traces[True], traces[False]

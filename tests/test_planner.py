@@ -51,11 +51,11 @@ def test_a_small_layer_traced_on_real_tensors_counts_what_its_fake_trace_counts(
               24 + 8 * (i % 3)) for i, (recompute, form) in enumerate(itertools.product(("none", "selective", "full"),
                                                                                       forms))]
     for spec, recompute, form, dtype, lora, seq_len in cases:
-        assert activations._traced_for_real(spec, seq_len)
+        assert activations._traced_for_real(spec, seq_len, dtype)
         real = activations._trace(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, form=form)
         with monkeypatch.context() as m:
-            m.setattr(activations, "REAL_TRACE_FLOPS", -1)
-            assert not activations._traced_for_real(spec, seq_len)
+            m.setattr(activations, "REAL_TRACE_FLOPS", {})
+            assert not activations._traced_for_real(spec, seq_len, dtype)
             fake = activations._trace(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, form=form)
         assert real == fake, (spec.family, recompute, form, dtype, lora is not None, seq_len)
         assert real.ops > 0 and real.flops > 0 and (real.retained > 0 or recompute == "full")

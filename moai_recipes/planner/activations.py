@@ -45,7 +45,7 @@ from moai_recipes.planner.live_storages import LiveStorages
 from moai_recipes.models.recompute import apply_recompute
 from moai_recipes.models.tiled_mlp import apply_tiled_mlp
 
-_VERSION = 22  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 23  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
@@ -538,16 +538,18 @@ def _to_empty(module, *, recurse: bool = True) -> None:
 # Python at about half a millisecond, more than the CPU takes to compute a layer of a few million FLOPs (a tiny Llama
 # layer, warm: 70 ms a trace fake, 18 ms real; 1,296 traces of nine dense test models of transformers' modules, four
 # of them image-text: 412 s fake, 99 s real). What it keeps, its peaks and FLOPs are the same; on our layers the
-# operators too (tests/test_planner.py), on transformers' modules within 2% (tests/test_architectures.py): for fake
-# tensors transformers builds a sliding window's mask by another path (masking_utils.is_tracing), and the real one
-# is what training runs. Not a Mixture-of-Experts layer (its routing depends on the values: under FakeTensorMode
+# operators and traffic too (tests/test_planner.py; 1,512 traces of six models, 2 to 512 tokens), on transformers'
+# modules within 2% and 3.5% (tests/test_architectures.py; 2,025 traces, 2 to 512 tokens): for fake tensors
+# transformers builds a sliding window's mask by another path (masking_utils.is_tracing), and the real one is what
+# training runs. Not a Mixture-of-Experts layer (its routing depends on the values: under FakeTensorMode
 # tokens are spread evenly, models/moe.py), nor a row of one token (a matmul the real kernel folds into one mm is two
-# bmm on fake strides). The budget, in FLOPs of a trace's forward and backward, suits a CPU that emulates bf16
-# (about 1 GFLOP/s).
-REAL_TRACE_FLOPS = 5e7
+# bmm on fake strides). The budget, in FLOPs of a trace's forward and backward, is sized for the slowest CPU we
+# meet: fp32 at about 50 GFLOP/s a thread on an AVX2-only one (1e9: 20 ms; the demo's tiny model at 512 tokens is
+# 0.97e9), bf16 emulated there at about 1 GFLOP/s (5e7). Another dtype is traced fake.
+REAL_TRACE_FLOPS = {torch.float32: 1e9, torch.bfloat16: 5e7}
 
 
-def _traced_for_real(spec: ModelSpec, seq_len: int) -> bool:
+def _traced_for_real(spec: ModelSpec, seq_len: int, dtype: torch.dtype) -> bool:
     # Our own model is traced on one layer, dense unless most are experts (_meta_model); transformers' modules on
     # a layer of each kind, so not if any kind routes tokens.
     sparse = 2 * len(spec.moe_layers) >= spec.num_layers if spec.native else bool(spec.moe_layers)
@@ -555,7 +557,7 @@ def _traced_for_real(spec: ModelSpec, seq_len: int) -> bool:
         return False
     d, q, kv = spec.embed_dim, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     weights = 2 * d * q + 2 * d * kv + 3 * d * spec.intermediate_dim
-    return 6 * seq_len * weights + 12 * seq_len * seq_len * q <= REAL_TRACE_FLOPS
+    return 6 * seq_len * weights + 12 * seq_len * seq_len * q <= REAL_TRACE_FLOPS.get(dtype, -1)
 
 
 def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None,
@@ -570,7 +572,7 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
         layer = model.layers[0]
         if docs:
             use_document_attention(layer)
-    real = _traced_for_real(spec, seq_len)
+    real = _traced_for_real(spec, seq_len, dtype)
     with contextlib.ExitStack() as stack, warnings.catch_warnings():
         if not real:
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
