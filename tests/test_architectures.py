@@ -133,6 +133,7 @@ def test_a_small_layer_traced_on_real_tensors_holds_and_computes_what_its_fake_t
                    for name in ("gpt_oss", "deepseek_v3", "llama4"))
     lora = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(LoraOptions(
         ("q_proj", "v_proj"), True, False, 4, 8.0, 0.0, False).builder_kwargs().items()))
+    budget = activations.REAL_TRACE_FLOPS
     cases = [("gemma3", "none", RowForm(), torch.float32, None, 40),  # sliding and global layers, a window crossed
              ("gemma4", "selective", RowForm.of(per_document=True), torch.bfloat16, lora, 24),  # shared keys, values
              ("qwen3_5", "full", RowForm.of(tiles=4), torch.float32, lora, 32),  # linear attention's chunks
@@ -142,7 +143,7 @@ def test_a_small_layer_traced_on_real_tensors_holds_and_computes_what_its_fake_t
         traces = {}
         for real in (True, False):
             monkeypatch.setattr(activations, "_CALLS", {})  # each mode captures the layers' call itself
-            monkeypatch.setattr(activations, "REAL_TRACE_FLOPS", activations.REAL_TRACE_FLOPS if real else {})
+            monkeypatch.setattr(activations, "REAL_TRACE_FLOPS", budget if real else {})
             assert activations._traced_for_real(spec, seq_len, dtype) == real
             traces[real] = activations._trace(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=adapters,
                                               form=form)
