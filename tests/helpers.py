@@ -40,10 +40,15 @@ TRAINING = ("recipes.full_finetune", "recipes.lora_finetune", "recipes.dpo", "re
 def run_recipe(*args, module: str = "recipes.full_finetune", env: dict | None = None, timeout: int = 600,
                isolated: bool | None = None):
     """`python -m module args` with `env` over this environment (None removes a variable); in this process
-    unless it starts several processes (forked from the zygote) or `isolated=True` (a fresh process)."""
+    unless it starts several processes or logs to W&B (forked from the zygote) or `isolated=True` (a fresh
+    process)."""
     args = [str(a) for a in args]
     several = any(a in ("flavor=cpu-2", "flavor=cpu-4") for a in args)
-    if isolated is None and several and module in TRAINING and zygote.runtime_only(env or {}):
+    # A W&B run gets a process of its own, as a user's command does: the service it starts ends with it, its files
+    # written out. Runs in pytest's process shared one service, and twice in whole suites of 2026-11-28 a finished
+    # run's file was not there to read (once not within a minute).
+    forked = several and module in TRAINING or "logger=wandb" in args
+    if isolated is None and forked and zygote.runtime_only(env or {}):
         return _forked(args, module=module, env=env, timeout=timeout)
     if isolated or (isolated is None and several):
         return _in_subprocess(args, module=module, env=env, timeout=timeout)
@@ -423,8 +428,9 @@ def wandb_records(run_dir: Path) -> dict:
     header (crc32c, length, type: 1 whole, 2 first, 3 middle, 4 last) and its bytes.
 
     W&B's service writes the file, not the run's process, and `run.finish()` can return before the service has
-    written it out: a run in this process (whose service lives on) was read back with no history three times in
-    whole suites, and once (a suite of 2026-11-28) before the file itself was there. The run ends with an "exit"
+    written it out: a run in pytest's process (whose service lived on) was read back with no history three times in
+    whole suites, and twice (2026-11-28) before the file itself was there; W&B runs are now processes of their own
+    (run_recipe), and the reader still waits for what it reads. The run ends with an "exit"
     record: read until the file and that record are there (a minute at most, then say so)."""
     found = None
     for _ in range(600):
