@@ -475,8 +475,8 @@ def main() -> int:
     flavor = ["flavor=small", f"flavor.device={kind}", f"flavor.memory_gb={memory:.0f}"] if gpu else ["flavor=cpu"]
     precision = ["dtype=bf16"] if gpu else []
     steps = args.steps or (6 if gpu else 3)
-    # Rows of 512 tokens on a device; 128 on the CPU, where the tiny models' layers are then traced on real tensors
-    # (planner/activations.py) and the Qwen3.5-shaped run took 12.7 s at 512.
+    # Rows of 512 tokens on a device; 128 on the CPU, tiny sizes (the Qwen3.5-shaped run took 12.7 s at 512, 7.3 s
+    # at 128, its layers traced fake then).
     seq_len = 512 if gpu else 128
     for shape, (model_type, device_fields, cpu_fields) in SHAPES.items():
         try:
