@@ -61,6 +61,37 @@ def test_a_small_layer_traced_on_real_tensors_counts_what_its_fake_trace_counts(
         assert real.ops > 0 and real.flops > 0 and (real.retained > 0 or recompute == "full")
 
 
+def test_a_small_head_traced_on_real_tensors_counts_what_its_fake_trace_counts(monkeypatch):
+    """A small head (final norm, output projection, loss) is traced on real tensors too (the same budget): its peak,
+    FLOPs, traffic and operators equal its fake trace's, plain and chunked, tied and with LoRA on its output."""
+    import torch
+
+    from moai_recipes.models.lora import LoraOptions
+    from moai_recipes.models.spec import spec_from_hf_config
+    from moai_recipes.planner import activations
+
+    common = dict(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+    llama = spec_from_hf_config(dict(model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=5e5, **common))
+    tied = spec_from_hf_config(dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], rope_theta=1e6, head_dim=32,
+                                    tie_word_embeddings=True, **common))
+    output = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(LoraOptions(
+        ("q_proj", "v_proj"), True, True, 4, 8.0, 0.0, False).builder_kwargs().items()))
+    budget = activations.REAL_TRACE_FLOPS
+    for spec, rows, seq_len, chunked, dtype, lora in [(llama, 2, 64, False, torch.float32, None),
+                                                      (llama, 3, 128, True, torch.float32, output),
+                                                      (tied, 1, 40, True, torch.bfloat16, None),
+                                                      (tied, 2, 128, False, torch.float32, None)]:
+        traces = []
+        for real in (budget, {}):
+            monkeypatch.setattr(activations, "REAL_TRACE_FLOPS", real)
+            traces.append(activations._trace_head(spec, micro_batch_size=rows, seq_len=seq_len, chunked=chunked,
+                                                  dtype=dtype, lora=lora))
+        assert traces[0] == traces[1], (spec.family, rows, seq_len, chunked, dtype)
+        assert traces[0].flops > 0 and traces[0].ops > 0 and traces[0].peak > 0
+        assert 6 * rows * seq_len * spec.vocab_size * spec.embed_dim <= budget[dtype]  # the real path taken
+
+
 @pytest.mark.parametrize("recompute,tiles", [("none", 0), ("selective", 0), ("full", 0), ("full", 8)])
 def test_the_traced_layer_keeps_what_a_real_layer_keeps(recompute, tiles):
     """The fake-tensor trace against a real layer, run forward and backward under PyTorch's MemTracker (its MLP
