@@ -553,7 +553,8 @@ def _traced_for_real(spec: ModelSpec, seq_len: int, dtype: torch.dtype) -> bool:
     # Our own model is traced on one layer, dense unless most are experts (_meta_model); transformers' modules on
     # a layer of each kind, so not if any kind routes tokens.
     sparse = 2 * len(spec.moe_layers) >= spec.num_layers if spec.native else bool(spec.moe_layers)
-    if sparse or seq_len < 2:
+    sizes = (spec.embed_dim, spec.num_heads, spec.head_dim, spec.num_kv_heads, spec.intermediate_dim)
+    if sparse or seq_len < 2 or not all(sizes):  # a config that names no width of its own: estimated by no formula
         return False
     d, q, kv = spec.embed_dim, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     weights = 2 * d * q + 2 * d * kv + 3 * d * spec.intermediate_dim
