@@ -430,8 +430,8 @@ def wandb_records(run_dir: Path) -> dict:
     W&B's service writes the file, not the run's process, and `run.finish()` can return before the service has
     written it out: a run in pytest's process (whose service lived on) was read back with no history three times in
     whole suites, and twice (2026-11-28) before the file itself was there; W&B runs are now processes of their own
-    (run_recipe), and the reader still waits for what it reads. The run ends with an "exit"
-    record: read until the file and that record are there (a minute at most, then say so)."""
+    (run_recipe), and the reader still waits for what it reads. The run ends with an "exit" record: read until the
+    file and that record are there (a minute at most, then say so)."""
     found = None
     for _ in range(600):
         paths = list(Path(run_dir).glob("run-*.wandb"))

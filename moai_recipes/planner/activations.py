@@ -558,13 +558,29 @@ def _traced_for_real(spec: ModelSpec, seq_len: int, dtype: torch.dtype) -> bool:
         return False
     d, q, kv = spec.embed_dim, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     weights = 2 * d * q + 2 * d * kv + 3 * d * spec.intermediate_dim
-    return 6 * seq_len * weights + 12 * seq_len * seq_len * q <= REAL_TRACE_FLOPS.get(dtype, -1)
+    return _within_budget(6 * seq_len * weights + 12 * seq_len * seq_len * q, dtype)
+
+
+def _within_budget(flops: float, dtype: torch.dtype) -> bool:
+    """Whether a trace of `flops` (forward and backward) in `dtype` runs on real tensors (REAL_TRACE_FLOPS)."""
+    return flops <= REAL_TRACE_FLOPS.get(dtype, -1)
+
+
+@contextlib.contextmanager
+def _tensors(real: bool):
+    """Where a trace runs: on real tensors, or on fake ones (FakeTensorMode) unless `real`; the dtype-mix notices of
+    fused kernels silenced (irrelevant to sizes). Yields its ExitStack, for what a trace enters besides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with contextlib.ExitStack() as stack, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if not real:
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        yield stack
 
 
 def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype, lora: tuple | None,
            form: RowForm) -> LayerTrace:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from moai_recipes.models.attention import Documents, use_document_attention
 
     model = _meta_model(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, tiles=form.tiles)
@@ -573,11 +589,7 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
         layer = model.layers[0]
         if docs:
             use_document_attention(layer)
-    real = _traced_for_real(spec, seq_len, dtype)
-    with contextlib.ExitStack() as stack, warnings.catch_warnings():
-        if not real:
-            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        warnings.simplefilter("ignore")  # dtype-mix notices of fused kernels: irrelevant to sizes
+    with _tensors(_traced_for_real(spec, seq_len, dtype)) as stack:
         if spec.native:
             _on_storage(layer, dtype=dtype)
             position = docs.positions(torch.device("cpu")) if docs else None
@@ -732,8 +744,6 @@ def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked
                 lora: tuple | None) -> HeadTrace:
     """The decoder's last steps as loss.token_loss_sum runs them: torchtune's unembed (norm, output,
     float) and the loss, or the chunked norm, output and loss."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     # One meta model for every head trace of the same model, dtype and adapters (a search traces the head at each
     # micro-batch and length: 135 times in a dry run of DeepSeek-V3, whose whole model of transformers' modules took
     # 0.13 s to build each time); the length shapes only a native layer's rotary table.
@@ -741,16 +751,12 @@ def _trace_head(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, chunked
     model = _HEAD_MODELS.get(key)
     if model is None:
         model = _HEAD_MODELS[key] = _meta_model(spec, seq_len=seq_len, recompute="none", dtype=dtype, lora=lora)
-    # The tensors that get fake storage below, put back after: the model stays on meta for the next trace.
+    # The tensors that get storage below, put back after: the model stays on meta for the next trace.
     kept = [(m, table, dict(getattr(m, table))) for m in model.modules() for table in ("_parameters", "_buffers")]
     # A small head on real tensors, as a small layer (_traced_for_real): its output projection's forward and backward
     # within the same budget (468 heads of eight test models compared, every field equal: 11.9 s fake, 4.2 s real).
-    real = 6 * micro_batch_size * seq_len * spec.vocab_size * spec.embed_dim <= REAL_TRACE_FLOPS.get(dtype, -1)
     try:
-        with contextlib.ExitStack() as stack, warnings.catch_warnings():
-            if not real:
-                stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            warnings.simplefilter("ignore")
+        with _tensors(_within_budget(6 * micro_batch_size * seq_len * spec.vocab_size * spec.embed_dim, dtype)):
             _on_storage(model, dtype=dtype, layers=False)
             h = torch.empty(micro_batch_size, seq_len, spec.embed_dim, dtype=dtype, requires_grad=True)
             labels = torch.full((micro_batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
