@@ -29,9 +29,12 @@ def test_compiled_layers_train_as_eager_ones(tmp_path, varied_file):
             "compiled, packed": ("flavor=cpu", "plan.compile=true", "plan.packing=true", "plan.micro_batch_size=1",
                                  "plan.recompute=none")}
     losses = {}
+    # A cold cache of the test's own: cpu-2's second process reads the first's compiled layers from it, which it
+    # could not have compiled before (train/compile_turn.py); a warm one would give it them anyway.
+    cold = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     for name, forced in runs.items():
         out = tmp_path / name.replace(", ", "-")
-        r = run_recipe(*common, *forced, f"output_dir={out}", module="recipes.lora_finetune")
+        r = run_recipe(*common, *forced, f"output_dir={out}", module="recipes.lora_finetune", env=cold)
         assert r.returncode == 0, r.stdout + r.stderr
         compiled = name.startswith("compiled")
         assert ("compiled layers" if compiled else "eager layers") in r.stdout
@@ -39,6 +42,8 @@ def test_compiled_layers_train_as_eager_ones(tmp_path, varied_file):
         graphs = re.search(r"torch.compile captured (\d+) graph", r.stdout)
         # One graph serves every layer, the first too, whose input LoRA's frozen embeddings give no gradient.
         assert (int(graphs.group(1)) == 1) if compiled else graphs is None, r.stdout[-2000:]
+        # cpu-2's processes compiled in turn: the second waited, then read the graphs the first compiled.
+        assert ("1 other process(es) read them from inductor's cache" in r.stdout) == ("flavor=cpu-2" in forced), r.stdout
         losses[name] = [m["loss"] for m in metrics(out)]
     assert len(losses["eager"]) == 4
     for name, got in losses.items():

@@ -24,7 +24,9 @@ import sys
 
 # Read when a run reads them, not when a module is imported: a command may change them for itself.
 RUNTIME_PREFIXES = ("MOAI_", "WANDB_")
-RUNTIME_VARIABLES = ("HOME", "NETRC", "TERM")
+# TORCHINDUCTOR_CACHE_DIR: inductor reads it at each compile (runtime/cache_dir_utils.cache_dir), and the zygote
+# compiles nothing.
+RUNTIME_VARIABLES = ("HOME", "NETRC", "TERM", "TORCHINDUCTOR_CACHE_DIR")
 PRELOADED = ("moai_recipes.launch.entry", "moai_recipes.launch.elastic", "moai_recipes.launch.worker",
              "moai_recipes.recipes.full_finetune", "moai_recipes.recipes.lora_finetune",
              "moai_recipes.recipes.dpo", "moai_recipes.recipes.grpo",

@@ -41,6 +41,7 @@ from moai_recipes.train.out_of_memory import (
 )
 from moai_recipes.train.context_parallel import share_batch
 from moai_recipes.train.heap import freed_memory_returned
+from moai_recipes.train.compile_turn import read_from_cache
 from moai_recipes.train.parallel import all_reduce_gradients
 from moai_recipes.train.pipeline import run_pipeline
 from moai_recipes.train.tensor_parallel import parallel_loss, sequence_share, summed_over_shares
@@ -439,8 +440,11 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     state.model.eval()
     # The steady step's peak, the largest of any rank (each measured its own).
     (steady_peak,) = _all_reduce([meter.steady[0]], world.device, op=dist.ReduceOp.MAX)
+    # The processes that read the first one's compiled layers from the caches rather than compiling them again.
+    (readers,) = _all_reduce([read_from_cache()], world.device) if runner.plan.compile else (None,)
     measured = Measured(peak_bytes=int(steady_peak) if meter.counts else None, shapes=meter.steady[1],
-                        step_times=step_times, not_measured=meter.not_counted) if step_times else None
+                        step_times=step_times, not_measured=meter.not_counted,
+                        compile_cache_readers=None if readers is None else int(readers)) if step_times else None
     return LoopResult(choice=runner.choice, measured=measured)
 
 

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from moai_recipes.train.compile_turn import CompileTurn
 from moai_recipes.train.world import World
 from moai_recipes.models.attention import keep_attention_eager
 from moai_recipes.models.build import init_buffers, is_nf4
@@ -31,14 +32,14 @@ from moai_recipes.train.pipeline import pipeline_stages
 from moai_recipes.train.tensor_parallel import apply_tensor_parallel
 
 
-def apply_compile(layers: nn.ModuleList) -> None:
+def apply_compile(layers: nn.ModuleList, turn: CompileTurn | None = None) -> None:
     """torch.compile each layer's `forward` (plan.compile), as torchtitan compiles each block.
 
     The forward, not the module: FSDP2's hooks stay outside the graph (as with recomputation, models/recompute.py) and the
     parameter names stay the same (torch.compile(module) would prefix them with `_orig_mod.`). Every layer
     runs the same code, so one graph serves them all; `dynamic` because a micro-batch's tokens change from
     step to step (packed rows, padded rows of the longest sample). Packed attention stays eager
-    (models/attention.py).
+    (models/attention.py). With a `turn`, the processes of a CPU flavor compile once (train/compile_turn.py).
     """
     keep_attention_eager()
     # No duck shapes: dynamo otherwise gives a row's length and a weight's dimension of the same size one symbol, and
@@ -50,10 +51,10 @@ def apply_compile(layers: nn.ModuleList) -> None:
     torch._dynamo.reset()
     for layer in layers:
         _COMPILED_CODE.add(layer.forward.__code__)
-        layer.forward = _one_graph_for_every_layer(torch.compile(layer.forward, dynamic=True))
+        layer.forward = _one_graph_for_every_layer(torch.compile(layer.forward, dynamic=True), turn)
 
 
-def _one_graph_for_every_layer(compiled):
+def _one_graph_for_every_layer(compiled, turn: CompileTurn | None = None):
     """The first layer's input made to require a gradient as every later layer's does: with frozen embeddings (LoRA)
     it requires none, and torch.compile would trace and compile the layer twice, once for it and once for the rest
     (a guard on requires_grad). Its gradient, computed and then dropped at the embeddings, is one layer's input
@@ -62,6 +63,8 @@ def _one_graph_for_every_layer(compiled):
     def forward(x, *args, **kwargs):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and not x.requires_grad and torch.is_grad_enabled():
             x = x.detach().requires_grad_()
+        if turn is not None:
+            return turn.call(compiled, x, *args, **kwargs)
         return compiled(x, *args, **kwargs)
     return forward
 
@@ -91,7 +94,7 @@ def parallelize(model: nn.Module, plan: Plan, world: World, spec=None) -> nn.Mod
     apply_tiled_mlp(model.layers, plan.tiled_mlp)
     apply_recompute(model.layers, plan.recompute, ActivationOffload() if plan.offload_activations else None)
     if plan.compile:
-        apply_compile(model.layers)
+        apply_compile(model.layers, CompileTurn.for_plan(plan, world))
     if plan.expert_parallel > 1:  # before the tensor cut, which keeps split experts as they are
         split = apply_expert_parallel if spec is None or spec.native else apply_transformers_expert_parallel
         split(model, world.dim("expert"))
