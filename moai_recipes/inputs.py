@@ -153,6 +153,10 @@ def import_ahead(cfg: DictConfig) -> None:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
         get_checkpoint_conversion_mapping(spec.family)
+    if (OmegaConf.select(cfg, "plan.pipeline_stages") or 1) > 1:
+        # A pipeline the user asked for: torch's pipelining, whose import in each worker (torch.library looking up
+        # the source of the fake op it registers) took 12 CPU-seconds of the suite's pipelined runs (py-spy).
+        import torch.distributed.pipelining  # noqa: F401
 
 
 def read_inputs(cfg: DictConfig, flavor: Flavor, *, dry: bool = False, output: bool = True,
