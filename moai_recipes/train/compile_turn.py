@@ -12,9 +12,9 @@ collective shares.
 Only where every process is a data-parallel one (FSDP2 shards or replicas): a tensor, context or expert cut puts
 collectives in the graph, where the first process would wait for the others' part while they wait for it, and a
 pipeline's later stages reach their first call only once the first process has sent them its activations, after
-it waited for them at the barrier. Not on GPUs, whose processes compile on
-cores of their own. Only the first call with gradients: one that computes none (sampling before training) compiles
-its own, smaller graph, and every process makes the same calls in the same order.
+it waited for them at the barrier. Not on GPUs, whose processes compile on cores of their own. Only the first call
+with gradients: one that computes none (sampling before training) compiles its own, smaller graph, and every
+process makes the same calls in the same order.
 
 Not for torchao's 8-bit AdamW step (optimizer.states=int8), which compiles a graph per parameter shape: taken in
 turn, the second process read all six of its graphs from the caches, yet the cpu-2 run took 55.6 CPU-seconds

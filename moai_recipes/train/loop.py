@@ -441,10 +441,10 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
     # The steady step's peak, the largest of any rank (each measured its own).
     (steady_peak,) = _all_reduce([meter.steady[0]], world.device, op=dist.ReduceOp.MAX)
     # The processes that read the first one's compiled layers from the caches rather than compiling them again.
-    (readers,) = _all_reduce([read_from_cache()], world.device) if runner.plan.compile else (None,)
+    (readers,) = _all_reduce([read_from_cache()], world.device) if runner.plan.compile else (0,)
     measured = Measured(peak_bytes=int(steady_peak) if meter.counts else None, shapes=meter.steady[1],
                         step_times=step_times, not_measured=meter.not_counted,
-                        compile_cache_readers=None if readers is None else int(readers)) if step_times else None
+                        compile_cache_readers=int(readers)) if step_times else None
     return LoopResult(choice=runner.choice, measured=measured)
 
 

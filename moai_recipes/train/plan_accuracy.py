@@ -30,7 +30,7 @@ class Measured:
     shapes: list[tuple[int, int, int]]  # that step's micro-batches (train/micro_batches.micro_batch_shapes)
     step_times: list[float | None]  # every step this process ran, in order; None: a profiled step (profile_steps)
     not_measured: str | None = None  # why peak_bytes is None
-    compile_cache_readers: int | None = None  # processes that read the layers compiled by the first (compile_turn)
+    compile_cache_readers: int = 0  # processes that read the layers compiled by the first (train/compile_turn.py)
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Accuracy:
     largest: tuple[int, int]  # (rows, tokens per row) of the measured step's largest micro-batch
     memory: MemoryBreakdown  # the planner's, default constants, at the measured step's micro-batches
     compiled_graphs: int | None = None  # graphs torch.compile captured in this process (plan.compile); None: eager
-    compile_cache_readers: int = 0  # other processes that read them from the caches (train/compile_turn.py)
+    compile_cache_readers: int = 0  # as Measured's
     not_measured: str | None = None  # why measured_peak_bytes is None
     peak_step: int = TRACKED_STEPS  # the measured step: the TRACKED_STEPS-th this process ran, or its last
 
@@ -102,7 +102,7 @@ def compare(choice: PlanChoice, work: Workload, measured: Measured, device_kind:
                     measured_step_s=steady[len(steady) // 2] if steady else None, steady_steps=len(steady),
                     largest=max(((r, t) for _, r, t in measured.shapes), key=_size, default=(1, 1)), memory=memory,
                     compiled_graphs=compiled_graphs() if plan.compile else None, not_measured=measured.not_measured,
-                    compile_cache_readers=measured.compile_cache_readers or 0,
+                    compile_cache_readers=measured.compile_cache_readers,
                     peak_step=max(1, min(TRACKED_STEPS, len(measured.step_times))))
 
 
