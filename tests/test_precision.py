@@ -1,6 +1,6 @@
 """What the weights, gradients and AdamW moments are stored in: precision=mixed|bf16 and optimizer.states.
 
-Real runs of the tiny model on two processes (FSDP2 shards): bf16 weights, gradients and moments (torch's fused AdamW)
+Real runs of a small Llama on two processes (FSDP2 shards): bf16 weights, gradients and moments (torch's fused AdamW)
 and int8 moments over fp32 masters (torchao's 8-bit AdamW) each learn, state their dtypes in plan.json, peak where
 the planner says, and the int8 run resumes from a step checkpoint with the uninterrupted run's losses (torchao's
 quantised state through DCP). The planner: the bytes each choice holds, the combinations refused by name, and the
@@ -14,7 +14,7 @@ from moai_recipes.errors import UserError
 from moai_recipes.planner.memory import STATE_BYTES
 from moai_recipes.planner.plan import Workload
 from moai_recipes.planner.search import choose_plan
-from tests.helpers import metrics, peak_error, plan_of, run_recipe, setup
+from tests.helpers import make_hf_checkpoint, metrics, peak_error, plan_of, run_recipe, setup
 
 COMMON = ["logger=stdout", "max_steps=4", "batch_size=8", "optimizer.lr=3e-3", "sample_max_new_tokens=0",
           "flavor=cpu-2", "plan.replicate=false"]
@@ -24,11 +24,21 @@ RUNS = {  # name -> (overrides, (compute, master weights, moments) in plan.json)
 }
 
 
+@pytest.fixture(scope="module")
+def square(tmp_path_factory) -> str:
+    """A Llama of 128-wide square projections (four key/value heads, an MLP as wide as the model): three parameter
+    shapes where the built-in tiny model has six, and torchao's 8-bit AdamW compiles its step once per shape (about
+    5 s each on two cores, in each process). Its shards still hold 8,192 values and more, which torchao keeps in 8
+    bits (a tensor under 4,096 values keeps fp32 moments)."""
+    folder = make_hf_checkpoint(tmp_path_factory.mktemp("square"), "llama", hidden=128, intermediate=128, kv_heads=4)
+    return f"model.checkpoint_dir={folder}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS)
-def test_each_precision_learns_on_fsdp2_shards_and_its_peak_is_planned(tmp_path, name):
+def test_each_precision_learns_on_fsdp2_shards_and_its_peak_is_planned(tmp_path, name, square):
     extra, dtypes = RUNS[name]
-    r = run_recipe(*COMMON, *extra, f"output_dir={tmp_path / 'run'}")
+    r = run_recipe(*COMMON, square, *extra, f"output_dir={tmp_path / 'run'}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     plan = plan_of(tmp_path / "run")
     assert (plan["param_dtype"], plan["master_dtype"], plan["optimizer_states"]) == dtypes and plan["sharded"]
@@ -37,7 +47,7 @@ def test_each_precision_learns_on_fsdp2_shards_and_its_peak_is_planned(tmp_path,
     assert losses[-1] < losses[0] - 0.3, losses
     if name == "int8":  # torchao's 8-bit moments saved and loaded through DCP: the same steps 3 and 4
         resumed = tmp_path / "resumed"
-        r = run_recipe(*COMMON, *extra, f"resume={tmp_path / 'run' / 'checkpoints' / 'step-000002'}",
+        r = run_recipe(*COMMON, square, *extra, f"resume={tmp_path / 'run' / 'checkpoints' / 'step-000002'}",
                        f"output_dir={resumed}")
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert [row["loss"] for row in metrics(resumed)] == losses[2:]
