@@ -64,3 +64,22 @@ def test_micro_batches_cover_the_share_in_order():
     assert p.accumulation_steps == 3
     assert p.micro_batches([7, 7, 7, 7, 7]) == [[0, 1], [2, 3], [4]]  # positions in the share
     assert p.micro_batches([7, 7, 7]) == [[0, 1], [2]]  # the short last batch of an epoch: fewer micro-batches
+
+
+def test_a_rank_with_fewer_micro_batches_runs_empty_ones_of_two_padding_tokens():
+    """FSDP2's collectives need every rank to run as many forwards as the busiest; the others run empty micro-batches.
+    Two padding tokens, not one: dynamo specialises a length of 1, and a one-token row had every compiled layer
+    compiled again for it (tests/test_compile.py's cpu-2 run with packed rows, whose ranks form unequal rows)."""
+    from types import SimpleNamespace
+
+    from moai_recipes.train.micro_batches import model_inputs, rank_micro_batches
+
+    # A sample of 10 tokens alone on one rank, three of 4 on the other: packed into rows of 10 tokens (two rows), or
+    # padded rows of one sample (three).
+    samples = [{"tokens": [5] * n, "labels": [5] * n} for n in (10, 4, 4, 4)]
+    for packing in (True, False):
+        p = plan(batch_size=4, num_devices=2, packing=packing)
+        mine = [rank_micro_batches(p, samples, SimpleNamespace(data_rank=r)) for r in range(2)]
+        assert len(mine[0]) == len(mine[1]) and None in mine[0] + mine[1], mine
+        empty = model_inputs(None, p, pad_id=0)
+        assert empty["tokens"].shape == (1, 2) and (empty["labels"] == -100).all(), empty

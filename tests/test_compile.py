@@ -3,6 +3,8 @@ own counter says it captured graphs (the run's last lines report it).
 Run: python -m pytest tests/test_compile.py -q (slow: a cold compile takes a minute on 2 cores, two processes
 compiling at once; seconds once inductor's cache is warm)."""
 
+import json
+import random
 import re
 
 import pytest
@@ -13,21 +15,35 @@ from moai_recipes.planner.search import choose_plan
 from tests.helpers import FSDP, layout, metrics, run_recipe, setup
 
 
+@pytest.fixture
+def uneven_file(tmp_path):
+    """Plain text of a few to a hundred-odd tokens a sample, whose batches of 8 the two ranks of cpu-2 pack into
+    unequal numbers of rows of 128 tokens at steps 3 and 4 (3 against 4, 2 against 3)."""
+    words = "the quick brown fox jumps over a lazy dog and then runs far away into night".split()
+    rng = random.Random(0)
+    path = tmp_path / "uneven.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(
+        min(int(rng.lognormvariate(3.0, 0.9)) + 2, 200)))}) + "\n" for _ in range(48)))
+    return path
+
+
 @pytest.mark.slow
-def test_compiled_layers_train_as_eager_ones(tmp_path, varied_file):
-    # What a compiled layer meets, under FSDP2's hooks (outside the graph) with LoRA's adapters: selective
-    # recomputation (inside it), and packed rows, whose per-document attention stays eager (a graph break).
-    common = ("logger=stdout", "dataset=text", f"dataset.path={varied_file}", "max_seq_len=128", "batch_size=8",
+def test_compiled_layers_train_as_eager_ones(tmp_path, uneven_file):
+    # What a compiled layer meets with LoRA's adapters: selective recomputation (inside the graph), and packed rows,
+    # whose per-document attention stays eager (a graph break), under FSDP2's hooks (outside it).
+    common = ("logger=stdout", "dataset=text", f"dataset.path={uneven_file}", "max_seq_len=128", "batch_size=8",
               "max_steps=4", "optimizer.lr=1e-3", "sample_max_new_tokens=0")
     # The eager reference in one process (this one): the losses are those of any flavor (tests/test_layouts.py).
-    cpu2 = ("flavor=cpu-2", *FSDP)
     runs = {"eager": ("flavor=cpu", "plan.compile=false", "plan.packing=true", "plan.micro_batch_size=1",
                       "plan.recompute=selective"),
-            "compiled, recomputed": (*cpu2, "plan.compile=true", "plan.packing=false", "plan.recompute=selective"),
-            # One process: a cold compile of one more graph costs a minute a process, and FSDP2's hooks around a
-            # compiled layer are the recomputed run's to show.
-            "compiled, packed": ("flavor=cpu", "plan.compile=true", "plan.packing=true", "plan.micro_batch_size=1",
-                                 "plan.recompute=none")}
+            # One process: a cold compile of one more graph costs half a minute on two cores.
+            "compiled, recomputed": ("flavor=cpu", "plan.compile=true", "plan.packing=false",
+                                     "plan.recompute=selective"),
+            # What the planner compiles on a CPU flavor: packed rows. Each rank packs its share into rows of its own, so
+            # one runs a step's last micro-batch empty (two padding tokens, train/micro_batches.py) while the other
+            # runs a row: still the one graph (a one-token row had every layer compiled again for it).
+            "compiled, packed": ("flavor=cpu-2", *FSDP, "plan.compile=true", "plan.packing=true",
+                                 "plan.micro_batch_size=1", "plan.recompute=none")}
     losses = {}
     # A cold cache of the test's own: cpu-2's second process reads the first's compiled layers from it, which it
     # could not have compiled before (train/compile_turn.py); a warm one would give it them anyway.

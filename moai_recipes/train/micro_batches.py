@@ -13,8 +13,11 @@ from moai_recipes.models.attention import Documents
 from moai_recipes.planner.plan import Plan
 from moai_recipes.models.loss import IGNORE_INDEX
 
-# An empty micro-batch still runs forward and backward (FSDP's collectives must match on every rank).
-_EMPTY = {"tokens": None, "labels": [IGNORE_INDEX]}
+# An empty micro-batch still runs forward and backward (FSDP's collectives must match on every rank): a row of two
+# padding tokens, not one. Dynamo specialises a length of 1 (and 0), so a one-token row made every compiled layer
+# compile again for it (plan.compile, packed rows on cpu-2, whose ranks form unequal numbers of rows: a second cold
+# compile, 30 s of two cores); two tokens run in the graph the real rows' varying lengths already made dynamic.
+_EMPTY = {"tokens": None, "labels": [IGNORE_INDEX] * 2}
 
 
 def _splits(plan: Plan, samples: list[dict], data_size: int) -> list[list[list[dict]]]:
@@ -46,11 +49,11 @@ def micro_batch_shapes(plan: Plan, samples: list[dict]) -> list[tuple[int, int, 
 
 def model_inputs(micro: list[dict] | None, plan: Plan, pad_id: int) -> dict:
     """A micro-batch as the model takes it: padded rows, or one packed row with its documents and positions. An
-    empty one (None) is one padding token whose label is ignored: it adds nothing to the loss or the gradients.
+    empty one (None) is two padding tokens whose labels are ignored: it adds nothing to the loss or the gradients.
     `samples` says which of its `sample_count` samples each token belongs to (-1: padding): a Mixture-of-Experts
     model's balancing loss is a sample's (models/moe.py)."""
     real = [len(s["tokens"]) for s in micro or []]
-    micro = micro or [_EMPTY | {"tokens": [pad_id]}]
+    micro = micro or [_EMPTY | {"tokens": [pad_id] * 2}]
     # Tensor parallelism cuts a row's tokens into equal shares (sequence parallelism), and the CPU's bf16 matmuls
     # reuse their kernels only for a row count they have seen (Plan.row_sizes): padding at the end gives the row
     # its planned length, and changes nothing before it (causal attention, ignored labels).
