@@ -1,7 +1,7 @@
 """Compiled layers (plan.compile=true) train exactly as eager ones: the same per-step losses to 1e-4, and dynamo's
 own counter says it captured graphs (the run's last lines report it).
-Run: python -m pytest tests/test_compile.py -q (slow: a cold compile takes a minute on 2 cores, two processes
-compiling at once; seconds once inductor's cache is warm)."""
+Run: python -m pytest tests/test_compile.py -q (slow: each of its two graphs compiles cold, half a minute or more on
+2 cores)."""
 
 import json
 import random
