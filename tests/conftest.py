@@ -4,9 +4,7 @@ Run the suite with `make test`. Nothing is downloaded: the tokenizer is trained 
 and the weights are a seeded random initialisation written by `save_pretrained`.
 """
 
-import json
 import os
-import random
 import sys
 from pathlib import Path
 
@@ -17,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moai_recipes.models.tiny import demo_texts  # noqa: E402
-from tests.helpers import machine_cache, make_hf_checkpoint  # noqa: E402
+from tests.helpers import machine_cache, make_hf_checkpoint, write_varied_text  # noqa: E402
 
 FAMILIES = ("llama", "mistral", "qwen2")
 
@@ -83,14 +81,7 @@ def tok(tiny_dir):
 @pytest.fixture(scope="module")
 def varied_file(tmp_path_factory):
     """Plain text whose samples spread from a few words to the whole max_seq_len, with a long tail."""
-    words = " ".join(demo_texts()).split()
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("data") / "varied.jsonl"
-    with open(path, "w") as f:
-        for _ in range(48):
-            n = min(int(rng.lognormvariate(3.0, 0.9)) + 2, 200)
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(n))}) + "\n")
-    return path
+    return write_varied_text(tmp_path_factory.mktemp("data") / "varied.jsonl", " ".join(demo_texts()).split())
 
 
 @pytest.fixture(scope="session", autouse=True)

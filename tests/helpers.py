@@ -17,6 +17,7 @@ import importlib
 import io
 import json
 import os
+import random
 import re
 import select
 import signal
@@ -398,6 +399,16 @@ def assert_same_weights(expected: Path, got: Path) -> None:
     assert ref.keys() == out.keys(), sorted(set(ref) ^ set(out))
     different = [k for k in ref if not torch.equal(ref[k], out[k])]
     assert not different, f"{len(different)} of {len(ref)} tensors differ: {different[:5]}"
+
+
+def write_varied_text(path: Path, words: list[str], samples: int = 48) -> Path:
+    """Plain text rows (`text`) of `words` drawn at random, from a few to 200 words a row with a long tail (seeded)."""
+    rng = random.Random(0)
+    rows = []
+    for _ in range(samples):
+        n = min(int(rng.lognormvariate(3.0, 0.9)) + 2, 200)
+        rows.append({"text": " ".join(rng.choice(words) for _ in range(n))})
+    return write_jsonl(path, rows)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

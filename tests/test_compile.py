@@ -3,8 +3,6 @@ own counter says it captured graphs (the run's last lines report it).
 Run: python -m pytest tests/test_compile.py -q (slow: each of its two graphs compiles cold, half a minute or more on
 2 cores)."""
 
-import json
-import random
 import re
 
 import pytest
@@ -12,7 +10,7 @@ import pytest
 from moai_recipes.errors import UserError
 from moai_recipes.planner.plan import Workload
 from moai_recipes.planner.search import choose_plan
-from tests.helpers import FSDP, layout, metrics, run_recipe, setup
+from tests.helpers import FSDP, layout, metrics, run_recipe, setup, write_varied_text
 
 
 @pytest.fixture
@@ -20,11 +18,7 @@ def uneven_file(tmp_path):
     """Plain text of a few to a hundred-odd tokens a sample, whose batches of 8 the two ranks of cpu-2 pack into
     unequal numbers of rows of 128 tokens at steps 3 and 4 (3 against 4, 2 against 3)."""
     words = "the quick brown fox jumps over a lazy dog and then runs far away into night".split()
-    rng = random.Random(0)
-    path = tmp_path / "uneven.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(
-        min(int(rng.lognormvariate(3.0, 0.9)) + 2, 200)))}) + "\n" for _ in range(48)))
-    return path
+    return write_varied_text(tmp_path / "uneven.jsonl", words)
 
 
 @pytest.mark.slow

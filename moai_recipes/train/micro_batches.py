@@ -17,7 +17,7 @@ from moai_recipes.models.loss import IGNORE_INDEX
 # padding tokens, not one. Dynamo specialises a length of 1 (and 0), so a one-token row made every compiled layer
 # compile again for it (plan.compile, packed rows on cpu-2, whose ranks form unequal numbers of rows: a cold 4-step
 # LoRA run took 70 CPU-seconds, 52 without); two tokens run in the graph the real rows' lengths already made dynamic.
-_EMPTY = {"tokens": None, "labels": [IGNORE_INDEX] * 2}
+EMPTY_TOKENS = 2
 
 
 def _splits(plan: Plan, samples: list[dict], data_size: int) -> list[list[list[dict]]]:
@@ -53,7 +53,7 @@ def model_inputs(micro: list[dict] | None, plan: Plan, pad_id: int) -> dict:
     `samples` says which of its `sample_count` samples each token belongs to (-1: padding): a Mixture-of-Experts
     model's balancing loss is a sample's (models/moe.py)."""
     real = [len(s["tokens"]) for s in micro or []]
-    micro = micro or [_EMPTY | {"tokens": [pad_id] * 2}]
+    micro = micro or [{"tokens": [pad_id] * EMPTY_TOKENS, "labels": [IGNORE_INDEX] * EMPTY_TOKENS}]
     # Tensor parallelism cuts a row's tokens into equal shares (sequence parallelism), and the CPU's bf16 matmuls
     # reuse their kernels only for a row count they have seen (Plan.row_sizes): padding at the end gives the row
     # its planned length, and changes nothing before it (causal attention, ignored labels).
