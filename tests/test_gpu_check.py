@@ -3,7 +3,7 @@ sessions that are lent a GPU: every kernel check passes against its reference, a
 fine-tuning, two steps) runs and prints the planner's peak within 10% of the measured one; torchtune's recipe and ours
 run the same job side by side, the same first loss; a GRPO round reports its sampling time beside the planner's; the
 tests marked gpu are collected and skip.
-Run: pytest tests/test_gpu_check.py (about 50 s)"""
+Run: pytest tests/test_gpu_check.py (about 45 s)"""
 
 import json
 import subprocess
