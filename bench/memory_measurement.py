@@ -1,5 +1,6 @@
 """What measuring a run's peak memory costs it: the same command with `measure_memory=true` (the default: on the
-CPU MemTracker follows every tensor of the first two steps) and `measure_memory=false`, whole runs timed.
+CPU MemTracker follows every tensor of the second step; of the first two until 2026-11-29) and
+`measure_memory=false`, whole runs timed.
 
     python bench/memory_measurement.py                  # the demo (one process) and its cpu-2 full twin, 3 rounds
     python bench/memory_measurement.py --rounds 1 --jobs demo

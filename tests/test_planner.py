@@ -324,7 +324,9 @@ def test_a_small_budget_trains_the_same_curve_with_accumulation(tmp_path):
     assert chosen["predicted_peak_bytes"] <= 0.06 * GiB
     assert abs(peak_error(small.stdout)) <= 0.10
     for a, b in zip(metrics(tmp_path / "big"), metrics(tmp_path / "small"), strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-4 * a["loss"] and b["peak_memory_bytes"] > 0
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * a["loss"]
+    # On the CPU the second step's tensors are followed (train/peak_memory.py): none before, its peak from then on.
+    assert [row["peak_memory_bytes"] > 0 for row in metrics(tmp_path / "small")] == [False, True, True, True]
 
 
 @pytest.mark.parametrize("chunked", [False, True])

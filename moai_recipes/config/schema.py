@@ -303,7 +303,7 @@ class RecipeConfig:
     skip_nonfinite_steps: int = setting(0, "steps with a NaN/inf loss or gradient skipped before the run stops")
     profile_steps: list[int] = setting([], "steps measured by torch.profiler: a trace and an op table per rank in "
                                            "OUTPUT_DIR/profile/ (e.g. profile_steps=[5])")
-    measure_memory: bool = setting(True, "on the CPU: follow every tensor of the first 2 steps (each about 1.5x as "
+    measure_memory: bool = setting(True, "on the CPU: follow every tensor of the second step (about 1.5x as "
                                          "slow) to measure the peak tensor memory against the plan's (a GPU's "
                                          "allocator counts it at no cost, always)")
     max_restarts: int = setting(3, "when a worker dies, restart the processes and resume from the last checkpoint")

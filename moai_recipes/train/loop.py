@@ -351,7 +351,8 @@ def train_loop(state: TrainState, inputs: RunInputs, choice: PlanChoice, setting
                      f"{meta['world_size']} process(es)); continuing at step {first + 1}")
     flops = ModelFlops.of(inputs.spec, inputs.lora)
     runner = SmallerOnOutOfMemory(choice, world=world, out=inputs.out, hint=inputs.out_of_memory_hint, log=log)
-    meter, step_times, nonfinite = PeakMemory(world.device, compiled=runner.plan.compile,
+    meter, step_times, nonfinite = PeakMemory(world.device, steps=inputs.total_steps - first,
+                                              compiled=runner.plan.compile,
                                               pipelined=runner.plan.pipeline_stages > 1,
                                               wanted=settings.measure_memory), [], 0
     if inputs.eval_tasks is not None and (runner.plan.pipeline_stages > 1 or runner.plan.tensor_parallel > 1

@@ -3,12 +3,15 @@ predicts (MemoryBreakdown.allocated).
 
 On a GPU that is the caching allocator's `max_memory_allocated`. The CPU's allocator keeps no such statistics (and
 its resident memory also holds the runtime, the libraries and what the allocator keeps after frees), so over the
-first steps PyTorch's MemTracker (torch.distributed._tools.mem_tracker) follows every tensor storage as it is
-made, resized (FSDP2 frees and refills gathered parameters in place) and freed, and keeps the peak of their sum.
-It is not the planner's ledger (planner/live_storages.py): a counting mistake there cannot hide in the measurement.
-Following every operator slows those steps (SmolLM2: about 1.5x a plain step, 4% of the demo's run), so only the
-first TRACKED_STEPS steps of a process are followed, the step-time median leaves them out anyway
+step the planner predicts PyTorch's MemTracker (torch.distributed._tools.mem_tracker) follows every tensor storage
+as it is made, resized (FSDP2 frees and refills gathered parameters in place) and freed, and keeps the peak of their
+sum. It is not the planner's ledger (planner/live_storages.py): a counting mistake there cannot hide in the
+measurement. Following every operator slows that step (SmolLM2: about 1.5x a plain step), so only one step of a
+process is followed: its TRACKED_STEPS-th (the first whose optimizer state exists from its start, as the planner
+predicts), or its last in a shorter run. The step-time median leaves out the first TRACKED_STEPS anyway
 (train/plan_accuracy.py), and `measure_memory=false` follows none (bench/memory_measurement.py measures the cost).
+Until 2026-11-29 the first step was followed too, and nothing read its peak but the metrics' running maximum: in the
+suite that step was 5% of all the CPU time (a sampled profile of the whole suite put MemTracker at 10%).
 The process's resident peak (`host_peak_bytes`) is reported beside it: what the machine gives the process.
 
 Not with compiled layers or pipeline stages on the CPU (for the pipeline: see PeakMemory): a layer whose first call runs under a dispatch mode is never compiled
@@ -23,7 +26,7 @@ import torch
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-# Steps of a process whose tensors are followed on the CPU: the first makes the optimizer state, the second
+# The step of a process whose tensors are followed on the CPU: the first makes the optimizer state, the second
 # is a step as every later one runs it.
 TRACKED_STEPS = 2
 
@@ -35,10 +38,14 @@ def host_peak_bytes() -> int:
 
 class PeakMemory:
     """Each measured step's peak tensor bytes, as `with meter.step(model, optimizer, largest):` around each step
-    runs them: on a GPU every step (the allocator's own count), on the CPU the first TRACKED_STEPS."""
+    runs them: on a GPU every step (the allocator's own count), on the CPU one of the `steps` this process runs: its
+    TRACKED_STEPS-th, or its last."""
 
-    def __init__(self, device: torch.device, *, compiled: bool = False, pipelined: bool = False, wanted: bool = True):
+    def __init__(self, device: torch.device, *, steps: int, compiled: bool = False, pipelined: bool = False,
+                 wanted: bool = True):
         self.device = device
+        self.measured_step = max(1, min(TRACKED_STEPS, steps))  # of this process's steps, counted from 1
+        self.begun = 0  # steps of this process begun so far
         # Where tensors are counted at all: a GPU's allocator always; the CPU's MemTracker only for eager layers
         # outside a pipeline (the schedule infers its stages' gradients with autograd.grad, which MemTracker's
         # gradient hooks refuse), and only where the user wants it (measure_memory).
@@ -53,23 +60,25 @@ class PeakMemory:
     @property
     def tracked(self) -> bool:
         """Whether the next step is measured."""
-        return self.device.type == "cuda" or len(self.peaks) < TRACKED_STEPS
+        return self.device.type == "cuda" or self.begun + 1 == self.measured_step
 
     def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, shapes: list[tuple[int, int, int]]):
         """A context around one step; `shapes`: its micro-batches, as micro_batch_shapes gives them."""
-        return _Step(self, model, optimizer, shapes) if self.tracked else contextlib.nullcontext()
+        tracked = self.tracked
+        self.begun += 1
+        return _Step(self, model, optimizer, shapes) if tracked else contextlib.nullcontext()
 
     @property
     def peak(self) -> int:
-        """The most bytes tensors held at once in any measured step so far."""
+        """The most bytes tensors held at once in any measured step so far (0 before one is)."""
         return max(self.peaks, default=0)
 
     @property
     def steady(self) -> tuple[int, list[tuple[int, int, int]]]:
-        """(peak, micro-batches) of the TRACKED_STEPS-th step (or the last, in a shorter run): the first
-        whose optimizer state exists from its start, as in every later step and in the planner's prediction.
-        (0, []) where nothing was measured."""
-        i = min(TRACKED_STEPS, len(self.peaks)) - 1
+        """(peak, micro-batches) of the measured step: the process's TRACKED_STEPS-th (or its last, in a shorter
+        run), the first whose optimizer state exists from its start, as in every later step and in the planner's
+        prediction. (0, []) where nothing was measured."""
+        i = min(self.measured_step, len(self.peaks)) - 1 if self.device.type == "cuda" else len(self.peaks) - 1
         return (self.peaks[i], self.shapes[i]) if i >= 0 else (0, [])
 
 
