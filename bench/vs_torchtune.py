@@ -185,7 +185,7 @@ def ours_command(args, *, processes: int, checkpoint: Path, data: Path, out: Pat
             f"optimizer.max_grad_norm={MAX_GRAD_NORM}", "plan.recompute=none",
             f"plan.micro_batch_size={args.batch_size // processes}", "checkpoint_every=null",
             # What torchtune's recipe does not do either: sample answers before and after (the process's wall), and
-            # on the CPU follow every tensor of the first two steps (MemTracker: each about 1.5x as slow).
+            # on the CPU follow every tensor of the second step (MemTracker: about 1.5x as slow), in the medians.
             "sample_max_new_tokens=0", "measure_memory=false"]
 
 
