@@ -11,8 +11,8 @@
 # coloured shapes answers questions about pictures it never saw (34 s on this 2-core machine, 2026-11-27).
 # make test: install with the test extras (about 7 minutes once, llama.cpp's build most of it), then run the test
 # suite (bash .ci/run on a fresh clone on two cores, a new home and a cold inductor cache, pip's wheels cached: install
-# 54 s, 674 passed and 12 skipped in 11:34, 2026-11-29; README has the others; this machine's speed drifts by a fifth
-# between hours, so compare in one sitting. With the kernels of an AVX2-only CPU (bash scripts/as_avx2.sh: bf16 emulated at about 3 GFLOP/s) the
+# 54-62 s, 674 passed and 12 skipped in 10:04 to 12:08, 2026-11-29; README has the others; this machine's speed
+# drifts by a fifth between hours, so compare in one sitting. With the kernels of an AVX2-only CPU (bash scripts/as_avx2.sh: bf16 emulated at about 3 GFLOP/s) the
 # suite passes in about the same time; an AVX2-only machine's slower cores are not emulated: issue 51's took 2.3 times
 # as long as this one, part of it, if its image set PYTHONDONTWRITEBYTECODE as this one does, bytecode: see below).
 PYTHON ?= python3
