@@ -76,12 +76,13 @@ def process(stack: str) -> str:
 
 def table(stacks: list[tuple[str, int]]) -> str:
     total = sum(n for _, n in stacks)
-    shares, where = collections.Counter(), collections.defaultdict(collections.Counter)
+    shares, where, kinds = collections.Counter(), collections.defaultdict(collections.Counter), set()
     for stack, n in stacks:
-        name = bucket(stack)
+        name, kind = bucket(stack), process(stack)
         shares[name] += n
-        where[name][process(stack)] += n
-    lines = [f"{total} samples, {len({process(s) for s, _ in stacks})} kinds of process", "",
+        where[name][kind] += n
+        kinds.add(kind)
+    lines = [f"{total} samples, {len(kinds)} kinds of process", "",
              "| bucket | share | samples | busiest processes |", "|---|---:|---:|---|"]
     for name, n in shares.most_common():
         top = ", ".join(f"`{p}` {100 * k / n:.0f}%" for p, k in where[name].most_common(2))

@@ -50,16 +50,14 @@ def _typed(span: str) -> list[list[str]]:
     return [[f"{key}={PLACEHOLDERS.get(v, v)}", *context] for v in values]
 
 
-RECIPES = ("full_finetune", "lora_finetune", "dpo", "grpo", "generate", "plan", "export", "eval")
-
-
 def _first_the_recipes_that_have(key: str) -> list[str]:
-    """RECIPES, those whose schema has `key`'s first part first (a compose takes 0.1 s, and a third of the docs'
-    overrides were refused by full_finetune before a later recipe took them)."""
+    """Every recipe (config/schema.SCHEMAS), those whose schema has `key`'s first part first (a compose takes 0.1 s,
+    and a third of the docs' overrides were refused by full_finetune before a later recipe took them)."""
     from moai_recipes.config.compose import _schema_keys
+    from moai_recipes.config.schema import SCHEMAS
 
     top = key.lstrip("+~").split(".")[0]
-    return sorted(RECIPES, key=lambda recipe: top not in _schema_keys(None, recipe))
+    return sorted(SCHEMAS, key=lambda recipe: top not in _schema_keys(None, recipe))
 
 
 def test_every_override_the_docs_write_composes_as_typed():

@@ -78,7 +78,7 @@ class PeakMemory:
         """(peak, micro-batches) of the measured step: the process's TRACKED_STEPS-th (or its last, in a shorter
         run), the first whose optimizer state exists from its start, as in every later step and in the planner's
         prediction. (0, []) where nothing was measured."""
-        i = min(self.measured_step, len(self.peaks)) - 1 if self.device.type == "cuda" else len(self.peaks) - 1
+        i = min(self.measured_step, len(self.peaks)) - 1  # the CPU keeps that step's alone: index 0
         return (self.peaks[i], self.shapes[i]) if i >= 0 else (0, [])
 
 
