@@ -35,6 +35,25 @@ print("\\n".join(failed))
     assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
 
 
+def test_torchtunes_init_runs_only_when_a_name_of_its_own_is_asked_for():
+    """moai_recipes/deferred_init.py: torchtune's modules load without its package __init__ (which imports its whole
+    library: HF datasets, every model family's builders); its own names still answer, once it has run."""
+    script = """
+import sys
+import moai_recipes
+from torchtune.modules import RMSNorm
+from torchtune.modules.peft import LoRALinear
+deferred = "torchtune.datasets" not in sys.modules and "torchtune.models" not in sys.modules
+from torchtune import generation  # a submodule: imported alone
+alone = "torchtune.datasets" not in sys.modules
+import torchtune
+asked = torchtune.__version__[0].isdigit() and "torchtune.datasets" in sys.modules  # its __init__ has run
+print(deferred, alone, asked, torchtune.modules.RMSNorm is RMSNorm)
+"""
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["True"] * 4, r.stdout + r.stderr
+
+
 def _imports(path: Path) -> set[str]:
     """Every module `path` imports, at its top or inside a function (`from moai_recipes import env` included)."""
     names = set()
@@ -49,7 +68,7 @@ def _imports(path: Path) -> set[str]:
 
 # Bottom to top (docs/architecture.md): a module imports from its own layer and those below it, never above.
 LAYERS = [
-    ("env", "errors", "files", "flavors", "rewards"),
+    ("deferred_init", "env", "errors", "files", "flavors", "rewards"),
     ("config",),
     ("models",),
     ("data",),
