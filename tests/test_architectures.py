@@ -106,17 +106,25 @@ def test_the_loss_is_transformers_and_each_packed_document_its_own(checkpoints, 
 def test_a_layer_traced_again_reusing_what_it_was_called_with_is_traced_as_from_nothing(checkpoints, monkeypatch,
                                                                                       tmp_path):
     """The planner captures what a layer of transformers' modules is called with once and gives later traces of it
-    (another recomputation, dtype, form of row) new tensors of the same shapes (planner/activations._layer_call): each
-    such trace equals one made in a process that traced nothing before. Gemma 4: its shared keys and values are
-    written into what its layers are given."""
+    (another recomputation, dtype, form of row) new tensors of the same shapes (planner/activations._layer_call), and
+    builds the model once and lends it to each trace, recomputed and tiled as asked and put back after
+    (_lent_model): each such trace equals one made in a process that traced nothing before. Gemma 4: its shared keys
+    and values are written into what its layers are given. Qwen3.5-MoE: adapters on its stacked experts."""
+    from moai_recipes.models.lora import LoraOptions
     from moai_recipes.planner.activations import RowForm, trace_layer
 
-    spec = HFFolder.open(checkpoints["gemma4"]).spec
-    asks = [("none", torch.float32, False), ("full", torch.float32, False), ("none", torch.bfloat16, False),
-            ("selective", torch.bfloat16, True), ("selective", torch.float32, True)]
-    traced = lambda recompute, dtype, packed: trace_layer(  # noqa: E731
-        spec, seq_len=40, recompute=recompute, dtype=dtype, form=RowForm.of(per_document=packed))
-    _each_as_from_nothing(asks, traced, ("_CACHE", "_ASKED", "_CALLS"), monkeypatch, tmp_path)
+    experts = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(LoraOptions(
+        ("q_proj", "v_proj"), False, False, 4, 8.0, 0.0, False, apply_to_experts=True).builder_kwargs().items()))
+    asks = [("gemma4", "none", torch.float32, RowForm(), None), ("gemma4", "full", torch.float32, RowForm(), None),
+            ("gemma4", "none", torch.bfloat16, RowForm.of(tiles=4), None),
+            ("gemma4", "selective", torch.bfloat16, RowForm.of(per_document=True), None),
+            ("gemma4", "selective", torch.float32, RowForm.of(per_document=True), None),
+            ("qwen3_5_moe", "full", torch.float32, RowForm(), experts),
+            ("qwen3_5_moe", "none", torch.float32, RowForm(), experts),
+            ("qwen3_5_moe", "selective", torch.float32, RowForm(), None)]
+    traced = lambda name, recompute, dtype, form, lora: trace_layer(  # noqa: E731
+        HFFolder.open(checkpoints[name]).spec, seq_len=40, recompute=recompute, dtype=dtype, form=form, lora=lora)
+    _each_as_from_nothing(asks, traced, ("_CACHE", "_ASKED", "_CALLS", "_LAYER_MODELS"), monkeypatch, tmp_path)
 
 
 def test_a_small_layer_traced_on_real_tensors_holds_and_computes_what_its_fake_trace_does(checkpoints, monkeypatch):
