@@ -616,14 +616,12 @@ def _trace(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.dtype,
     from moai_recipes.models.attention import Documents, use_document_attention
 
     docs = Documents((seq_len // 2, seq_len - seq_len // 2)) if form.per_document and seq_len > 1 else None
-    with contextlib.ExitStack() as lent:
-        if spec.native:  # one layer: built for each trace (milliseconds)
-            model = _meta_model(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, tiles=form.tiles)
-            if docs:
-                use_document_attention(model.layers[0])
-        else:
-            model = lent.enter_context(_lent_model(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora,
-                                                   tiles=form.tiles))
+    if spec.native:  # one layer: built for each trace (milliseconds)
+        model = _meta_model(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, tiles=form.tiles)
+        if docs:
+            use_document_attention(model.layers[0])
+        return _trace_model(model, spec, seq_len=seq_len, dtype=dtype, lora=lora, docs=docs)
+    with _lent_model(spec, seq_len=seq_len, recompute=recompute, dtype=dtype, lora=lora, tiles=form.tiles) as model:
         return _trace_model(model, spec, seq_len=seq_len, dtype=dtype, lora=lora, docs=docs)
 
 
@@ -655,6 +653,8 @@ def _lent_model(spec: ModelSpec, *, seq_len: int, recompute: str, dtype: torch.d
 
 def _trace_model(model, spec: ModelSpec, *, seq_len: int, dtype: torch.dtype, lora: tuple | None,
                  docs) -> LayerTrace:
+    """_trace's layer (native: the one layer of `model`) or mean layer of every kind (transformers' modules), traced
+    on rows of `seq_len` tokens (`docs`: packed documents)."""
     if spec.native:
         layer = model.layers[0]
     with _tensors(_traced_for_real(spec, seq_len, dtype)) as stack:
