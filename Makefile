@@ -11,13 +11,13 @@
 # coloured shapes answers questions about pictures it never saw (34 s on this 2-core machine, 2026-11-27).
 # make test: install with the test extras (about 7 minutes once, llama.cpp's build most of it), then run the test
 # suite (bash .ci/run on a fresh clone on two cores, a new home and a cold inductor cache, pip's wheels cached: install
-# 54-64 s, the suite 10:04 to 12:26 over eleven runs of 2026-11-28 and 29: 675 passed and 12 skipped in 12:23 at
-# 5505f60 (1,453 busy core-seconds) and, an hour later, in 10:24 at f073558 (1,267: 1,228 worker-seconds); this
+# 53-64 s, the suite 10:03 to 12:26 over twelve runs of 2026-11-28 and 29: 675 passed and 12 skipped in 12:23 at
+# 5505f60 (1,453 busy core-seconds), an hour later in 10:24 at f073558 (1,267) and in 10:03 at 3fba719 (1,199); this
 # machine's speed drifts by a fifth between hours, so compare in one sitting.
 # With the kernels of an AVX2-only CPU (bash scripts/as_avx2.sh: bf16 emulated at about 3 GFLOP/s) 674 passed in 13:01
 # at 173cf74 (1,535 worker-seconds against 1,435 natively); an AVX2-only machine's cores are slower besides (issue 51's:
 # fp32 matmul 108 GFLOP/s against 190 here, and everything else about 1.5 times as long once bytecode is written: see
-# below), which makes about 18 to 19 minutes there.
+# below), which makes about 18 to 19.5 minutes there.
 # Every test runs in CI, also on that kind of machine. Ten minutes there would take about 715 of those 1,535
 # worker-seconds out, as much as the seven largest modules: test_architectures (169: every architecture trained on one,
 # two and four processes), test_compile (121), test_checkpoints (108: kills, restarts, full disks), test_export (88:
