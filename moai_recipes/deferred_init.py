@@ -13,14 +13,30 @@ What the skipped __init__ also did: it raised when torchao is missing (torchtune
 raises then too) and set HF_HUB_ENABLE_HF_TRANSFER where hf_transfer is installed (not among our dependencies; a
 user who installs it can set the variable). Called once, from moai_recipes/__init__.py, before anything imports
 torchtune.
+
+torchtune.training's __init__ is deferred the same way: it imports every part of its training utilities (its
+checkpointers, profiler, quantizers: these import the whole of torchao), and a run uses one of them, the learning-rate
+schedule (torchtune.training.lr_schedulers, which imports torchtune.training.memory alone).
+
+torchao's NF4Tensor (QLoRA's weights) is the one part of torchao that torchtune's modules import (every one of them,
+through torchtune.modules.common_utils), and its module imports torch alone; torchao's package __init__, run first by
+any import of it, imports its quantization, kernels and inductor passes (0.9 s of the 70B's dry run: 2.0 s of
+torchtune.modules' import against 1.1 s without). So when torchtune.modules is about to be imported and torchao is
+not, torchao/dtypes/nf4tensor.py is loaded alone, under its own name, where every `from torchao.dtypes.nf4tensor
+import ...` finds it; any other torchao import (8-bit AdamW, quantize_, QAT) runs torchao's __init__ as always, its
+C++ kernels loaded before any module that could use them (the NF4 ops are aten's), and the torchao.dtypes it
+imports adopts the module loaded before (the same NF4Tensor class, `torchao.dtypes.nf4tensor` an attribute as usual).
 """
 
 import importlib
 import importlib.util
 import sys
 import threading
+from pathlib import Path
 
-DEFERRED = ("torchtune",)
+DEFERRED = ("torchtune", "torchtune.training")  # parents first
+# A module loaded alone (its package's __init__ not run) when the first is about to be imported: see the docstring.
+ALONE = {"torchtune.modules": "torchao.dtypes.nf4tensor"}
 _LOCK = threading.RLock()
 
 
@@ -36,6 +52,74 @@ def defer_package_inits() -> None:
         module = importlib.util.module_from_spec(spec)
         module.__getattr__ = _completing(module)
         sys.modules[name] = module
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, module)
+    if not any(isinstance(finder, _LoadsAlone) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _LoadsAlone())
+
+
+class _LoadsAlone:
+    """An import finder that finds nothing itself: it loads ALONE's module before its trigger is imported, and makes
+    that module's package adopt it when the package is imported after all."""
+
+    def find_spec(self, name, path=None, target=None):
+        alone = ALONE.get(name)
+        if alone is not None and alone.partition(".")[0] not in sys.modules:
+            _load_alone(alone)
+        adopted = [m for m in ALONE.values() if m.rpartition(".")[0] == name and m in sys.modules]
+        if adopted and name not in sys.modules:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    spec.loader = _Adopting(spec.loader, {m.rpartition(".")[2]: sys.modules[m] for m in adopted})
+                    return spec
+        return None
+
+
+def _load_alone(name: str) -> None:
+    """Execute the module `name` under its name without importing its packages (its file found where they are)."""
+    with _LOCK:
+        if name in sys.modules:
+            return
+        top, _, rest = name.partition(".")
+        spec = importlib.util.find_spec(top)
+        if spec is None or spec.submodule_search_locations is None:
+            return  # not installed: the import that needs it says so
+        for location in spec.submodule_search_locations:
+            path = Path(location, *rest.split(".")).with_suffix(".py")
+            if path.is_file():
+                break
+        else:
+            return
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+
+
+class _Adopting:
+    """A package's loader that sets the submodules loaded alone before as its attributes, then runs its __init__
+    (which imports them and finds them in sys.modules)."""
+
+    def __init__(self, loader, children: dict):
+        self._loader, self._children = loader, children
+
+    def __getattr__(self, attr):
+        return getattr(self._loader, attr)  # get_source, get_resource_reader...: the package's own loader answers
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__dict__.update(self._children)
+        self._loader.exec_module(module)
 
 
 def _completing(module):

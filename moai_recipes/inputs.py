@@ -141,7 +141,7 @@ def import_ahead(cfg: DictConfig) -> None:
     model (transformers' modules of its family, where they build it). The launcher calls it before it forks the
     workers (launch/elastic.prepare_workers), which then find it imported: cpu-4's 4 processes each imported it on
     2 cores, 3.5 s of CPU apiece (7 of a tiny Phi-4's 10 s run). `cfg.model.checkpoint_dir` is resolved already."""
-    import torchtune.training  # noqa: F401 (train/optim.build_scheduler's learning-rate schedule: 0.26 s a process)
+    import torchtune.training.lr_schedulers  # noqa: F401 (train/optim.build_scheduler's learning-rate schedule)
 
     from moai_recipes.data.tokenizer import base_tokenizer_class
 

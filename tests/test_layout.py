@@ -35,23 +35,33 @@ print("\\n".join(failed))
     assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
 
 
-def test_torchtunes_init_runs_only_when_a_name_of_its_own_is_asked_for():
+def test_torchtunes_and_torchaos_inits_run_only_when_a_name_of_their_own_is_asked_for():
     """moai_recipes/deferred_init.py: torchtune's modules load without its package __init__ (which imports its whole
-    library: HF datasets, every model family's builders); its own names still answer, once it has run."""
+    library: HF datasets, every model family's builders) and without torchao's (its quantization, kernels, inductor
+    passes: torchtune's modules need NF4Tensor alone), the learning-rate schedule without torchtune.training's; their
+    own names still answer once their __init__ has run, and torchao's NF4Tensor is one class before and after."""
     script = """
 import sys
 import moai_recipes
 from torchtune.modules import RMSNorm
 from torchtune.modules.peft import LoRALinear
-deferred = "torchtune.datasets" not in sys.modules and "torchtune.models" not in sys.modules
+from torchtune.modules.common_utils import NF4Tensor
+from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
+deferred = not any(m in sys.modules for m in ("torchtune.datasets", "torchtune.models", "torchao",
+                                              "torchtune.training.checkpointing"))
 from torchtune import generation  # a submodule: imported alone
 alone = "torchtune.datasets" not in sys.modules
 import torchtune
 asked = torchtune.__version__[0].isdigit() and "torchtune.datasets" in sys.modules  # its __init__ has run
-print(deferred, alone, asked, torchtune.modules.RMSNorm is RMSNorm)
+import torchao.optim  # any other part of torchao: its __init__ runs as always
+import torchao, torchtune.training
+print(deferred, alone, asked, torchtune.modules.RMSNorm is RMSNorm,
+      torchao.__version__[0].isdigit() and "torchao.quantization" in sys.modules,
+      torchao.dtypes.nf4tensor.NF4Tensor is NF4Tensor and torchao.dtypes.NF4Tensor is NF4Tensor,
+      torchtune.training.get_cosine_schedule_with_warmup is get_cosine_schedule_with_warmup)
 """
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.split() == ["True"] * 4, r.stdout + r.stderr
+    assert r.returncode == 0 and r.stdout.split() == ["True"] * 7, r.stdout + r.stderr
 
 
 def _imports(path: Path) -> set[str]:
