@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -468,6 +469,10 @@ def main() -> int:
     device = torch.device("cuda") if gpu else torch.device("cpu")
     dtype, tol = (torch.bfloat16, 2e-2) if gpu else (torch.float32, 1e-5)
     args.out.mkdir(parents=True, exist_ok=True)
+    # A check run again into the same folder starts from nothing: its runs would resume from the last one's step
+    # checkpoints (the same command resumes), and torchtune's recipe refuses a log folder that exists.
+    for part in ("checkpoints", "runs", "torchtune"):
+        shutil.rmtree(args.out / part, ignore_errors=True)
     report = {"date": time.strftime("%Y-%m-%d"), "card": card(device), "versions": versions(), "checks": [],
               "runs": [], "not_yet": NOT_YET}
     for fn in CHECKS:

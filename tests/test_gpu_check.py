@@ -14,6 +14,11 @@ from tests.helpers import ROOT, command_env
 
 def test_the_device_check_runs_its_whole_sequence_on_the_cpu(tmp_path):
     out = tmp_path / "check"
+    # What an earlier check left in the same folder (a rerun after a fix, as on a lent GPU): torchtune's recipe
+    # refuses a log folder that exists, and a run would resume from its step checkpoints.
+    (out / "torchtune" / "torchtune-r1").mkdir(parents=True)
+    (out / "runs" / "llama-full" / "checkpoints").mkdir(parents=True)
+    (out / "runs" / "llama-full" / "checkpoints" / "stale").write_text("from the last check")
     r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu", "--out", str(out), "--methods", "full",
                         "--steps", "2"], cwd=ROOT, env=command_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -30,5 +35,6 @@ def test_the_device_check_runs_its_whole_sequence_on_the_cpu(tmp_path):
     grpo = report["grpo"]
     assert grpo["returncode"] == 0 and grpo["measured_sampling_s"] > 0 and grpo["predicted_kv_cache_bytes"] > 0, grpo
     assert report["gpu_tests"]["returncode"] == 0 and "9 skipped" in report["gpu_tests"]["summary"], report["gpu_tests"]
+    assert not (out / "runs" / "llama-full" / "checkpoints" / "stale").exists()
     text = (out / "report.md").read_text()
     assert "| packed_attention | ok |" in text and "| torchtune side by side |" in text and "| GRPO round |" in text
