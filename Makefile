@@ -13,11 +13,14 @@
 # suite (bash .ci/run on a fresh clone on two cores, a new home and a cold inductor cache, pip's wheels cached: install
 # 53-64 s, the suite 10:03 to 12:26 over twelve runs of 2026-11-28 and 29: 675 passed and 12 skipped in 12:23 at
 # 5505f60 (1,453 busy core-seconds), an hour later in 10:24 at f073558 (1,267) and in 10:03 at 3fba719 (1,199); this
-# machine's speed drifts by a fifth between hours, so compare in one sitting.
+# machine's speed drifts by a fifth between hours, so compare in one sitting. At 9bad472 (torchao's and
+# torchtune.training's package __init__s left out of every process that needs neither: moai_recipes/deferred_init.py)
+# 675 passed and 12 skipped in 9:38 (1,154 busy core-seconds, 1,131 worker-seconds against 1,186-1,211 the hour
+# before; the modules that start the most fresh processes gained most: test_gpu_check -11 s, test_eval -10 s).
 # With the kernels of an AVX2-only CPU (bash scripts/as_avx2.sh: bf16 emulated at about 3 GFLOP/s) 674 passed in 13:01
 # at 173cf74 (1,535 worker-seconds against 1,435 natively); an AVX2-only machine's cores are slower besides (issue 51's:
 # fp32 matmul 108 GFLOP/s against 190 here, and everything else about 1.5 times as long once bytecode is written: see
-# below), which makes about 18 to 19.5 minutes there.
+# below), which made about 18 to 19.5 minutes there at 173cf74, and about 15 to 16.5 at 9bad472 (9:38 x 1.6 to 1.7).
 # Every test runs in CI, also on that kind of machine. Ten minutes there would take about 715 of those 1,535
 # worker-seconds out, as much as the seven largest modules: test_architectures (169: every architecture trained on one,
 # two and four processes), test_compile (121), test_checkpoints (108: kills, restarts, full disks), test_export (88:

@@ -1,4 +1,5 @@
-"""torchtune's package __init__ run when a name only it defines is asked for, not whenever one of its submodules is.
+"""Package __init__s that import far more than a run uses (torchtune's, torchtune.training's, torchao's), run only
+when something of their own is asked for, not whenever one of their submodules is imported.
 
 `from torchtune.modules import RMSNorm` runs torchtune/__init__.py first, and it imports every part of the library:
 its datasets (HF datasets and pandas), the builders of every model family it ships, its generation and its utils.
