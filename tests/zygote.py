@@ -1,7 +1,8 @@
 """A process that imports the training stack once and forks a child for each multi-process command the suite runs.
 
-`python -m recipes.full_finetune flavor=cpu-2 ...` spends 5.3 s of CPU importing torch, torchao (which imports
-dynamo and inductor), torchtune and the recipe before its launcher forks the workers; the suite runs about a
+`python -m recipes.full_finetune flavor=cpu-2 ...` spends seconds of CPU importing torch, dynamo (under torchao's
+NF4Tensor), torchtune, transformers and the recipe before its launcher forks the workers (5.3 s when torchao's
+whole __init__ ran too); the suite runs about a
 hundred such commands. Each pytest worker starts one of these (tests/helpers.run_recipe), which imports all that
 once and then, for each command, forks a child that is what `python -m` would have become by then: the repository
 first on sys.path, cwd the repository, the command's environment, its argv, stdin empty, stdout and stderr to
@@ -31,8 +32,9 @@ PRELOADED = ("moai_recipes.launch.entry", "moai_recipes.launch.elastic", "moai_r
              "moai_recipes.recipes.full_finetune", "moai_recipes.recipes.lora_finetune",
              "moai_recipes.recipes.dpo", "moai_recipes.recipes.grpo",
              # What a launcher imports before it forks its workers (inputs.import_ahead), but a model family's own:
-             # torchtune (the tokenizer's base: 1.9 s of a cpu-2 run of 6.3) and transformers' modelling (1.6 s).
-             "torchtune.modules.transforms.tokenizers", "torchtune.training", "transformers.modeling_utils",
+             # torchtune (the tokenizer's base: 1.9 s of a cpu-2 run of 6.3), its learning-rate schedule (its
+             # torchtune.training's __init__ deferred: moai_recipes/deferred_init.py) and transformers' modelling (1.6 s).
+             "torchtune.modules.transforms.tokenizers", "torchtune.training.lr_schedulers", "transformers.modeling_utils",
              "transformers.models.auto.modeling_auto",
              # What rank 0 imports at the end of every run to draw loss.png (0.7 s, a fifth of a short run's time).
              "matplotlib.pyplot")

@@ -14,7 +14,6 @@ Without Documents (padded rows, generation, the planner's traces) it is torchtun
 Test: `python -m pytest tests/test_packing.py -q`.
 """
 
-from dataclasses import dataclass
 from functools import cached_property, partial
 
 import torch
@@ -22,11 +21,25 @@ import torch.nn.functional as F
 from torch import nn
 
 
-@dataclass(frozen=True)
 class Documents:
-    """The documents of one packed row, in order (their lengths add up to the row's)."""
+    """The documents of one packed row, in order (their lengths add up to the row's).
 
-    lengths: tuple[int, ...]
+    A plain class, not a frozen dataclass: a compiled layer (plan.compile) hands it to the attention it leaves eager,
+    and torch 2.11's dynamo reads a frozen dataclass's fields into the graph's guards (`len(mask.lengths) == 2`),
+    compiling the layer again for each number of documents a row holds (3 graphs in test_compile's packed run, 1 on
+    torch 2.13); an ordinary object is passed through unread on both."""
+
+    def __init__(self, lengths: tuple[int, ...]):
+        self.lengths = tuple(lengths)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Documents) and other.lengths == self.lengths
+
+    def __hash__(self) -> int:
+        return hash(self.lengths)
+
+    def __repr__(self) -> str:
+        return f"Documents(lengths={self.lengths})"
 
     @cached_property
     def offsets(self) -> list[int]:
