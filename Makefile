@@ -20,7 +20,8 @@
 # With the kernels of an AVX2-only CPU (bash scripts/as_avx2.sh: bf16 emulated at about 3 GFLOP/s) 674 passed in 13:01
 # at 173cf74 (1,535 worker-seconds against 1,435 natively); an AVX2-only machine's cores are slower besides (issue 51's:
 # fp32 matmul 108 GFLOP/s against 190 here, and everything else about 1.5 times as long once bytecode is written: see
-# below), which made about 18 to 19.5 minutes there at 173cf74, and about 15 to 16.5 at 9bad472 (9:38 x 1.6 to 1.7).
+# below), which made about 18 to 19.5 minutes there at 173cf74. At 5e33450 the same kernels passed 675 in 10:50 (1,277
+# worker-seconds, 1,221 natively that hour): about 15 to 16.5 minutes on an AVX2-only machine's slower cores.
 # Every test runs in CI, also on that kind of machine. Ten minutes there would take about 715 of those 1,535
 # worker-seconds out, as much as the seven largest modules: test_architectures (169: every architecture trained on one,
 # two and four processes), test_compile (121), test_checkpoints (108: kills, restarts, full disks), test_export (88:

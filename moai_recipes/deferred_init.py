@@ -113,6 +113,8 @@ class _Adopting:
         self._loader, self._children = loader, children
 
     def __getattr__(self, attr):
+        if attr in ("_loader", "_children"):  # not set yet (a copy made without __init__): no endless lookup
+            raise AttributeError(attr)
         return getattr(self._loader, attr)  # get_source, get_resource_reader...: the package's own loader answers
 
     def create_module(self, spec):
