@@ -22,11 +22,12 @@
 # fp32 matmul 108 GFLOP/s against 190 here, and everything else about 1.5 times as long once bytecode is written: see
 # below), which made about 18 to 19.5 minutes there at 173cf74. At 5e33450 the same kernels passed 675 in 10:50 (1,277
 # worker-seconds, 1,221 natively that hour): about 15 to 16.5 minutes on an AVX2-only machine's slower cores.
-# Every test runs in CI, also on that kind of machine. Ten minutes there would take about 715 of those 1,535
-# worker-seconds out, as much as the seven largest modules: test_architectures (169: every architecture trained on one,
-# two and four processes), test_compile (121), test_checkpoints (108: kills, restarts, full disks), test_export (88:
-# llama.cpp's converter per architecture), test_gpu_check (86: the device check's whole sequence), test_layouts (78:
-# pipeline and tensor meshes), test_smollm2 (77: the real model). The suite's profile is flat (bench/suite_profile.py:
+# Every test runs in CI, also on that kind of machine. Ten minutes there took about 715 of those 1,535 worker-seconds
+# out at 173cf74; at 5e33450 about 465 of 1,277, as much as the five largest modules (with AVX2's kernels):
+# test_architectures (145: every architecture trained on one, two and four processes), test_compile (100),
+# test_checkpoints (91: kills, restarts, full disks), test_export (76: llama.cpp's converter per architecture) and
+# test_gpu_check (72: the device check's whole sequence); test_layouts (68: pipeline and tensor meshes) and
+# test_smollm2 (67: the real model) follow. The suite's profile is flat (bench/suite_profile.py:
 # imports of fresh processes 18%, training steps 18%, the planner's traces 12%), so no single cost holds that half:
 # CI's 90 minutes are kept for the coverage, not the other way round (issue 51's note, 2026-11-29).
 PYTHON ?= python3
