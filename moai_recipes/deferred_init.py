@@ -45,7 +45,8 @@ def defer_package_inits() -> None:
     """Register each package of DEFERRED not imported yet without running its __init__ (not installed: left to the
     import that needs it, which says so)."""
     for name in DEFERRED:
-        if name in sys.modules:
+        parent = name.rpartition(".")[0]
+        if name in sys.modules or (parent and parent not in sys.modules):  # a parent not installed: nothing to defer
             continue
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None or spec.submodule_search_locations is None:
@@ -53,9 +54,8 @@ def defer_package_inits() -> None:
         module = importlib.util.module_from_spec(spec)
         module.__getattr__ = _completing(module)
         sys.modules[name] = module
-        parent, _, child = name.rpartition(".")
         if parent:
-            setattr(sys.modules[parent], child, module)
+            setattr(sys.modules[parent], name.rpartition(".")[2], module)
     if not any(isinstance(finder, _LoadsAlone) for finder in sys.meta_path):
         sys.meta_path.insert(0, _LoadsAlone())
 

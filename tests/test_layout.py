@@ -64,6 +64,27 @@ print(deferred, alone, asked, torchtune.modules.RMSNorm is RMSNorm,
     assert r.returncode == 0 and r.stdout.split() == ["True"] * 7, r.stdout + r.stderr
 
 
+def test_moai_recipes_imports_where_torchtune_is_not_installed():
+    """The deferral registers torchtune.training only under a torchtune it registered: where torchtune is missing
+    (Python's own finder answers None for it, as for any package not installed), `import moai_recipes` still works and
+    leaves the error to what needs torchtune."""
+    script = """
+import importlib.util, sys
+found = importlib.util.find_spec
+def find_spec(name, package=None):  # torchtune not installed, as importlib answers then
+    if name == "torchtune":
+        return None
+    if name.startswith("torchtune.") and "torchtune" not in sys.modules:
+        raise ModuleNotFoundError("No module named 'torchtune'", name="torchtune")
+    return found(name, package)
+importlib.util.find_spec = find_spec
+import moai_recipes
+print("torchtune" in sys.modules)
+"""
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["False"], r.stdout + r.stderr
+
+
 def _imports(path: Path) -> set[str]:
     """Every module `path` imports, at its top or inside a function (`from moai_recipes import env` included)."""
     names = set()
