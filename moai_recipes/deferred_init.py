@@ -38,6 +38,7 @@ from pathlib import Path
 DEFERRED = ("torchtune", "torchtune.training")  # parents first
 # A module loaded alone (its package's __init__ not run) when the first is about to be imported: see the docstring.
 ALONE = {"torchtune.modules": "torchao.dtypes.nf4tensor"}
+_PACKAGES = {alone.rpartition(".")[0]: alone for alone in ALONE.values()}  # the package each adopts it, by name
 _LOCK = threading.RLock()
 
 
@@ -64,19 +65,20 @@ class _LoadsAlone:
     """An import finder that finds nothing itself: it loads ALONE's module before its trigger is imported, and makes
     that module's package adopt it when the package is imported after all."""
 
-    def find_spec(self, name, path=None, target=None):
+    def find_spec(self, name, path=None, target=None):  # asked at every import: two dictionary lookups
         alone = ALONE.get(name)
         if alone is not None and alone.partition(".")[0] not in sys.modules:
             _load_alone(alone)
-        adopted = [m for m in ALONE.values() if m.rpartition(".")[0] == name and m in sys.modules]
-        if adopted and name not in sys.modules:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(name, path, target)
-                if spec is not None:
-                    spec.loader = _Adopting(spec.loader, {m.rpartition(".")[2]: sys.modules[m] for m in adopted})
-                    return spec
+        child = _PACKAGES.get(name)
+        if child is None or child not in sys.modules or name in sys.modules:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                spec.loader = _Adopting(spec.loader, {child.rpartition(".")[2]: sys.modules[child]})
+                return spec
         return None
 
 
