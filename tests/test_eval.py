@@ -4,6 +4,7 @@ and for an adapter on its base; a task that is not there, or whose data is not, 
 Run: python -m pytest tests/test_eval.py -q
 """
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -149,3 +150,52 @@ def test_eval_of_a_model_of_transformers_modules_equals_lm_eval_hf_backend(tmp_p
     assert r.returncode == 0, r.stdout + r.stderr
     assert "gemma3_text" in r.stdout + r.stderr
     _same_numbers(out, _hf_backend(base, tasks))
+
+
+def test_the_index_of_lm_evals_own_tasks_is_kept_in_the_cache_and_read_back_as_lm_eval_builds_it(tmp_path, monkeypatch,
+                                                                                                caplog):
+    """moai_recipes/inference/task_index.py, on a small folder standing for lm-eval's own (its 14k files take 4 s):
+    the index a TaskManager gets is lm-eval's, the built-in part read from the cache once a process stored it (a value
+    planted in the stored file is what the next manager sees), a user's task of a built-in name overrides it as
+    lm-eval overrides it (its warning), a damaged file is indexed again, and lm-eval is left as it was."""
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._index import TaskIndex
+
+    from moai_recipes.inference.task_index import builtin_tasks_cached
+
+    monkeypatch.setenv("MOAI_CACHE", str(tmp_path / "cache"))
+    builtin, own = make_quiz_tasks(tmp_path / "builtin"), tmp_path / "own"
+    (builtin / "quiz_tagged.yaml").write_text((builtin / "quiz_mc.yaml").read_text().replace(
+        "task: quiz_mc", "task: quiz_tagged\ntag: [quizzes]"))
+    (builtin / "quiz_group.yaml").write_text("group: quiz_all\ntask: [quiz_mc, quiz_gen]\n")
+    own.mkdir()
+    (own / "quiz_gen.yaml").write_text((builtin / "quiz_gen.yaml").read_text().replace("max_gen_toks: 12",
+                                                                                     "max_gen_toks: 3"))
+    folders = [str(builtin), str(own)]
+    original = TaskIndex.__dict__["build"]
+
+    def manager(cached: bool):
+        with builtin_tasks_cached(builtin) if cached else contextlib.nullcontext():
+            return TaskManager(include_path=folders, include_defaults=False)
+
+    theirs = manager(cached=False)
+    assert TaskIndex.__dict__["build"] is original
+    caplog.clear()
+    first = manager(cached=True)
+    assert TaskIndex.__dict__["build"] is original
+    assert first.task_index == theirs.task_index and first.all_tasks == theirs.all_tasks
+    assert {"quiz_mc", "quiz_gen", "quiz_tagged", "quizzes", "quiz_all"} == set(first.all_tasks)
+    assert first.task_index["quiz_gen"].yaml_path == own / "quiz_gen.yaml"  # the user's, over the built-in one
+    assert "Task 'quiz_gen' from" in caplog.text and "overrides existing task" in caplog.text
+    (stored,) = (tmp_path / "cache" / "lm-eval-tasks").glob("*.json")
+    planted = json.loads(stored.read_text())
+    assert set(planted) == {"quiz_mc", "quiz_gen", "quiz_tagged", "quizzes", "quiz_all"}  # the built-in folder's alone
+    planted["quiz_mc"][2]["doc_to_target"] = "planted"
+    stored.write_text(json.dumps(planted))
+    assert manager(cached=True).task_index["quiz_mc"].cfg["doc_to_target"] == "planted"
+    stored.write_text(stored.read_text()[:100])  # damaged: indexed again, and stored whole
+    assert manager(cached=True).task_index == theirs.task_index
+    assert json.loads(stored.read_text())["quiz_mc"][2]["doc_to_target"] == "label"
+    (builtin / "quiz_mc.yaml").write_text((builtin / "quiz_mc.yaml").read_text().replace("doc_to_target: label",
+                                                                                       "doc_to_target: 0"))
+    assert manager(cached=True).task_index["quiz_mc"].cfg["doc_to_target"] == 0  # an edited file: indexed again
