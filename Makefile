@@ -115,6 +115,9 @@ demo-tiny: $(BASE)
 # 225-262 GFLOP/s against the 322 recorded earlier (tests/test_layouts.py alone: 122 s at both commits);
 # 13:50 before (both workers' OpenMP threads on both cores, the memory tracer 12x a step, long modules last, a
 # fork server importing torch and the recipe again beside each launcher of several processes).
+# Three workers fill the idle core-seconds of a worker waiting on its processes (25 left of 64) but cost more in
+# contention: 11:45 against 10:40 for two, run back to back on fresh clones at 58d7369 (1,390 busy core-seconds
+# against 1,218; 2026-11-29).
 test: $(TESTS)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
