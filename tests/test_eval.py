@@ -195,8 +195,9 @@ def test_the_index_of_lm_evals_own_tasks_is_kept_in_the_cache_and_read_back_as_l
     planted["quiz_mc"][2]["doc_to_target"] = "planted"
     stored.write_text(json.dumps(planted))
     assert manager(cached=True).task_index["quiz_mc"].cfg["doc_to_target"] == "planted"
-    stored.write_text(stored.read_text()[:100])  # damaged: indexed again, and stored whole
-    assert manager(cached=True).task_index == theirs.task_index
+    for damaged in (stored.read_text()[:100], "[]"):  # indexed again, and stored whole
+        stored.write_text(damaged)
+        assert manager(cached=True).task_index == theirs.task_index
     assert json.loads(stored.read_text())["quiz_mc"][2]["doc_to_target"] == "label"
     (builtin / "quiz_mc.yaml").write_text((builtin / "quiz_mc.yaml").read_text().replace("doc_to_target: label",
                                                                                        "doc_to_target: 0"))

@@ -70,7 +70,7 @@ def _builtin_index(folder: Path, build, entry_class, kinds) -> dict:
         return {name: entry_class(name=name, kind=kinds[kind], yaml_path=Path(file) if file else None, cfg=cfg,
                                   tags=set(tags))
                 for name, (kind, file, cfg, tags) in stored.items()}
-    except (OSError, ValueError, KeyError, TypeError):  # not there yet, or damaged: indexed again and stored
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # not there yet, or damaged: indexed again
         pass
     index = build()
     stored = {name: (e.kind.name, str(e.yaml_path) if e.yaml_path else None, e.cfg, sorted(e.tags))
