@@ -47,8 +47,8 @@ def moai_home() -> Path:
 
 
 def cache_dir() -> Path:
-    """This machine's cache (the tiny checkpoint, converted models, the CPU's speed, layer traces, tokenised data):
-    MOAI_CACHE, else ~/.cache/moai-recipes."""
+    """This machine's cache (the tiny checkpoint, converted models, the CPU's speed, layer traces, tokenised data,
+    lm-eval's task index): MOAI_CACHE, else ~/.cache/moai-recipes."""
     return Path(_get(MOAI_CACHE) or Path.home() / ".cache" / "moai-recipes")
 
 
