@@ -46,7 +46,7 @@ def defer_package_inits() -> None:
     """Register each package of DEFERRED not imported yet without running its __init__ (not installed: left to the
     import that needs it, which says so)."""
     for name in DEFERRED:
-        parent = name.rpartition(".")[0]
+        parent, _, child = name.rpartition(".")
         if name in sys.modules or (parent and parent not in sys.modules):  # a parent not installed: nothing to defer
             continue
         spec = importlib.util.find_spec(name)
@@ -56,7 +56,7 @@ def defer_package_inits() -> None:
         module.__getattr__ = _completing(module)
         sys.modules[name] = module
         if parent:
-            setattr(sys.modules[parent], name.rpartition(".")[2], module)
+            setattr(sys.modules[parent], child, module)
     if not any(isinstance(finder, _LoadsAlone) for finder in sys.meta_path):
         sys.meta_path.insert(0, _LoadsAlone())
 

@@ -411,6 +411,12 @@ def write_varied_text(path: Path, words: list[str], samples: int = 48) -> Path:
     return write_jsonl(path, rows)
 
 
+def last_wins(*args: str) -> list[str]:
+    """Command-line overrides with a later value of a key in place of an earlier one (Hydra refuses a key given
+    twice): a test's common settings, then what one run changes."""
+    return list({a.split("=")[0]: a for a in args}.values())
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -22,7 +22,7 @@ from moai_recipes.models.build import build_model, init_buffers
 from moai_recipes.models.hf_format import HFFolder, load_weights, save_weights
 from moai_recipes.models.loss import IGNORE_INDEX, token_loss_sum
 from tests.architectures import ARCHITECTURES, make_checkpoint
-from tests.helpers import FSDP, layout, metrics, peak_error, plan_of, run_recipe, tensors
+from tests.helpers import FSDP, last_wins, layout, metrics, peak_error, plan_of, run_recipe, tensors
 
 NAMES = list(ARCHITECTURES)
 # Layer kinds each architecture's config makes (what the planner traces one of each).
@@ -274,8 +274,7 @@ def test_one_two_and_four_processes_train_alike_and_lr_zero_writes_back_every_te
                            ("cpu-4", (*FSDP, "optimizer.lr=0", "plan.expert_parallel=1", "measure_memory=false",
                                       "max_steps=1"))):
         out = tmp_path / flavor
-        r = run_recipe(*{a.split("=")[0]: a for a in (*common, f"flavor={flavor}", *forced)}.values(),
-                       f"output_dir={out}")  # a later value of a key wins
+        r = run_recipe(*last_wins(*common, f"flavor={flavor}", *forced), f"output_dir={out}")
         assert r.returncode == 0, r.stdout + r.stderr
         assert f": {ARCHITECTURES[name][0]}," in r.stdout  # described as what it is
         assert layout(out) == ("single" if flavor == "cpu" else "sharded")
@@ -494,8 +493,7 @@ def test_a_row_split_over_two_context_devices_trains_as_one_process(checkpoints,
     curves = {}
     for flavor, forced in (("cpu", ()), ("cpu-2", ("plan.context_parallel=2", "plan.context_parallel_way=gather"))):
         out = tmp_path / flavor
-        r = run_recipe(*{a.split("=")[0]: a for a in (*common, f"flavor={flavor}", *forced)}.values(),
-                       f"output_dir={out}")  # a later value of a key wins
+        r = run_recipe(*common, f"flavor={flavor}", *forced, f"output_dir={out}")
         assert r.returncode == 0, r.stdout + r.stderr
         curves[flavor] = metrics(out)
     assert layout(tmp_path / "cpu-2") == "data 1 x context 2 (gather)"

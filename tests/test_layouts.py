@@ -10,7 +10,8 @@ byte what one process exports. Each run states its mesh in plan.json, and the te
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import instruct_rows, layout, make_hf_checkpoint, metrics, run_recipe, tensors, write_jsonl
+from tests.helpers import (instruct_rows, last_wins, layout, make_hf_checkpoint, metrics, run_recipe, tensors,
+                           write_jsonl)
 
 STEPS = 4
 # Eight layers (pipeline 4 interleaved runs eight stages), four key/value heads (tensor 4 cuts them); 48 samples:
@@ -45,7 +46,7 @@ def _run(model, out, method: str, rows: str, *extra):
     module = "recipes.lora_finetune" if method == "lora" else "recipes.full_finetune"
     args = [f"model.checkpoint_dir={model['checkpoint']}", f"dataset.path={model['data']}", *COMMON, ROWS[rows],
             *extra, f"output_dir={out}"]
-    r = run_recipe(*{a.split("=")[0]: a for a in args}.values(), module=module)  # a later value of a key wins
+    r = run_recipe(*last_wins(*args), module=module)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 

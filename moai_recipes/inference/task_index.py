@@ -32,7 +32,7 @@ def builtin_tasks_cached(folder: Path | None = None):
     `folder`: the folder taken for lm-eval's own (its `tasks` package; a test gives a small one)."""
     try:
         import lm_eval.tasks
-        from lm_eval.tasks._index import Entry, Kind, TaskIndex
+        from lm_eval.tasks._index import TaskIndex
     except ImportError:  # an lm-eval that indexes otherwise (before 0.4.10): as it does
         yield
         return
@@ -46,8 +46,8 @@ def builtin_tasks_cached(folder: Path | None = None):
         paths = [Path(p) for p in paths]
         if args or kwargs or not paths or paths[0] != builtin:
             return build(paths, *args, **kwargs)
-        index = _builtin_index(builtin, lambda: build([builtin]), Entry, Kind)
-        for name, entry in (build(paths[1:]) if paths[1:] else {}).items():
+        index = _builtin_index(builtin, lambda: build([builtin]))
+        for name, entry in build(paths[1:]).items():
             if name in index:  # lm-eval's own words for a later folder's task of an earlier name
                 logging.getLogger("lm_eval.tasks._index").warning(
                     "Task '%s' from %s overrides existing task from %s", name, entry.yaml_path, index[name].yaml_path)
@@ -61,14 +61,15 @@ def builtin_tasks_cached(folder: Path | None = None):
         TaskIndex.build = built
 
 
-def _builtin_index(folder: Path, build, entry_class, kinds) -> dict:
+def _builtin_index(folder: Path, build) -> dict:
     import lm_eval
+    from lm_eval.tasks._index import Entry, Kind
 
     path = cache_dir() / "lm-eval-tasks" / f"{_fingerprint(folder, getattr(lm_eval, '__version__', '?'))}.json"
     try:
         stored = json.loads(path.read_text())
-        return {name: entry_class(name=name, kind=kinds[kind], yaml_path=Path(file) if file else None, cfg=cfg,
-                                  tags=set(tags))
+        return {name: Entry(name=name, kind=Kind[kind], yaml_path=Path(file) if file else None, cfg=cfg,
+                            tags=set(tags))
                 for name, (kind, file, cfg, tags) in stored.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # not there yet, or damaged: indexed again
         pass
