@@ -5,10 +5,9 @@ when something of their own is asked for, not whenever one of their submodules i
 its datasets (HF datasets and pandas), the builders of every model family it ships, its generation and its utils.
 A cold dry run of Llama-3-70B (`recipes.plan flavor=48xlarge model=llama3_70b`, 6.4-6.8 s on two cores) spent
 0.35-0.4 s there (`python -X importtime`) and uses none of it: it builds one layer of torchtune's modules to trace.
-(A training process still imports HF datasets, through torchtune.data: the tokenizer's base.) torchtune's parts
-import one another by their full names, so its submodules load without the package's __init__: the package is
-registered as its spec makes it, empty, and its __init__ runs, once, when something asks the package for a name it
-lacks (`torchtune.__version__`; `from torchtune import datasets` imports that submodule alone).
+torchtune's parts import one another by their full names, so its submodules load without the package's __init__: the
+package is registered as its spec makes it, empty, and its __init__ runs, once, when something asks the package for a
+name it lacks (`torchtune.__version__`; `from torchtune import datasets` imports that submodule alone).
 
 What the skipped __init__ also did: it raised when torchao is missing (torchtune.modules imports torchao, which
 raises then too) and set HF_HUB_ENABLE_HF_TRANSFER where hf_transfer is installed (not among our dependencies; a

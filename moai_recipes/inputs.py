@@ -137,15 +137,14 @@ def model_spec(cfg: DictConfig, folder: Path | None) -> ModelSpec:
 
 
 def import_ahead(cfg: DictConfig) -> None:
-    """Import now what reading the run's inputs will: torchtune (the tokenizer's base) and the code that builds the
-    model (transformers' modules of its family, where they build it). The launcher calls it before it forks the
-    workers (launch/elastic.prepare_workers), which then find it imported: cpu-4's 4 processes each imported it on
-    2 cores, 3.5 s of CPU apiece (7 of a tiny Phi-4's 10 s run). `cfg.model.checkpoint_dir` is resolved already."""
+    """Import now what reading the run's inputs will: the code that builds the model (torchtune's layers, its LoRA
+    and its generation, and transformers' modules of the model's family where they build it) and the learning-rate
+    schedule. The launcher calls it before it forks the workers (launch/elastic.prepare_workers), which then find it
+    imported: cpu-4's 4 processes each imported it on 2 cores, 3.5 s of CPU apiece (7 of a tiny Phi-4's 10 s run).
+    `cfg.model.checkpoint_dir` is resolved already."""
+    import torchtune.modules  # noqa: F401 (models/build.py's layers and LoRA, with dynamo, which they import)
     import torchtune.training.lr_schedulers  # noqa: F401 (train/optim.build_scheduler's learning-rate schedule)
 
-    from moai_recipes.data.tokenizer import base_tokenizer_class
-
-    base_tokenizer_class()
     spec = model_spec(cfg, cfg.model.checkpoint_dir)
     if not spec.native:
         # transformers' table of how checkpoints name each family's tensors, built at its first use in a process

@@ -263,6 +263,44 @@ def test_missing_tokenizer_file_names_folder_and_file(tmp_path):
         Tokenizer.from_checkpoint(tmp_path)
 
 
+def test_bos_and_eos_are_inferred_as_torchtunes_wrapper_infers_them(hf_checkpoints, tmp_path):
+    """BOS and EOS from the tokens tokenizer_config.json names, else generation_config.json's ids (a list: its first),
+    as torchtune's HuggingFaceBaseTokenizer infers them, which data/tokenizer.py no longer imports; where no BOS is
+    named, none is added; where no EOS can be found, or a file is damaged, the user is told which and how to fix it."""
+    from torchtune.modules.transforms.tokenizers import HuggingFaceBaseTokenizer
+
+    source = hf_checkpoints["llama"]
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    bos, eos = config["bos_token"], config["eos_token"]
+    cases = {"named": ({"bos_token": bos, "eos_token": {"content": eos, "lstrip": False}}, None),
+             "generation's": ({}, {"bos_token_id": 5, "eos_token_id": [7, 8]}),
+             "an unknown name": ({"bos_token": "<nothing>", "eos_token": eos}, {"bos_token_id": 9})}
+    for name, (tokens, generation) in cases.items():
+        folder = tmp_path / name
+        shutil.copytree(source, folder)
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config | tokens, **{
+            k: None for k in ("bos_token", "eos_token") if k not in tokens}}))
+        (folder / "generation_config.json").unlink(missing_ok=True)
+        if generation:
+            (folder / "generation_config.json").write_text(json.dumps(generation))
+        theirs = HuggingFaceBaseTokenizer(str(folder / "tokenizer.json"),
+                                          tokenizer_config_json_path=str(folder / "tokenizer_config.json"),
+                                          generation_config_path=str(folder / "generation_config.json")
+                                          if generation else None) if tokens else None
+        ours = Tokenizer.from_checkpoint(folder)
+        expected = (theirs.bos_id, theirs.eos_id) if theirs else (5, 7)
+        assert (ours.bos_id, ours.eos_id) == expected, name
+        assert ours.encode("moo")[0] == expected[0] if "bos_token" in tokens else ours.encode("moo")[0] != 5
+        assert ours.stop_ids[0] == expected[1] and ours.encode("moo")[-1] == expected[1]
+
+    (tmp_path / "generation's" / "generation_config.json").write_text(json.dumps({"bos_token_id": 5}))
+    with pytest.raises(UserError, match="could not infer the EOS token.*set eos_token in its tokenizer_config.json"):
+        Tokenizer.from_checkpoint(tmp_path / "generation's")
+    (tmp_path / "named" / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(UserError, match=f"cannot read the tokenizer in {tmp_path / 'named'}: .*damaged"):
+        Tokenizer.from_checkpoint(tmp_path / "named")
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_matches_transformers_chat_template(hf_checkpoints, family):
     transformers = pytest.importorskip("transformers")

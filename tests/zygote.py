@@ -32,10 +32,9 @@ PRELOADED = ("moai_recipes.launch.entry", "moai_recipes.launch.elastic", "moai_r
              "moai_recipes.recipes.full_finetune", "moai_recipes.recipes.lora_finetune",
              "moai_recipes.recipes.dpo", "moai_recipes.recipes.grpo",
              # What a launcher imports before it forks its workers (inputs.import_ahead), but a model family's own:
-             # torchtune (the tokenizer's base: 1.9 s of a cpu-2 run of 6.3), its learning-rate schedule
-             # (torchtune.training's __init__ is deferred: moai_recipes/deferred_init.py) and transformers' modelling
-             # (1.6 s).
-             "torchtune.modules.transforms.tokenizers", "torchtune.training.lr_schedulers",
+             # torchtune's layers (with dynamo, 1.1 s), its learning-rate schedule (torchtune.training's __init__ is
+             # deferred: moai_recipes/deferred_init.py) and transformers' modelling (1.6 s).
+             "torchtune.modules", "torchtune.training.lr_schedulers",
              "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
              # What rank 0 imports at the end of every run to draw loss.png (0.7 s, a fifth of a short run's time).
              "matplotlib.pyplot")

@@ -1,7 +1,10 @@
 """The tokenizer boundary: a Hugging Face checkpoint's tokenizer, its chat template, and the loss mask.
 
-torchtune's HuggingFaceBaseTokenizer reads tokenizer.json and infers BOS/EOS; the Jinja chat template is
-rendered here as transformers renders it. Tested by `python -m pytest tests/test_data.py`.
+Hugging Face's `tokenizers` reads tokenizer.json; BOS and EOS are the tokens tokenizer_config.json names, else the ids
+generation_config.json gives (as torchtune's HuggingFaceBaseTokenizer infers them); the Jinja chat template is rendered
+here as transformers renders it. Not torchtune's wrapper itself: it imports torchtune.data, and with it HF datasets,
+pandas and pyarrow (0.9 s of every process that tokenizes, most of which read no HF dataset), for the three files
+read here. Tested by `python -m pytest tests/test_data.py`.
 """
 
 import hashlib
@@ -9,42 +12,27 @@ import json
 import os
 import re
 from datetime import datetime
-from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import jinja2
 import numpy as np
+import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from moai_recipes.errors import UserError
 
-if TYPE_CHECKING:
-    from torchtune.modules.transforms.tokenizers import HuggingFaceBaseTokenizer
+from moai_recipes.errors import UserError
 
 # Roles beyond system, user and assistant that chat templates render when they name them.
 _TOOL_ROLES = ("tool", "ipython", "function", "developer", "observation")
 
 
-@cache
-def base_tokenizer_class() -> type:
-    """torchtune's wrapper, tolerant of a null bos_token (Qwen) and of a list of eos ids. Made when first used:
-    importing torchtune takes 2 s (torchao, dynamo), which a dry run of the planner (recipes.plan) never needs."""
-    from torchtune.modules.transforms.tokenizers import HuggingFaceBaseTokenizer
-
-    class BaseTokenizer(HuggingFaceBaseTokenizer):
-        def _get_token_from_config(self, config, key):
-            return None if config.get(key) is None else super()._get_token_from_config(config, key)
-
-        def _infer_bos_eos_tokens(self):
-            try:
-                super()._infer_bos_eos_tokens()
-            except ValueError:
-                if self.eos_id is None:
-                    raise
-            if isinstance(self.eos_id, list):  # generation_config may list several
-                self.eos_id = self.eos_id[0]
-
-    return BaseTokenizer
+def _token(config: dict, key: str) -> str | None:
+    """A special token tokenizer_config.json names: a string, or {"content": ...} as transformers saves an AddedToken."""
+    token = config.get(key)
+    if isinstance(token, dict):
+        token = token.get("content")
+    if token is not None and not isinstance(token, str):
+        raise ValueError(f"could not parse {key} from tokenizer_config.json")
+    return token
 
 
 def _compile_template(source: str) -> jinja2.Template:
@@ -77,15 +65,26 @@ def _read_chat_template(folder: Path, config: dict) -> str | None:
 class Tokenizer:
     """Encode, decode and turn conversations into (tokens, loss mask) the way the checkpoint was trained."""
 
-    def __init__(self, base: "HuggingFaceBaseTokenizer", *, chat_template: str | None = None, name: str = "tokenizer"):
-        self._base, self._hf, self.name = base, base.tokenizer, name
-        config, gen = base.config or {}, base.generation_config or {}
-        special = {k: base._get_token_from_config(config, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    def __init__(self, hf: tokenizers.Tokenizer, config: dict, generation_config: dict | None = None, *,
+                 chat_template: str | None = None, name: str = "tokenizer"):
+        """`hf`: tokenizer.json read by Hugging Face's tokenizers; `config`: tokenizer_config.json; `generation_config`:
+        generation_config.json where there is one. ValueError where they name no EOS token."""
+        self._hf, self.name = hf, name
+        gen = generation_config or {}
+        special = {k: _token(config, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         self._special = {k: v for k, v in special.items() if v is not None}
         # Qwen names no BOS token: nothing is prepended then, but bos_id stays an int for callers.
         self._add_bos = "bos_token" in self._special and config.get("add_bos_token", True) is not False
-        self.eos_id: int = base.eos_id
-        self.bos_id: int = base.bos_id if base.bos_id is not None else self.eos_id
+        ids = {}
+        for kind in ("bos", "eos"):
+            token = self._special.get(f"{kind}_token")
+            found = hf.token_to_id(token) if token is not None else None
+            found = found if found is not None else gen.get(f"{kind}_token_id")
+            ids[kind] = found[0] if isinstance(found, list) else found  # generation_config may list several
+        if ids["eos"] is None:
+            raise ValueError("could not infer the EOS token from tokenizer_config.json or generation_config.json")
+        self.eos_id: int = ids["eos"]
+        self.bos_id: int = ids["bos"] if ids["bos"] is not None else self.eos_id
         pad = self._special.get("pad_token")
         pad_id = self._hf.token_to_id(pad) if pad else None
         self.pad_id: int = pad_id if pad_id is not None else self.eos_id
@@ -114,13 +113,17 @@ class Tokenizer:
                     f"write it with AutoTokenizer.from_pretrained(...).save_pretrained('{folder}')")
         gen = folder / "generation_config.json"
         try:
-            base = base_tokenizer_class()(str(folder / "tokenizer.json"),
-                                  tokenizer_config_json_path=str(folder / "tokenizer_config.json"),
-                                  generation_config_path=str(gen) if gen.exists() else None)
+            hf = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+            config = json.loads((folder / "tokenizer_config.json").read_bytes())
+            generation = json.loads(gen.read_bytes()) if gen.exists() else None
+        except Exception as e:  # tokenizers says a file it cannot parse with a bare Exception
+            raise UserError(f"cannot read the tokenizer in {folder}: {str(e).splitlines()[0]}; its tokenizer files "
+                            "are damaged: write them again with AutoTokenizer.save_pretrained") from None
+        try:
+            return cls(hf, config, generation, chat_template=_read_chat_template(folder, config), name=str(folder))
         except ValueError as e:
             raise UserError(f"cannot read the tokenizer in {folder}: {e}; "
                             "set eos_token in its tokenizer_config.json") from None
-        return cls(base, chat_template=_read_chat_template(folder, base.config), name=str(folder))
 
     def fingerprint(self) -> str:
         """A digest of what tokens depend on: the tokenizer's files as read and the chat template."""
