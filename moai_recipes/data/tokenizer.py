@@ -116,11 +116,13 @@ class Tokenizer:
             hf = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
             config = json.loads((folder / "tokenizer_config.json").read_bytes())
             generation = json.loads(gen.read_bytes()) if gen.exists() else None
+            template = _read_chat_template(folder, config)
         except Exception as e:  # tokenizers says a file it cannot parse with a bare Exception
-            raise UserError(f"cannot read the tokenizer in {folder}: {str(e).splitlines()[0]}; its tokenizer files "
-                            "are damaged: write them again with AutoTokenizer.save_pretrained") from None
+            said = (str(e).splitlines() or [type(e).__name__])[0]
+            raise UserError(f"cannot read the tokenizer in {folder}: {said}; its tokenizer files are damaged or "
+                            "unreadable: write them again with AutoTokenizer.save_pretrained") from None
         try:
-            return cls(hf, config, generation, chat_template=_read_chat_template(folder, config), name=str(folder))
+            return cls(hf, config, generation, chat_template=template, name=str(folder))
         except ValueError as e:
             raise UserError(f"cannot read the tokenizer in {folder}: {e}; "
                             "set eos_token in its tokenizer_config.json") from None
