@@ -152,6 +152,8 @@ def import_ahead(cfg: DictConfig) -> None:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
         get_checkpoint_conversion_mapping(spec.family)
+    if OmegaConf.select(cfg, "dataset.source"):
+        import datasets  # noqa: F401 (data/hf_datasets.py reads the source with it: pandas and pyarrow, 0.9 s)
     if (OmegaConf.select(cfg, "plan.pipeline_stages") or 1) > 1:
         # A pipeline the user asked for: torch's pipelining, whose import in each worker (torch.library looking up
         # the source of the fake op it registers) took 12 CPU-seconds of the suite's pipelined runs (py-spy).

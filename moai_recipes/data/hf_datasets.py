@@ -2,7 +2,8 @@
 
 `datasets` brings the Hub's layouts, configs and splits, its download cache and its offline mode
 (HF_DATASETS_OFFLINE=1 reads a dataset the cache holds); its errors become one UserError each, saying what
-exists. Nothing else imports `datasets`. Tested by `python -m pytest tests/test_hf_datasets.py`.
+exists. Nothing else uses `datasets` (inputs.import_ahead imports it before a launcher forks its workers). Tested by
+`python -m pytest tests/test_hf_datasets.py`.
 """
 
 from dataclasses import dataclass

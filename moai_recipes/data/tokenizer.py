@@ -26,7 +26,7 @@ _TOOL_ROLES = ("tool", "ipython", "function", "developer", "observation")
 
 
 def _token(config: dict, key: str) -> str | None:
-    """A special token tokenizer_config.json names: a string, or {"content": ...} as transformers saves an AddedToken."""
+    """A special token tokenizer_config.json names: a string, or an AddedToken as transformers saves one."""
     token = config.get(key)
     if isinstance(token, dict):
         token = token.get("content")
