@@ -32,7 +32,7 @@ PRELOADED = ("moai_recipes.launch.entry", "moai_recipes.launch.elastic", "moai_r
              "moai_recipes.recipes.full_finetune", "moai_recipes.recipes.lora_finetune",
              "moai_recipes.recipes.dpo", "moai_recipes.recipes.grpo",
              # What a launcher imports before it forks its workers (inputs.import_ahead), but a model family's own:
-             # torchtune's layers (with dynamo, 1.1 s), its learning-rate schedule (torchtune.training's __init__ is
+             # torchtune's layers (with dynamo, 1.5 s), its learning-rate schedule (torchtune.training's __init__ is
              # deferred: moai_recipes/deferred_init.py) and transformers' modelling (1.6 s).
              "torchtune.modules", "torchtune.training.lr_schedulers",
              "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
