@@ -131,21 +131,26 @@ def test_a_small_layer_traced_on_real_tensors_holds_and_computes_what_its_fake_t
     """A small dense model of transformers' modules is traced on real tensors (planner/activations.py,
     REAL_TRACE_FLOPS), each kind of layer: the bytes it keeps, its transient peak, the gradients at the peak and its
     FLOPs equal its fake trace's; its operators and traffic within 2% (for fake tensors transformers builds a sliding
-    window's mask by another path, masking_utils.is_tracing: what the real trace counts is what training runs). A
-    model with experts stays fake: its routing depends on the values."""
+    window's mask by another path, masking_utils.is_tracing: what the real trace counts is what training runs). So
+    does a small model with experts, whose layers' shapes the token count fixes whatever the routing (transformers'
+    experts interface, Llama 4's experts): its adapted stacked experts too."""
     from moai_recipes.models.lora import LoraOptions
     from moai_recipes.planner import activations
     from moai_recipes.planner.activations import RowForm
 
-    assert not any(activations._traced_for_real(HFFolder.open(checkpoints[name]).spec, 24, torch.float32)
-                   for name in ("gpt_oss", "deepseek_v3", "llama4"))
-    lora = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(LoraOptions(
-        ("q_proj", "v_proj"), True, False, 4, 8.0, 0.0, False).builder_kwargs().items()))
+    key = lambda options: tuple((k, tuple(v) if isinstance(v, list) else v)  # noqa: E731 (as Workload.lora_key)
+                                for k, v in sorted(options.builder_kwargs().items()))
+    lora = key(LoraOptions(("q_proj", "v_proj"), True, False, 4, 8.0, 0.0, False))
+    on_experts = key(LoraOptions(("q_proj", "v_proj"), False, False, 4, 8.0, 0.0, False, apply_to_experts=True))
     budget = activations.REAL_TRACE_FLOPS
     cases = [("gemma3", "none", RowForm(), torch.float32, None, 40),  # sliding and global layers, a window crossed
              ("gemma4", "selective", RowForm.of(per_document=True), torch.bfloat16, lora, 24),  # shared keys, values
              ("qwen3_5", "full", RowForm.of(tiles=4), torch.float32, lora, 32),  # linear attention's chunks
-             ("phi4", "selective", RowForm(), torch.bfloat16, None, 24)]
+             ("phi4", "selective", RowForm(), torch.bfloat16, None, 24),
+             ("qwen3_5_moe", "selective", RowForm.of(per_document=True), torch.bfloat16, on_experts, 32),
+             ("gpt_oss", "none", RowForm(), torch.float32, lora, 40),  # sinks, a window, experts with biases
+             ("deepseek_v3", "full", RowForm(), torch.float32, None, 24),  # a dense layer first, shared experts
+             ("llama4", "selective", RowForm(), torch.bfloat16, None, 24)]  # every expert's rows in one bmm
     for name, recompute, form, dtype, adapters, seq_len in cases:
         spec = HFFolder.open(checkpoints[name]).spec
         traces = {}
