@@ -546,6 +546,28 @@ def test_adapters_on_the_stacked_experts_load_in_peft_and_merge_as_peft_merges(c
         assert (tensor - merged[key]).abs().max() <= 1e-5, key
 
 
+@pytest.mark.parametrize("name, recompute, module", [("gpt_oss", "full", "recipes.full_finetune"),
+                                                     ("qwen3_5_moe", "selective", "recipes.lora_finetune")])
+def test_recomputed_layers_record_their_routers_as_kept_ones(checkpoints, name, recompute, module, tmp_path):
+    """Recomputed layers of transformers' modules whose routers' hooks record the routing (the balancing loss, the
+    experts' load): the rerun in the backward records into a replica as our own sparse layers do (tests/test_moe.py),
+    with LoRA on Qwen3.5-MoE's stacked experts too; the losses, norms and balancing losses are the kept layers'."""
+    common = [f"model.checkpoint_dir={checkpoints[name]}", "flavor=cpu", "max_steps=2", "batch_size=8", "max_seq_len=64",
+              "optimizer.lr=1e-3", "logger=stdout", "sample_max_new_tokens=0", "measure_memory=false",
+              *(["lora.apply_to_experts=true"] if module == "recipes.lora_finetune" else [])]
+    curves = {}
+    for policy in ("none", recompute):
+        out = tmp_path / policy
+        r = run_recipe(*common, f"plan.recompute={policy}", f"output_dir={out}", module=module)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert plan_of(out)["recompute"] == policy
+        curves[policy] = metrics(out)
+    assert len(curves["none"]) == 2 and all(row["aux_loss"] > 0 for row in curves["none"])
+    for kept, rerun in zip(curves["none"], curves[recompute], strict=True):
+        for key in ("loss", "grad_norm", "aux_loss"):
+            assert abs(kept[key] - rerun[key]) <= 1e-6 * abs(kept[key]), (key, curves)
+
+
 def test_lora_on_the_stacked_experts_trains_alike_split_over_expert_devices_its_peak_as_planned(checkpoints, tmp_path):
     """recipes.lora_finetune with adapters on Qwen3.5-MoE's attention and stacked experts: one process against two
     sending each token to its experts' device, each run's peak as planned (its Gated DeltaNet layers before the

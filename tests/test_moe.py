@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from helpers import make_hf_checkpoint, metrics, model_of, run_recipe
+from helpers import make_hf_checkpoint, metrics, model_of, plan_of, run_recipe
 from moai_recipes.errors import UserError
 from moai_recipes.models.build import build_model
 from moai_recipes.models.hf_format import HFFolder, save_weights
@@ -295,6 +295,28 @@ def test_dpo_eval_and_generate_run_on_a_mixture_of_experts_model(tmp_path, check
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+
+
+def test_recomputed_sparse_layers_train_as_kept_ones_with_their_balancing_loss(tmp_path, checkpoint):
+    """Full and selective recomputation of sparse layers that record their routing for the balancing loss: the rerun
+    in the backward records it too, into a replica (models/moe.routing_replayed), so it runs the operators the
+    forward ran, which torch.utils.checkpoint matches one by one (without it every such run stopped at its first
+    backward: "a different number of tensors was saved"); the losses, norms and balancing losses are the kept
+    layers'."""
+    curves = {}
+    for recompute in ("none", "full", "selective"):
+        out = tmp_path / recompute
+        r = run_recipe(f"model.checkpoint_dir={checkpoint}", "dataset=demo", "flavor=cpu", "max_steps=2", "batch_size=8",
+                       "max_seq_len=64", f"plan.recompute={recompute}", "logger=stdout", "sample_max_new_tokens=0",
+                       "measure_memory=false", f"output_dir={out}")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert plan_of(out)["recompute"] == recompute
+        curves[recompute] = metrics(out)
+    assert len(curves["none"]) == 2 and all(row["aux_loss"] > 0 for row in curves["none"])
+    for recompute in ("full", "selective"):
+        for kept, rerun in zip(curves["none"], curves[recompute], strict=True):
+            for key in ("loss", "grad_norm", "aux_loss"):
+                assert abs(kept[key] - rerun[key]) <= 1e-6 * abs(kept[key]), (recompute, key, curves)
 
 
 @pytest.mark.parametrize("config,named", [

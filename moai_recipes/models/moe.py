@@ -19,6 +19,7 @@ samples, whatever the micro-batches, the ranks or the packing, like its token lo
 Test: `python -m pytest tests/test_moe.py -q`.
 """
 
+import copy
 import functools
 import sys
 from contextlib import contextmanager
@@ -284,6 +285,13 @@ class Routing:
         self.probs = summed if self.probs is None else self.probs + summed
         self.picks[:, self.sparse_layers.index(layer)] += per_sample.index_add(0, self._index, picked)
 
+    def replica(self) -> "Routing":
+        """A routing of the same samples that records into tensors of its own: a recomputed layer records into it
+        (models/recompute.py), leaving this one as its forward left it."""
+        twin = copy.copy(self)
+        twin.probs, twin.picks = None, torch.zeros_like(self.picks)
+        return twin
+
     def stats(self) -> torch.Tensor:
         """[count, E + layers x E + 1]: probabilities, picks per layer, tokens (see the class)."""
         probs = self.probs if self.probs is not None else torch.zeros(self.count, self.num_experts,
@@ -310,13 +318,18 @@ def moe_modules(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+def _recorders(module: nn.Module) -> list[nn.Module]:
+    """The modules under `module` whose forward records a routing: our sparse layers' MoE, transformers' routers
+    (models/transformers_model.py hooks them)."""
+    return [m for m in module.modules() if "routing" in m.__dict__]
+
+
 @contextmanager
 def routing_recorded(model: nn.Module, routing: Routing | None):
     """Within it, every forward of `model`'s sparse layers records its routing in `routing` (None: nothing is
-    recorded, a dense model). A layer's recomputation in the backward pass runs outside it and records nothing."""
-    modules = moe_modules(model) if routing is not None else []
-    if routing is not None and hasattr(model, "experts_per_token"):  # transformers' modules: its routers' hooks
-        modules.append(model)
+    recorded, a dense model). A layer's recomputation in the backward pass runs outside it: it records into a replica
+    (routing_replayed)."""
+    modules = _recorders(model) if routing is not None else []
     for m in modules:
         m.routing = routing
     try:
@@ -324,6 +337,32 @@ def routing_recorded(model: nn.Module, routing: Routing | None):
     finally:
         for m in modules:
             m.routing = None
+
+
+def routing_replayed(layer: nn.Module):
+    """For a layer's forward that recomputation will run again (models/recompute.py): None if it records no routing,
+    else a context manager under which the rerun records into replicas of what the forward recorded into.
+    torch.utils.checkpoint matches the tensors the rerun saves to the forward's one by one, so the rerun must run the
+    recording's operators too (without them: "a different number of tensors was saved", every Mixture-of-Experts
+    model recomputed with its balancing loss on), and with the same samples, whose mask the recording's gradient
+    reads; the step's routing is left as the forward recorded it."""
+    # The replicas are made here, before the checkpoint: made in the rerun, their zeros would be operators the
+    # selective recomputation's log of the forward does not hold.
+    replicas = [(m, m.routing.replica()) for m in _recorders(layer) if m.routing is not None]
+    if not replicas:
+        return None
+
+    @contextmanager
+    def replayed():
+        before = [m.routing for m, _ in replicas]
+        for m, replica in replicas:
+            m.routing = replica
+        try:
+            yield
+        finally:
+            for (m, _), routing in zip(replicas, before):
+                m.routing = routing
+    return replayed
 
 
 class RoutingTotals:

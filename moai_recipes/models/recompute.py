@@ -16,6 +16,7 @@ from torch.utils.checkpoint import (
 
 from moai_recipes.config.schema import Recompute
 from moai_recipes.models.activation_offload import ActivationOffload
+from moai_recipes.models.moe import routing_replayed
 
 # Selective recompute keeps what is expensive to redo (matmuls, attention) and recomputes the
 # cheap, memory-hungry pointwise ops (norms, SiLU, residual adds) in the backward pass.
@@ -60,16 +61,34 @@ def apply_recompute(layers: nn.ModuleList, policy: str, offload: ActivationOfflo
     if offload is not None and policy != Recompute.full:
         raise ValueError("activations are offloaded under full recomputation only")
     for layer in layers:
-        layer.forward = _checkpointed(layer.forward, options, offload)
+        layer.forward = _checkpointed(layer, layer.forward, options, offload)
 
 
-def _checkpointed(forward, options: dict, offload: ActivationOffload | None):
+def _checkpointed(layer: nn.Module, forward, options: dict, offload: ActivationOffload | None):
     def recomputed_forward(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
+        return checkpoint(_rerun_alike(layer, forward), *args, use_reentrant=False, **options, **kwargs)
 
     def offloaded_forward(*args, **kwargs):
         # Around the checkpoint, not inside it: the checkpoint saves the layer's inputs through these hooks, and
         # what the layer computes inside it through its own.
         with offload.hooks():
-            return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
+            return checkpoint(_rerun_alike(layer, forward), *args, use_reentrant=False, **options, **kwargs)
     return recomputed_forward if offload is None else offloaded_forward
+
+
+def _rerun_alike(layer: nn.Module, forward):
+    """`forward`, whose rerun in the backward (the recomputation) records the routing of a Mixture-of-Experts
+    layer as this call does (models/moe.routing_replayed): the rerun outside the step's recording would otherwise run
+    fewer operators than the forward did."""
+    replayed = routing_replayed(layer)
+    if replayed is None:
+        return forward
+    calls = []
+
+    def rerun_alike(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 1:
+            return forward(*args, **kwargs)
+        with replayed():
+            return forward(*args, **kwargs)
+    return rerun_alike

@@ -413,7 +413,6 @@ class TransformersDecoder(nn.Module):
         # scales...), found out by running its own forward on stand-ins: None, or the logits of a final hidden state.
         self.plain_head = _head_is_plain(causal_lm, self.base_name, self.head_name)
         self.unpackable = None  # why documents cannot share a row (models/attention.Documents); None: they can
-        self.routing = None  # a training step's models/moe.Routing while its forward records it (routing_recorded)
         text = self.config.get_text_config()
         self.experts_per_token = next((getattr(text, n) for n in ("num_experts_per_tok", "top_k_experts", "moe_topk")
                                        if getattr(text, n, None)), 0)
@@ -776,13 +775,14 @@ def _record_routing(model: TransformersDecoder) -> None:
         for router in (m for m in layer.modules() if isinstance(m, target)):
 
             def record(module, args, out, layer=i):
-                routing = model.routing
+                routing = module.routing
                 if routing is None:
                     return
                 logits = out[index] if isinstance(out, tuple) else out
                 probs = torch.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)
                 routing.record(layer, probs, probs.topk(top_k, dim=-1).indices)
 
+            router.routing = None  # set while a forward records (models/moe.routing_recorded)
             router.register_forward_hook(record)
 
 
