@@ -90,30 +90,32 @@ def configuration(stdout: str) -> str:
     return next(line for line in stdout.splitlines() if line.startswith("Configuration for parallelism"))
 
 
-# name: (flavor, checkpoint, overrides, the layout the configuration line names)
+# name: (flavor, checkpoint, overrides, the layout and the recomputation the configuration line names)
 LAYOUTS = {
     "expert 2 x pipeline 2, LoRA on every expert, padded": (
         "cpu-4", "qwen3_moe", ("plan.expert_parallel=2", "plan.pipeline_stages=2", "plan.pipeline_schedule=1f1b", PADDED,
-                               *LORA), "num_stages 2 (1f1b), No TP, DP 2, EP 2"),
+                               *LORA), "num_stages 2 (1f1b), No TP, DP 2, EP 2", "recomputation none"),
     # Each row's tokens split over two context devices (ulysses): a sample's routing is the sum of its shares', its
     # balancing loss the whole sample's (weighed 1: weighty_balancing), backpropagated by each through its own share.
-    "expert 2 x context 2 (ulysses), packed, balancing loss weighed 1": ("cpu-4", "weighty", ("max_steps=3",
-        "plan.expert_parallel=2", "plan.context_parallel=2", "plan.context_parallel_way=ulysses",
-        "plan.pipeline_stages=1", "plan.tensor_parallel=1", PACKED), "num_stages 1, No TP, DP 2, EP 2, CP 2 (ulysses)"),
-    "expert 2 x tensor 2, padded": ("cpu-4", "mixtral", ("plan.expert_parallel=2", "plan.tensor_parallel=2",
-                                                         "plan.pipeline_stages=1", PADDED),
-                                    "num_stages 1, TP 2, DP 2, EP 2"),
+    # Recomputed, selectively: each layer's all-to-alls and routing run again in the backward.
+    "expert 2 x context 2 (ulysses), packed, balancing loss weighed 1, recomputed": ("cpu-4", "weighty", (
+        "max_steps=3", "plan.expert_parallel=2", "plan.context_parallel=2", "plan.context_parallel_way=ulysses",
+        "plan.pipeline_stages=1", "plan.tensor_parallel=1", "plan.recompute=selective", PACKED),
+        "num_stages 1, No TP, DP 2, EP 2, CP 2 (ulysses)", "recomputation selective"),
+    "expert 2 x tensor 2, padded, recomputed": ("cpu-4", "mixtral", (
+        "plan.expert_parallel=2", "plan.tensor_parallel=2", "plan.pipeline_stages=1", "plan.recompute=full", PADDED),
+        "num_stages 1, TP 2, DP 2, EP 2", "recomputation full"),
 }
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_a_layout_gives_one_process_numbers(tmp_path, checkpoints, reference, name):
-    flavor, checkpoint, overrides, layout = LAYOUTS[name]
+    flavor, checkpoint, overrides, layout, recomputation = LAYOUTS[name]
     out, lora = tmp_path / "run", "lora.apply_to_experts=true" in overrides
     r = run_recipe(*COMMON, f"flavor={flavor}", *overrides, f"model.checkpoint_dir={checkpoints[checkpoint]}",
                    f"output_dir={out}", module=RECIPES[lora])
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"{layout}," in configuration(r.stdout), configuration(r.stdout)
+    assert f"{layout}," in configuration(r.stdout) and recomputation in configuration(r.stdout), configuration(r.stdout)
     steps = tuple(o for o in overrides if o.startswith("max_steps="))
     assert_same_numbers(reference(checkpoint, lora, *steps), metrics(out))
 
