@@ -580,9 +580,9 @@ def _to_empty(module, *, recurse: bool = True) -> None:
 # expert's rows in one bmm, shapes fixed by the token count whatever the routing, so a trace on uninitialised weights
 # keeps and computes what the fake one does (tests/test_architectures.py: Qwen3.5-MoE, gpt-oss, DeepSeek-V3, GLM-4.5
 # and Llama 4, 5.6x faster: 14.5 s fake against 2.6 s real for 20 traces, 2026-11-29). The budget, in FLOPs of a
-# trace's forward and backward, is sized for the slowest CPU we
-# meet: fp32 at about 50 GFLOP/s a thread on an AVX2-only one (1e9: 20 ms; the demo's tiny model at 512 tokens is
-# 0.97e9), bf16 emulated there at about 1 GFLOP/s (5e7). Another dtype is traced fake.
+# trace's forward and backward, is sized for the slowest CPU we meet: fp32 at about 50 GFLOP/s a thread on an
+# AVX2-only one (1e9: 20 ms; the demo's tiny model at 512 tokens is 0.97e9), bf16 emulated there at about 1 GFLOP/s
+# (5e7). Another dtype is traced fake.
 REAL_TRACE_FLOPS = {torch.float32: 1e9, torch.bfloat16: 5e7}
 
 
