@@ -297,6 +297,25 @@ BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
 
 
+def test_selective_recomputation_keeps_the_experts_products_as_it_keeps_matmuls(checkpoint, monkeypatch):
+    """Selective recomputation keeps what is expensive to redo: the experts' grouped products too (models/recompute.py),
+    as the planner's fake trace assumed (a matmul of their shapes stands in there): a sparse layer traced on real
+    tensors, which runs the CPU's grouped product, keeps and computes what the fake trace does, and keeps less than
+    the layer unrecomputed."""
+    from moai_recipes.planner import activations
+    from moai_recipes.planner.activations import RowForm
+
+    spec = HFFolder.open(checkpoint).spec
+    traces = {}
+    for real in (True, False):
+        monkeypatch.setattr(activations, "_traced_for_real", lambda *args, real=real: real)
+        traces[real] = {recompute: activations._trace(spec, seq_len=32, recompute=recompute, dtype=torch.float32,
+                                                      lora=None, form=RowForm()) for recompute in ("none", "selective")}
+    real, fake = traces[True]["selective"], traces[False]["selective"]
+    assert (real.retained, real.flops) == (fake.retained, fake.flops), (real, fake)
+    assert 0 < real.retained < traces[True]["none"].retained
+
+
 def test_recomputed_sparse_layers_train_as_kept_ones_with_their_balancing_loss(tmp_path, checkpoint):
     """Full and selective recomputation of sparse layers that record their routing for the balancing loss: the rerun
     in the backward records it too, into a replica (models/moe.routing_replayed), so it runs the operators the

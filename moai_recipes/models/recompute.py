@@ -30,6 +30,8 @@ _SAVE_OPS = {
 }
 if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
     _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+if hasattr(torch.ops.aten, "_grouped_mm"):  # a sparse layer's experts (models/moe.py, transformers' on a GPU)
+    _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
