@@ -95,7 +95,10 @@ def test_a_selectively_recomputed_layer_compiled_again_is_read_from_the_cache(tm
     apply_recompute(layers, "selective")
     x = torch.randn(4, 16, requires_grad=True)
     grads = []
-    for _ in range(2):
+    # Three compiles, the last two compared: a process's first compile is keyed with inductor's post-grad pass unset,
+    # its later ones with the one torchao sets (part of the key), so the second of a process whose first
+    # compile is this one's (this test alone) missed the first's entry. A run compiles its layers once a process.
+    for _ in range(3):
         torch._dynamo.reset()
         counters.clear()
         torch.compile(layers[0])(x).sum().backward()
@@ -103,4 +106,4 @@ def test_a_selectively_recomputed_layer_compiled_again_is_read_from_the_cache(tm
         x.grad = None
     assert counters["aot_autograd"]["autograd_cache_hit"] >= 1, dict(counters["aot_autograd"])
     assert not counters["aot_autograd"]["autograd_cache_bypass"], dict(counters["aot_autograd"])
-    assert torch.equal(*grads)
+    assert torch.equal(grads[1], grads[2])
