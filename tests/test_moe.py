@@ -6,6 +6,8 @@
   (every token to one expert, the others empty);
 - Hugging Face in and out: a transformers-saved checkpoint (sharded, bf16, tied) loads and saves back byte for
   byte, and transformers reads a trained model we write with our logits;
+- recomputed sparse layers (full, selective) train as kept ones, their routing recorded again in the backward, and
+  selective recomputation keeps the experts' products as the planner's trace counts them;
 - what cannot be built is refused by name.
 Run: python -m pytest tests/test_moe.py -q
 """
