@@ -318,7 +318,7 @@ def moe_modules(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def _recorders(module: nn.Module) -> list[nn.Module]:
+def recorders(module: nn.Module) -> list[nn.Module]:
     """The modules under `module` whose forward records a routing: our sparse layers' MoE, transformers' routers
     (models/transformers_model.py hooks them)."""
     return [m for m in module.modules() if "routing" in m.__dict__]
@@ -329,7 +329,7 @@ def routing_recorded(model: nn.Module, routing: Routing | None):
     """Within it, every forward of `model`'s sparse layers records its routing in `routing` (None: nothing is
     recorded, a dense model). A layer's recomputation in the backward pass runs outside it: it records into a replica
     (routing_replayed)."""
-    modules = _recorders(model) if routing is not None else []
+    modules = recorders(model) if routing is not None else []
     for m in modules:
         m.routing = routing
     try:
@@ -339,16 +339,17 @@ def routing_recorded(model: nn.Module, routing: Routing | None):
             m.routing = None
 
 
-def routing_replayed(layer: nn.Module):
-    """For a layer's forward that recomputation will run again (models/recompute.py): None if it records no routing,
-    else a context manager under which the rerun records into replicas of what the forward recorded into.
+def routing_replayed(layer_recorders: list[nn.Module]):
+    """For a layer's forward that recomputation will run again (models/recompute.py), `layer_recorders` its
+    recorders: None if it records no routing, else a context manager under which the rerun records into replicas of
+    what the forward recorded into.
     torch.utils.checkpoint matches the tensors the rerun saves to the forward's one by one, so the rerun must run the
     recording's operators too (without them: "a different number of tensors was saved", every Mixture-of-Experts
     model recomputed with its balancing loss on), and with the same samples, whose mask the recording's gradient
     reads; the step's routing is left as the forward recorded it."""
     # The replicas are made here, before the checkpoint: made in the rerun, their zeros would be operators the
     # selective recomputation's log of the forward does not hold.
-    replicas = [(m, m.routing.replica()) for m in _recorders(layer) if m.routing is not None]
+    replicas = [(m, m.routing.replica()) for m in layer_recorders if m.routing is not None]
     if not replicas:
         return None
 

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import (
 
 from moai_recipes.config.schema import Recompute
 from moai_recipes.models.activation_offload import ActivationOffload
-from moai_recipes.models.moe import routing_replayed
+from moai_recipes.models.moe import recorders, routing_replayed
 
 # Selective recompute keeps what is expensive to redo (matmuls, attention) and recomputes the
 # cheap, memory-hungry pointwise ops (norms, SiLU, residual adds) in the backward pass.
@@ -63,26 +63,28 @@ def apply_recompute(layers: nn.ModuleList, policy: str, offload: ActivationOfflo
     if offload is not None and policy != Recompute.full:
         raise ValueError("activations are offloaded under full recomputation only")
     for layer in layers:
-        layer.forward = _checkpointed(layer, layer.forward, options, offload)
+        # Found once: the modules a layer holds do not change, and its forward is a hot path.
+        layer.forward = _checkpointed(layer.forward, options, offload, recorders(layer))
 
 
-def _checkpointed(layer: nn.Module, forward, options: dict, offload: ActivationOffload | None):
+def _checkpointed(forward, options: dict, offload: ActivationOffload | None, layer_recorders: list[nn.Module]):
     def recomputed_forward(*args, **kwargs):
-        return checkpoint(_rerun_alike(layer, forward), *args, use_reentrant=False, **options, **kwargs)
+        return checkpoint(_rerun_alike(forward, layer_recorders), *args, use_reentrant=False, **options, **kwargs)
 
     def offloaded_forward(*args, **kwargs):
         # Around the checkpoint, not inside it: the checkpoint saves the layer's inputs through these hooks, and
         # what the layer computes inside it through its own.
         with offload.hooks():
-            return checkpoint(_rerun_alike(layer, forward), *args, use_reentrant=False, **options, **kwargs)
+            return checkpoint(_rerun_alike(forward, layer_recorders), *args, use_reentrant=False, **options,
+                              **kwargs)
     return recomputed_forward if offload is None else offloaded_forward
 
 
-def _rerun_alike(layer: nn.Module, forward):
+def _rerun_alike(forward, layer_recorders: list[nn.Module]):
     """`forward`, whose rerun in the backward (the recomputation) records the routing of a Mixture-of-Experts
     layer as this call does (models/moe.routing_replayed): the rerun outside the step's recording would otherwise run
     fewer operators than the forward did."""
-    replayed = routing_replayed(layer)
+    replayed = routing_replayed(layer_recorders) if layer_recorders else None
     if replayed is None:
         return forward
     calls = []
