@@ -546,14 +546,18 @@ def test_adapters_on_the_stacked_experts_load_in_peft_and_merge_as_peft_merges(c
         assert (tensor - merged[key]).abs().max() <= 1e-5, key
 
 
-@pytest.mark.parametrize("name, recompute, module", [("gpt_oss", "full", "recipes.full_finetune"),
-                                                     ("qwen3_5_moe", "selective", "recipes.lora_finetune")])
-def test_recomputed_layers_record_their_routers_as_kept_ones(checkpoints, name, recompute, module, tmp_path):
+@pytest.mark.parametrize("name, recompute, module, dtype", [("gpt_oss", "full", "recipes.full_finetune", "fp32"),
+                                                            ("qwen3_5_moe", "selective", "recipes.lora_finetune", "fp32"),
+                                                            ("gpt_oss", "selective", "recipes.full_finetune", "bf16")])
+def test_recomputed_layers_record_their_routers_as_kept_ones(checkpoints, name, recompute, module, dtype, tmp_path):
     """Recomputed layers of transformers' modules whose routers' hooks record the routing (the balancing loss, the
     experts' load): the rerun in the backward records into a replica as our own sparse layers do (tests/test_moe.py),
-    with LoRA on Qwen3.5-MoE's stacked experts too; the losses, norms and balancing losses are the kept layers'."""
+    with LoRA on Qwen3.5-MoE's stacked experts too; the losses, norms and balancing losses are the kept layers'.
+    In bf16 transformers' experts run PyTorch's grouped product, as on a GPU, and gpt-oss adds its experts' biases to
+    its output in place: selective recomputation keeps no such output (models/recompute.py), else torch refuses it
+    at the first backward (the planner's trace of the layer too)."""
     common = [f"model.checkpoint_dir={checkpoints[name]}", "flavor=cpu", "max_steps=2", "batch_size=8", "max_seq_len=64",
-              "optimizer.lr=1e-3", "logger=stdout", "sample_max_new_tokens=0", "measure_memory=false",
+              "optimizer.lr=1e-3", "logger=stdout", "sample_max_new_tokens=0", "measure_memory=false", f"dtype={dtype}",
               *(["lora.apply_to_experts=true"] if module == "recipes.lora_finetune" else [])]
     curves = {}
     for policy in ("none", recompute):

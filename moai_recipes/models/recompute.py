@@ -30,8 +30,10 @@ _SAVE_OPS = {
 }
 if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
     _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
-if hasattr(torch.ops.aten, "_grouped_mm"):  # a sparse layer's experts (models/moe.py, transformers' on a GPU)
-    _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
+# Not the experts' grouped product (aten._grouped_mm), though it is a matmul: transformers' experts add their biases
+# to its output in place (gpt-oss: `out.add_(bias)` in integrations/moe.py), and torch refuses a kept output that
+# was changed afterwards ("Tensor cached during selective activation checkpoint has been mutated"): kept, every
+# gpt-oss run in bf16 (a GPU's) and its plan stopped at the first backward (2026-11-29). Recomputed, as before.
 
 
 def _selective_policy(ctx, op, *args, **kwargs):

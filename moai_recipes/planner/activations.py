@@ -45,7 +45,7 @@ from moai_recipes.planner.live_storages import LiveStorages
 from moai_recipes.models.recompute import apply_recompute
 from moai_recipes.models.tiled_mlp import apply_tiled_mlp
 
-_VERSION = 24  # of what a trace measures: bump to ignore older cached traces
+_VERSION = 25  # of what a trace measures: bump to ignore older cached traces
 
 
 @dataclass(frozen=True)
