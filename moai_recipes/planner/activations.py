@@ -437,6 +437,22 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def _tensors_in(value, found: list) -> list:
+    """The tensors in an operator's arguments or result (tensors, lists, tuples and dicts of them, other values): what
+    torch's pytree gives for these. A trace flattens each of its thousands of operators, and pytree took a quarter of
+    a tiny layer's real trace: 36 such traces took 0.63 s instead of 1.15 s without it, 125 traces of five models
+    (most fake) 38 s instead of 43 s, every number the same (2026-11-29)."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors_in(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors_in(v, found)
+    return found
+
+
 # A fake tensor's device is asked through the dispatcher (autograd's and the kernels' own queries): 497 of the 715
 # operators a tiny Llama layer dispatched under FakeTensorMode, 2.5-3.3x the operators of every architecture traced,
 # and none of them a kernel a run launches (on real tensors they are never dispatched). Not counted.
@@ -465,27 +481,29 @@ class OpCounter(TorchDispatchMode):
             return out
         self.ops += 1
         formula = _FLOP_FORMULAS.get(func._overloadpacket)
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outputs = _tensors_in(out, [])
         if formula is not None:
             flops = formula(*args, **kwargs, out_val=out)
             self.flops += flops
             if "attention" in func._overloadpacket.__name__:
                 self.attention_flops += flops
                 self.attention_square += _SQUARE.get(func._overloadpacket, formula)(*args, **kwargs, out_val=out)
-        elif self._moves_data(func, args, kwargs, outputs):
-            self.traffic += _nbytes(tree_leaves((args, kwargs))) + _nbytes(outputs)
+        elif self._moves_data(func, inputs := _tensors_in(kwargs, _tensors_in(args, [])), outputs):
+            self.traffic += _nbytes(inputs) + _nbytes(outputs)
         for t in outputs:
             self.storages.add(t.untyped_storage())
         return out
 
     @staticmethod
-    def _moves_data(func, args, kwargs, outputs) -> bool:
+    def _moves_data(func, inputs: list, outputs: list) -> bool:
         """Writes memory: an in-place op, or one whose output is new storage (not a view, a reshape of
         its input, or a metadata query that returns no tensor)."""
         if func._schema.is_mutable:
             return True
-        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        return not func.is_view and any(id(t.untyped_storage()) not in inputs for t in outputs)
+        if func.is_view:
+            return False
+        read = {id(t.untyped_storage()) for t in inputs}
+        return any(id(t.untyped_storage()) not in read for t in outputs)
 
     def bytes_at_peak(self, tensors) -> int:
         """How many of the peak's bytes belonged to `tensors` (say, the weight gradients)."""
