@@ -546,25 +546,33 @@ def test_adapters_on_the_stacked_experts_load_in_peft_and_merge_as_peft_merges(c
         assert (tensor - merged[key]).abs().max() <= 1e-5, key
 
 
-@pytest.mark.parametrize("name, recompute, module, dtype", [("gpt_oss", "full", "recipes.full_finetune", "fp32"),
-                                                            ("qwen3_5_moe", "selective", "recipes.lora_finetune", "fp32"),
-                                                            ("gpt_oss", "selective", "recipes.full_finetune", "bf16")])
-def test_recomputed_layers_record_their_routers_as_kept_ones(checkpoints, name, recompute, module, dtype, tmp_path):
+EXPERTS_SPLIT = ("flavor=cpu-2", *FSDP, "plan.expert_parallel=2")
+
+
+@pytest.mark.parametrize("name, recompute, module, dtype, split", [
+    ("gpt_oss", "full", "recipes.full_finetune", "fp32", ()),
+    ("qwen3_5_moe", "selective", "recipes.lora_finetune", "fp32", ()),
+    ("gpt_oss", "selective", "recipes.full_finetune", "bf16", ()),
+    ("qwen3_5_moe", "selective", "recipes.full_finetune", "fp32", EXPERTS_SPLIT)])
+def test_recomputed_layers_record_their_routers_as_kept_ones(checkpoints, name, recompute, module, dtype, split,
+                                                            tmp_path):
     """Recomputed layers of transformers' modules whose routers' hooks record the routing (the balancing loss, the
     experts' load): the rerun in the backward records into a replica as our own sparse layers do (tests/test_moe.py),
     with LoRA on Qwen3.5-MoE's stacked experts too; the losses, norms and balancing losses are the kept layers'.
     In bf16 transformers' experts run PyTorch's grouped product, as on a GPU, and gpt-oss adds its experts' biases to
     its output in place: selective recomputation keeps no such output (models/recompute.py), else torch refuses it
-    at the first backward (the planner's trace of the layer too)."""
+    at the first backward (the planner's trace of the layer too). Split over two expert devices, the experts are an
+    FSDP2 group of their own inside the recomputed layer, whose hooks' profiler markers selective recomputation
+    must not match one by one (models/recompute.py)."""
     common = [f"model.checkpoint_dir={checkpoints[name]}", "flavor=cpu", "max_steps=2", "batch_size=8", "max_seq_len=64",
               "optimizer.lr=1e-3", "logger=stdout", "sample_max_new_tokens=0", "measure_memory=false", f"dtype={dtype}",
               *(["lora.apply_to_experts=true"] if module == "recipes.lora_finetune" else [])]
     curves = {}
     for policy in ("none", recompute):
         out = tmp_path / policy
-        r = run_recipe(*common, f"plan.recompute={policy}", f"output_dir={out}", module=module)
+        r = run_recipe(*last_wins(*common, *split), f"plan.recompute={policy}", f"output_dir={out}", module=module)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        assert plan_of(out)["recompute"] == policy
+        assert plan_of(out)["recompute"] == policy and plan_of(out)["expert_parallel"] == (2 if split else 1)
         curves[policy] = metrics(out)
     assert len(curves["none"]) == 2 and all(row["aux_loss"] > 0 for row in curves["none"])
     for kept, rerun in zip(curves["none"], curves[recompute], strict=True):

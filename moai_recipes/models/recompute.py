@@ -9,6 +9,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
@@ -34,6 +35,17 @@ if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
 # to its output in place (gpt-oss: `out.add_(bias)` in integrations/moe.py), and torch refuses a kept output that
 # was changed afterwards ("Tensor cached during selective activation checkpoint has been mutated"): kept, every
 # gpt-oss run in bf16 (a GPU's) and its plan stopped at the first backward (2026-11-29). Recomputed, as before.
+
+
+# The profiler's markers (torch.profiler.record_function: FSDP2 brackets each of its hooks with one) are not
+# computations: run as they come in the forward and in the rerun, never matched one to one. Selective recomputation
+# matches every operator of the rerun to the forward's by its index, and the experts split over expert devices are
+# an FSDP2 group of their own inside the layer (train/parallel.shard_model), whose hooks run a marker more in the
+# rerun than in the forward: Qwen3.5-MoE with plan.expert_parallel=2 and plan.recompute=selective stopped at its
+# first backward ("profiler._record_function_enter_new.default invocation index 3 ... not found in storage",
+# 2026-11-29). torch ignores its own such operators there (SAC_IGNORED_OPS: detach, device queries).
+SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
