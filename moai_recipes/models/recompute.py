@@ -65,7 +65,10 @@ def apply_recompute(layers: nn.ModuleList, policy: str, offload: ActivationOfflo
     Only the layer's `forward` is checkpointed, not the module call: FSDP2's hooks (all-gather,
     reshard, input casts) then stay outside the recomputed region, as with torchtitan's
     checkpoint wrapper inside `fully_shard`. Selective recompute replays the region's ops
-    against what it saved, so hooks inside it would be replayed too and break it. Patching
+    against what it saved, so hooks inside it would be replayed too and break it. One group's
+    hooks do run inside: experts split over expert devices are sharded as a group of their own
+    (train/parallel.shard_model), their all-gathers run again in the rerun like any recomputed
+    operator, and their profiler markers are not matched (SAC_IGNORED_OPS, above). Patching
     `forward` in place keeps parameter names (and the checkpoint conversion) the same.
     """
     policy = Recompute(policy)
