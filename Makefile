@@ -31,7 +31,7 @@
 # imports of fresh processes 18%, training steps 18%, the planner's traces 12%), so no single cost holds that half:
 # CI's 90 minutes are kept for the coverage, not the other way round (issue 51's note, 2026-11-29).
 # On a third kind of 2-core machine, an Intel Xeon (Emerald Rapids, 2.3 GHz) with AVX-512 and native bf16, the
-# suite took 12:23 to 15:43 in seven runs of 2026-11-29 (1,488 to 1,802 busy core-seconds, 1.15 to 1.39 times the
+# suite took 12:23 to 15:43 in ten runs of 2026-11-29 (1,488 to 1,830 busy core-seconds, 1.15 to 1.41 times the
 # EPYC's 1,299 at a0b10a5; fp32 matmul as fast, 209 GFLOP/s, Python slower): ten minutes there would take a
 # fifth to a third out.
 PYTHON ?= python3

@@ -101,14 +101,15 @@ def _rerun_alike(forward, layer_recorders: list[nn.Module]):
     """`forward`, whose rerun in the backward (the recomputation) records the routing of a Mixture-of-Experts
     layer as this call does (models/moe.routing_replayed): the rerun outside the step's recording would otherwise run
     fewer operators than the forward did."""
-    replayed = routing_replayed(layer_recorders) if layer_recorders else None
+    replayed = routing_replayed(layer_recorders)
     if replayed is None:
         return forward
-    calls = []
+    ran = False
 
     def rerun_alike(*args, **kwargs):
-        calls.append(None)
-        if len(calls) == 1:
+        nonlocal ran
+        if not ran:  # the forward itself
+            ran = True
             return forward(*args, **kwargs)
         with replayed():
             return forward(*args, **kwargs)
