@@ -38,6 +38,10 @@ LONGEST_FIRST = {"test_architectures.py": 155, "test_compile.py": 150, "test_che
                  "test_lora_finetune.py": 25, "test_multinode.py": 21, "test_grpo_vision.py": 20,
                  "test_out_of_memory.py": 20, "test_generate.py": 17}
 
+# Offline from the start: `datasets` and huggingface_hub read it as they are imported, and a test module may import
+# them as it is collected, before any fixture (_quiet_env) runs; in-process runs then meet the Hub as commands do.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 # Under pytest-xdist each worker gets its share of the cores for the runs it makes (in this process and the
 # processes it starts): two workers of two threads each on two cores made OpenMP's threads wait on each other.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):

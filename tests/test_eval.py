@@ -82,9 +82,10 @@ def test_a_task_that_is_not_there_or_whose_data_is_not_is_refused_by_name(tmp_pa
         r = run_recipe(*args, "logger=stdout", module="recipes.eval")
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
     # A name lm-eval does not know, and a built-in task whose data is not in the datasets cache (no network to the
-    # Hub here, and offline anyway): both named in one message (lm-eval's index of its built-in tasks read once).
+    # Hub here, and the suite is offline: tests/conftest.py): both named in one message (lm-eval's index of its
+    # built-in tasks read once).
     r = run_recipe(f"tasks_dir={tasks}", "tasks=[quiz_mc,no_such_task,arc_easy]", "logger=stdout",
-                   module="recipes.eval", env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, isolated=True)
+                   module="recipes.eval")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert "tasks: 'no_such_task' is not an lm-eval task" in r.stderr, r.stderr
     assert "tasks: 'arc_easy' needs its data (allenai/ai2_arc)" in r.stderr, r.stderr
