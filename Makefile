@@ -31,12 +31,13 @@
 # imports of fresh processes 18%, training steps 18%, the planner's traces 12%), so no single cost holds that half:
 # CI's 90 minutes are kept for the coverage, not the other way round (issue 51's note, 2026-11-29).
 # On a third kind of 2-core machine, an Intel Xeon (Emerald Rapids, 2.3 GHz) with AVX-512 and native bf16, the
-# suite took 12:23 to 15:43 in eleven runs of 2026-11-29 (1,488 to 1,830 busy core-seconds, 1.15 to 1.41 times the
+# suite took 12:23 to 15:43 in twelve runs of 2026-11-29 (1,488 to 1,830 busy core-seconds, 1.15 to 1.41 times the
 # EPYC's 1,299 at a0b10a5; fp32 matmul as fast, 209 GFLOP/s, Python slower): ten minutes there would take a
 # fifth to a third out. Per test, with the processes each starts (bench/test_cpu.py), the fresh clone at 608a01a:
 # 1,574 CPU-seconds, 614 in pytest's workers, 583 in runs forked from the zygote, 378 in fresh processes; the
 # largest single tests test_compile's (128: two cold compiles), the device check (79), SmolLM2 (75), the layouts'
-# meshes (66) and 8-bit AdamW on shards (58: torchao compiles its step per shape, cold on a fresh clone).
+# meshes (66) and 8-bit AdamW on shards (58: torchao compiles its step per shape, cold on a fresh clone). At 9ae6fc0
+# (SmolLM2's test at half its steps' compute): 14:18, the suite 12:52, 1,418 CPU-seconds, 1,566 busy core-seconds.
 PYTHON ?= python3
 VENV ?= .venv
 # Bytecode: pip installs with --no-compile (a faster install) and the first process to import a module writes its
