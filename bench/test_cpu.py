@@ -4,7 +4,8 @@ On a 2-core machine the suite's wall time is about its CPU-seconds over two (bot
 figure a suite-time decision needs, per test and per module. A test's share is read around it in its pytest worker:
 the worker's own time (in-process runs), the fresh processes it started and reaped (subprocess.run: RUSAGE_CHILDREN),
 and its zygote's (tests/zygote.py: the forked runs, counted once the zygote reaped them, as it does when each ends).
-A module's fixtures count in its first test that uses them.
+A module's fixtures count in its first test that uses them. Not seen: a process its parent never reaped (the bare
+workers of a launcher a test killed, taken over by init), and time a test waited for a core the other worker held.
 
     python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -p bench.test_cpu   # appends to test-cpu.jsonl
     python bench/test_cpu.py test-cpu.jsonl --top 40                                      # the table
