@@ -8,11 +8,17 @@
 #     bash scripts/as_avx2.sh .venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 #     bash scripts/as_avx2.sh .venv/bin/python -m recipes.plan flavor=48xlarge model=llama3_70b batch_size=512
 #
-# Inductor's generated C++ (plan.compile=true, torchao's 8-bit AdamW) still targets the host's vector width.
+# Inductor's generated C++ (plan.compile=true, torchao's 8-bit AdamW) follows ATEN_CPU_CAPABILITY too: AVX2 code.
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: bash scripts/as_avx2.sh COMMAND [ARGS...]" >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+# Inductor's compiled graphs in a cache of their own: with ATEN_CPU_CAPABILITY=avx2 it generates AVX2 code, and
+# torch 2.13's caches do not tell it from the host's. Sharing the host's cache folder, a native process then ran what
+# the emulation compiled (heap corruption: "malloc(): unaligned tcache chunk detected"; passed with a fresh folder)
+# and an emulated one what the host compiled (gpu_check's compiled block off by 6e24; 8-bit AdamW's compiled step
+# learning nothing): 2026-11-29, on the Xeon.
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/torchinductor_$(id -un)}-avx2"
 if [ ! -x "$root/.venv/bin/python" ]; then  # make has not installed yet: nothing to measure with
     echo "== as_avx2: kernels held to AVX2 (no .venv yet to measure their rates)" >&2
     exec "$@"
