@@ -21,6 +21,13 @@ pytest.importorskip("trl")
 PROMPTS = ["hello there", "a b c", "the cat sat", "one two"]
 TARGETS = [3, 5, 7, 11]
 BATCH, STEPS, LR, LORA_LR, SEED = len(PROMPTS) * GROUP, 2, 3e-2, 1e-1, 0
+# Where one process's steps are compared with several's past the first update: AdamW divides each moment by
+# sqrt(v) + eps, so with the default eps (1e-8) a gradient at the level of rounding noise (1e-9: a weight the loss
+# barely reaches, summed in another order over shards) moves its weight by about lr, one way or the other. By the
+# second round the policies differed enough for one sampled token to fall the other way (cpu-2's completions at
+# step 3, the same lengths, its KL 1% off; AVX2 kernels, 2026-11-29). eps 1e-6 keeps such steps proportional to their
+# gradient (a noise gradient moves its weight by about lr / 1000) and leaves every other step as it was.
+EPS = "optimizer.eps=1e-6"
 KEYS = ("loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "entropy", "clip_ratio/low_mean",
         "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
         "completions/mean_length", "completions/clipped_ratio", "num_tokens")
@@ -145,7 +152,7 @@ def test_the_same_completions_and_numbers_on_two_and_four_processes(setup, tmp_p
               f"num_generations={GROUP}", "max_completion_length=5", "max_seq_len=32", "max_steps=3", "epochs=3",
               "optimizer.lr=3e-2", "optimizer.warmup_steps=0", "dtype=fp32", "beta=0.04", "num_iterations=2",
               "temperature=0.9", "top_p=0.95", "top_k=50", "rewards=[tests.grpo_helpers.length_reward]",
-              "logger=stdout"]
+              "logger=stdout", EPS]
     runs = {}
     # Layers resharded after each forward: two processes gather each at every decode step, four gather it once for
     # the round (train/parallel.gathered).
@@ -419,13 +426,12 @@ def test_a_mixture_of_experts_model_adds_each_completions_balancing_loss_on_any_
     model = make_hf_checkpoint(tmp_path / "moe", "qwen3_moe", num_layers=2)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "target": t}) + "\n" for p, t in zip(PROMPTS, TARGETS)))
-    # lr 3e-3: AdamW moves every weight by about lr whatever its gradient, rounding noise included, so at 3e-2 the
-    # third step's norm already differed by 1e-3 between one process and two with AVX2 kernels (the policy loss is 0
-    # there, all rewards equal, and the norm is the balancing loss's alone).
+    # lr 3e-3 and EPS: at 3e-2 the third step's norm differed by 1e-3 between one process and two with AVX2 kernels,
+    # at 3e-3 by 1.2e-4 (the policy loss is 0 there, all rewards equal, and the norm is the balancing loss's alone).
     common = [f"model.checkpoint_dir={model}", "dataset=prompt", f"dataset.path={data}", f"batch_size={BATCH}",
               f"num_generations={GROUP}", "max_completion_length=5", "max_seq_len=32", "max_steps=3", "epochs=3",
               "optimizer.lr=3e-3", "optimizer.warmup_steps=0", "dtype=fp32", "beta=0.0",
-              "rewards=[tests.grpo_helpers.length_reward]", "logger=stdout"]
+              "rewards=[tests.grpo_helpers.length_reward]", "logger=stdout", EPS]
     runs = {}
     for name, extra in (("one", ["flavor=cpu", "model.router_aux_loss_coef=1.0"]),
                         ("two", ["flavor=cpu-2", "plan.replicate=false", "model.router_aux_loss_coef=1.0"]),
