@@ -26,7 +26,7 @@ BATCH, STEPS, LR, LORA_LR, SEED = len(PROMPTS) * GROUP, 2, 3e-2, 1e-1, 0
 # barely reaches, summed in another order over shards) moves its weight by about lr, one way or the other. By the
 # second round the policies differed enough for one sampled token to fall the other way (cpu-2's completions at
 # step 3, the same lengths, its KL 1% off; AVX2 kernels, 2026-11-29). eps 1e-6 keeps such steps proportional to their
-# gradient (a noise gradient moves its weight by about lr / 1000) and leaves every other step as it was.
+# gradient (a noise gradient moves its weight by about lr / 1000) and barely changes one whose gradient is well above.
 EPS = "optimizer.eps=1e-6"
 KEYS = ("loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "entropy", "clip_ratio/low_mean",
         "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
