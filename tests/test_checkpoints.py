@@ -431,6 +431,52 @@ def test_a_pickle_planted_in_a_checkpoint_is_refused_not_run(tmp_path, stopped_c
     assert not marker.exists()
 
 
+class _Python3112Pickler(pickle.Pickler):
+    """Pickles an enum member as Python 3.11.2 does (Debian 12's python3.11): getattr(its class, its name); `member`
+    gives another attribute of a class in its place, as a planter would."""
+
+    def __init__(self, file, member=None):
+        super().__init__(file)
+        self.member = member
+
+    def reducer_override(self, obj):
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, self.member or (type(obj), obj.name)
+        return NotImplemented
+
+
+def _rewritten_metadata(checkpoint: Path, member=None) -> None:
+    with open(checkpoint / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # ours, written by the run above
+    with open(checkpoint / ".metadata", "wb") as f:
+        _Python3112Pickler(f, member).dump(metadata)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    (checkpoint / "meta.json").write_text(json.dumps({**meta, "files": checksums(checkpoint)}))
+
+
+def test_a_checkpoint_written_by_python_3_11_2_resumes_and_no_other_getattr_is_run(tmp_path, stopped_checkpoint):
+    """Python 3.11.2's DCP metadata names each tensor's memory format as getattr(_MEM_FORMAT_ENCODING, NAME): the
+    resume reads it (every resume on that Python was refused as code), and a getattr of anything but an enum member
+    of DCP's own classes is refused."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    checkpoint = shutil.copytree(stopped_checkpoint, tmp_path / "step-000002")
+    _rewritten_metadata(checkpoint)
+    assert b"getattr" in (checkpoint / ".metadata").read_bytes() and b"TORCH_CONTIGUOUS_FORMAT" in (
+        checkpoint / ".metadata").read_bytes()
+    r = run_recipe(*COMMON, "flavor=cpu", "max_steps=4", f"resume={checkpoint}", f"output_dir={tmp_path / 'resumed'}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert [m["step"] for m in metrics(tmp_path / "resumed")] == [3, 4]
+
+    planted = shutil.copytree(stopped_checkpoint, tmp_path / "planted" / "step-000002")
+    _rewritten_metadata(planted, member=(_MEM_FORMAT_ENCODING, "__class__"))  # an attribute, not a member
+    r = run_recipe(*COMMON, "flavor=cpu", "max_steps=4", f"resume={planted}", f"output_dir={tmp_path / 'refused'}")
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"{planted / '.metadata'}: not loaded: it asks for _MEM_FORMAT_ENCODING.__class__" in r.stderr, r.stderr
+
+
 def test_dcp_entries_that_are_not_plain_values_are_refused(tmp_path):
     """DCP saves non-tensor entries (the optimizer's hyperparameters) with torch.save and loads them with
     weights_only=False; our planner reads them as data only."""

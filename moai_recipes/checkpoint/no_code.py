@@ -10,6 +10,7 @@ could run a command on resume. Here every one of them is read as data only:
 Anything else is refused with `UnsafeCheckpoint`, naming the file.
 """
 
+import enum
 import io
 import pickle
 from pathlib import Path
@@ -39,8 +40,20 @@ _METADATA_CLASSES = {
 }
 
 
+def _enum_member(cls, name):
+    """`getattr(cls, name)` for an enum member and nothing else: Python 3.11.2 (Debian 12's python3.11) pickles an
+    enum member so (DCP's _MEM_FORMAT_ENCODING in every tensor's entry), where 3.11.7 calls the class with its value.
+    `cls` came through find_class, so it is one of DCP's own classes."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"it asks for {getattr(cls, '__name__', type(cls).__name__)}.{name}, which is not "
+                                 "checkpoint metadata")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         allowed = name in _METADATA_CLASSES.get(module, ()) or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
         if not allowed:
