@@ -60,6 +60,9 @@ TESTS := $(VENV)/.installed-test-$(SUM)
 .PHONY: install demo demo-gguf demo-dpo demo-grpo demo-tiny demo-vision test test-fast bench clean
 
 $(BASE): pyproject.toml
+	@# Before anything is fetched: on Python 3.10 pip downloaded torch's multi-GB CUDA build, then found no
+	@# transformers 5.24 for that Python (it needs 3.11) and said only that.
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { echo "make: moai-recipes needs Python 3.11 or newer (transformers 5.24 does); $(PYTHON) is $$($(PYTHON) --version 2>/dev/null || echo "not found"). Give another: make PYTHON=python3.11 ..." >&2; exit 2; }
 	@test -x $(PY) || { echo "== make: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@# torch first and pinned: a looser request would pull a multi-GB CUDA build.
 	@echo "== make: installing torch 2.13.0 (CPU build) into $(VENV)"

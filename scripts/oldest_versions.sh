@@ -29,10 +29,7 @@ pip_install "transformers==5.24.0" "torchtune==0.6.1" "torchao==0.14.1" "torchvi
 pip_install --no-deps -e "$root"
 "$py" - "$root/pyproject.toml" > "$venv/requirements.txt" <<'PY'
 import sys
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    from pip._vendor import tomli as tomllib
+import tomllib
 deps = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
 print("\n".join(d for d in deps if not d.startswith(("torch>", "torch=", "torchtune", "torchao", "transformers"))))
 PY

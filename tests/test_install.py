@@ -99,3 +99,25 @@ def test_the_installed_wheel_runs_every_recipe_and_tool_from_any_folder(installe
     assert mine.returncode == 0 and "batch_size: 16" in mine.stdout, mine.stderr
     bad = run(installed, "run", "full_finetune", "model=mistrall", cwd=elsewhere)
     assert bad.returncode == 2 and "did you mean model=mistral" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_make_refuses_a_python_older_than_the_package_asks_before_it_installs_anything(tmp_path):
+    """On Python 3.10, `make` downloaded torch's multi-GB CUDA build before pip found no transformers 5.24 for it and
+    said only that: the Makefile refuses an interpreter below pyproject.toml's requires-python first, by name."""
+    import tomllib
+
+    floor = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert floor == ">=3.11", floor  # the Makefile's check says 3.11 too
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    old = tmp_path / "python3.10"  # answers as Python 3.10 does: the version check fails, --version says which
+    old.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'Python 3.10.13'; exit 0; }\n"
+                   "[ \"$1\" = -c ] && exit 1\necho \"asked to run $*\" >> \"$(dirname \"$0\")/ran\"\nexit 0\n")
+    old.chmod(0o755)
+    r = subprocess.run(["make", "install", f"PYTHON={old}"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"moai-recipes needs Python 3.11 or newer (transformers 5.24 does); {old} is Python 3.10.13" in r.stderr
+    assert not (tmp_path / ".venv").exists() and not (tmp_path / "ran").exists(), r.stdout  # no venv, no pip
+    r = subprocess.run(["make", "install", f"PYTHON={tmp_path / 'nothing'}"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and f"{tmp_path / 'nothing'} is not found" in r.stderr, r.stderr
