@@ -447,31 +447,44 @@ class _Python3112Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def _rewritten_metadata(checkpoint: Path, member=None) -> None:
+def _rewritten_metadata(checkpoint: Path, python: str, member=None) -> None:
+    """The checkpoint's DCP metadata as `python` writes it: 3.11.2 its enum members, 3.13 its paths
+    (pathlib._local.PosixPath)."""
     with open(checkpoint / ".metadata", "rb") as f:
         metadata = pickle.load(f)  # ours, written by the run above
-    with open(checkpoint / ".metadata", "wb") as f:
-        _Python3112Pickler(f, member).dump(metadata)
+    if python == "3.11.2":
+        with open(checkpoint / ".metadata", "wb") as f:
+            _Python3112Pickler(f, member).dump(metadata)
+    else:
+        # Protocol 3 names a class in one line of text (4's frames would not survive a longer name).
+        ours = pickle.dumps(metadata, protocol=3)
+        assert ours.count(b"cpathlib\nPosixPath\n") == 1, ours  # the storage's path, as 3.11 names it
+        (checkpoint / ".metadata").write_bytes(ours.replace(b"cpathlib\n", b"cpathlib._local\n"))
     meta = json.loads((checkpoint / "meta.json").read_text())
     (checkpoint / "meta.json").write_text(json.dumps({**meta, "files": checksums(checkpoint)}))
 
 
-def test_a_checkpoint_written_by_python_3_11_2_resumes_and_no_other_getattr_is_run(tmp_path, stopped_checkpoint):
-    """Python 3.11.2's DCP metadata names each tensor's memory format as getattr(_MEM_FORMAT_ENCODING, NAME): the
-    resume reads it (every resume on that Python was refused as code), and a getattr of anything but an enum member
-    of DCP's own classes is refused."""
+@pytest.mark.parametrize("python", ["3.11.2", "3.13"])
+def test_a_checkpoint_written_by_another_python_resumes_and_no_other_getattr_is_run(tmp_path, stopped_checkpoint,
+                                                                                    python):
+    """DCP's metadata as other Pythons pickle it: 3.11.2 names each tensor's memory format getattr(_MEM_FORMAT_ENCODING,
+    NAME), 3.13 the storage's path pathlib._local.PosixPath (a module 3.11 has not). The resume reads either (every
+    resume on those Pythons was refused as code), and a getattr of anything but an enum member of DCP's own classes is
+    refused."""
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
     checkpoint = shutil.copytree(stopped_checkpoint, tmp_path / "step-000002")
-    _rewritten_metadata(checkpoint)
-    assert b"getattr" in (checkpoint / ".metadata").read_bytes() and b"TORCH_CONTIGUOUS_FORMAT" in (
-        checkpoint / ".metadata").read_bytes()
+    _rewritten_metadata(checkpoint, python)
+    written = (checkpoint / ".metadata").read_bytes()
+    assert (b"getattr" in written and b"TORCH_CONTIGUOUS_FORMAT" in written if python == "3.11.2"
+            else b"pathlib._local" in written), written
     r = run_recipe(*COMMON, "flavor=cpu", "max_steps=4", f"resume={checkpoint}", f"output_dir={tmp_path / 'resumed'}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert [m["step"] for m in metrics(tmp_path / "resumed")] == [3, 4]
-
+    if python != "3.11.2":
+        return
     planted = shutil.copytree(stopped_checkpoint, tmp_path / "planted" / "step-000002")
-    _rewritten_metadata(planted, member=(_MEM_FORMAT_ENCODING, "__class__"))  # an attribute, not a member
+    _rewritten_metadata(planted, python, member=(_MEM_FORMAT_ENCODING, "__class__"))  # an attribute, not a member
     r = run_recipe(*COMMON, "flavor=cpu", "max_steps=4", f"resume={planted}", f"output_dir={tmp_path / 'refused'}")
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"{planted / '.metadata'}: not loaded: it asks for _MEM_FORMAT_ENCODING.__class__" in r.stderr, r.stderr

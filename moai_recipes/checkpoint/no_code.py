@@ -54,6 +54,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) == ("builtins", "getattr"):
             return _enum_member
+        if module.startswith("pathlib.") and name in _METADATA_CLASSES["pathlib"]:
+            # Python 3.13 pickles a path from pathlib._local, which 3.11 has not: read from pathlib on either.
+            module = "pathlib"
         allowed = name in _METADATA_CLASSES.get(module, ()) or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
         if not allowed:
