@@ -457,9 +457,10 @@ def _rewritten_metadata(checkpoint: Path, python: str, member=None) -> None:
             _Python3112Pickler(f, member).dump(metadata)
     else:
         # Protocol 3 names a class in one line of text (4's frames would not survive a longer name).
-        ours = pickle.dumps(metadata, protocol=3)
-        assert ours.count(b"cpathlib\nPosixPath\n") == 1, ours  # the storage's path, as 3.11 names it
-        (checkpoint / ".metadata").write_bytes(ours.replace(b"cpathlib\n", b"cpathlib._local\n"))
+        # The storage's path as 3.13 names it (this Python may be 3.13 already).
+        ours = pickle.dumps(metadata, protocol=3).replace(b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n")
+        assert ours.count(b"cpathlib._local\nPosixPath\n") == 1, ours
+        (checkpoint / ".metadata").write_bytes(ours)
     meta = json.loads((checkpoint / "meta.json").read_text())
     (checkpoint / "meta.json").write_text(json.dumps({**meta, "files": checksums(checkpoint)}))
 
