@@ -6,6 +6,7 @@ each step, so that it is still running when the signal comes, however fast the m
 tests/test_checkpoints.py  (about three minutes)
 """
 
+import enum
 import json
 import os
 import pickle
@@ -440,8 +441,6 @@ class _Python3112Pickler(pickle.Pickler):
         self.member = member
 
     def reducer_override(self, obj):
-        import enum
-
         if isinstance(obj, enum.Enum):
             return getattr, self.member or (type(obj), obj.name)
         return NotImplemented
@@ -456,8 +455,8 @@ def _rewritten_metadata(checkpoint: Path, python: str, member=None) -> None:
         with open(checkpoint / ".metadata", "wb") as f:
             _Python3112Pickler(f, member).dump(metadata)
     else:
-        # Protocol 3 names a class in one line of text (4's frames would not survive a longer name).
-        # The storage's path as 3.13 names it (this Python may be 3.13 already).
+        # The storage's path as 3.13 names it (this Python may be 3.13 already), in protocol 3, which names a class
+        # in a line of text: protocol 4's frames would not survive a longer name.
         ours = pickle.dumps(metadata, protocol=3).replace(b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n")
         assert ours.count(b"cpathlib._local\nPosixPath\n") == 1, ours
         (checkpoint / ".metadata").write_bytes(ours)
