@@ -17,6 +17,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 from moai_recipes.train.compile_turn import CompileTurn
 from moai_recipes.train.world import World
@@ -37,9 +38,9 @@ def apply_compile(layers: nn.ModuleList, turn: CompileTurn | None = None) -> Non
 
     The forward, not the module: FSDP2's hooks stay outside the graph (as with recomputation, models/recompute.py) and the
     parameter names stay the same (torch.compile(module) would prefix them with `_orig_mod.`). Every layer
-    runs the same code, so one graph serves them all; `dynamic` because a micro-batch's tokens change from
-    step to step (packed rows, padded rows of the longest sample). Packed attention stays eager
-    (models/attention.py). With a `turn`, the processes of a CPU flavor compile once (train/compile_turn.py).
+    runs the same code, so one graph serves them all, dynamic in what changes from micro-batch to micro-batch (its
+    rows and tokens: _mark_token_dims). Packed attention stays eager (models/attention.py). With a `turn`, the
+    processes of a CPU flavor compile once (train/compile_turn.py).
     """
     keep_attention_eager()
     # No duck shapes: dynamo otherwise gives a row's length and a weight's dimension of the same size one symbol, and
@@ -51,7 +52,7 @@ def apply_compile(layers: nn.ModuleList, turn: CompileTurn | None = None) -> Non
     torch._dynamo.reset()
     for layer in layers:
         _COMPILED_CODE.add(layer.forward.__code__)
-        layer.forward = _one_graph_for_every_layer(torch.compile(layer.forward, dynamic=True), turn)
+        layer.forward = _one_graph_for_every_layer(torch.compile(layer.forward), turn)
 
 
 def _one_graph_for_every_layer(compiled, turn: CompileTurn | None = None):
@@ -63,10 +64,28 @@ def _one_graph_for_every_layer(compiled, turn: CompileTurn | None = None):
     def forward(x, *args, **kwargs):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and not x.requires_grad and torch.is_grad_enabled():
             x = x.detach().requires_grad_()
+        _mark_token_dims(x, args, kwargs)
         if turn is not None:
             return turn.call(compiled, x, *args, **kwargs)
         return compiled(x, *args, **kwargs)
     return forward
+
+
+def _mark_token_dims(x, args: tuple, kwargs: dict) -> None:
+    """Make dynamic, for torch.compile, the dimensions of a layer's inputs that change from micro-batch to
+    micro-batch: the hidden states' rows and tokens (not their width) and every dimension of the other tensors handed
+    to the layer (positions, a padded batch's mask). Nothing else: compiled with dynamic=True, every input was
+    symbolic, the hidden size and the layer's float attributes too (its norms' eps, LoRA's alpha, attention's
+    dropout: 8 symbols in a tiny LoRA layer against these 2), and dynamo's shape reasoning over them cost a sixth of
+    a cold compile (one process, padded and recomputed: 52.7 CPU-seconds against 44.5; cpu-2's packed rows 84 against
+    72; the same losses, one graph). Marked at every call, as only dynamo knows which call it traces."""
+    if isinstance(x, torch.Tensor):
+        for dim in range(x.dim() - 1):
+            torch._dynamo.maybe_mark_dynamic(x, dim)
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor):
+            for dim in range(t.dim()):
+                torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 _COMPILED_CODE: set = set()  # the code objects apply_compile compiled in this process
