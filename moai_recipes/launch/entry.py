@@ -12,7 +12,6 @@ One way down. This process composes the config and resolves the flavor, once:
   again, up to `max_restarts` times, and resume from the last checkpoint.
 """
 
-import gc
 import os
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from moai_recipes.errors import (
     exit_on_user_error,
 )
 from moai_recipes.flavors import Flavor, resolve_flavor
+from moai_recipes.launch import collector
 from moai_recipes.launch.registry import new_job_id, registered
 from moai_recipes.models.sources import model_source, resolve_model_dir
 
@@ -45,6 +45,14 @@ TRAINING_RECIPES = ("full_finetune", "lora_finetune", "dpo", "grpo")  # what `tr
 def main(recipe: str, argv: list[str] | None = None) -> int:
     """Run the training recipe `recipe` (full_finetune) with the command line `argv`; return the exit code
     (errors.py)."""
+    collector.pause()  # until the training stack is imported (launch/collector.py)
+    try:
+        return _main(recipe, argv)
+    finally:
+        collector.resume()
+
+
+def _main(recipe: str, argv: list[str] | None) -> int:
     cfg = load_config(recipe, sys.argv[1:] if argv is None else argv)
     # Imported once the config composed: `--cfg job`, `--help` and a mistyped key answer without torch's import
     # (2.5 s -> 0.45 s), which the processes and the training need.
@@ -108,7 +116,7 @@ def launch(job: "Job") -> int:
     # This process only waits now: what it holds (torch's modules) lives until it exits, when the last collection
     # would walk it all for nothing (0.5 s after the workers end; train/process.py freezes the workers' too), and
     # a forked worker shares it untouched.
-    gc.freeze()
+    collector.imports_done()
     failures = starts = 0
     with tempfile.TemporaryDirectory(prefix="moai-job-") as folder:
         while True:
