@@ -6,7 +6,7 @@ launch/worker.py."""
 
 import sys
 
-from moai_recipes.launch.entry import main
+from moai_recipes.launch.entry import command
 
 if __name__ == "__main__":
-    sys.exit(main("grpo"))
+    sys.exit(command("grpo"))

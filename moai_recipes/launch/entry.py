@@ -12,6 +12,7 @@ One way down. This process composes the config and resolves the flavor, once:
   again, up to `max_restarts` times, and resume from the last checkpoint.
 """
 
+import gc
 import os
 import sys
 import tempfile
@@ -41,18 +42,18 @@ if TYPE_CHECKING:
 TRAINING_RECIPES = ("full_finetune", "lora_finetune", "dpo", "grpo")  # what `train(cfg, flavor, world)` moai_recipes.recipes has
 
 
+def command(recipe: str, argv: list[str] | None = None) -> int:
+    """`main` as this process's own command (the recipes/ modules' `python -m`, `moai run`): its imports made
+    without cyclic collection until the training stack is in (launch/collector.py). Not for a caller running
+    recipes in its own process, whose garbage would be frozen with them."""
+    collector.pause()
+    return main(recipe, argv)
+
+
 @exit_on_user_error
 def main(recipe: str, argv: list[str] | None = None) -> int:
     """Run the training recipe `recipe` (full_finetune) with the command line `argv`; return the exit code
     (errors.py)."""
-    collector.pause()  # until the training stack is imported (launch/collector.py)
-    try:
-        return _main(recipe, argv)
-    finally:
-        collector.resume()
-
-
-def _main(recipe: str, argv: list[str] | None) -> int:
     cfg = load_config(recipe, sys.argv[1:] if argv is None else argv)
     # Imported once the config composed: `--cfg job`, `--help` and a mistyped key answer without torch's import
     # (2.5 s -> 0.45 s), which the processes and the training need.
@@ -116,7 +117,8 @@ def launch(job: "Job") -> int:
     # This process only waits now: what it holds (torch's modules) lives until it exits, when the last collection
     # would walk it all for nothing (0.5 s after the workers end; train/process.py freezes the workers' too), and
     # a forked worker shares it untouched.
-    collector.imports_done()
+    gc.freeze()
+    collector.imports_done()  # this process's own command: collection resumes (launch/collector.py)
     failures = starts = 0
     with tempfile.TemporaryDirectory(prefix="moai-job-") as folder:
         while True:
