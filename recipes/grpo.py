@@ -6,7 +6,7 @@ launch/worker.py."""
 
 import sys
 
-from moai_recipes.launch.entry import command
+from moai_recipes.launch.entry import main
 
 if __name__ == "__main__":
-    sys.exit(command("grpo"))
+    sys.exit(main("grpo"))

@@ -242,25 +242,3 @@ def test_wandb_records_offline_when_not_logged_in(tmp_path):
     assert logged["config"]["optimizer"]["lr"] == OmegaConf.load(out / "config.yaml").optimizer.lr
     assert logged["summary"]["predicted_peak_bytes"] > 0 and "measured_step_s" in logged["summary"]
     assert "wandb sync" in r.stdout
-
-
-def test_a_command_collects_no_garbage_until_its_recipe_is_imported_but_a_caller_keeps_its_collector(tmp_path):
-    """launch/collector.py: a training command's own process makes no cyclic-collection pass from its start until its
-    recipe is imported (a fresh process's imports would be walked again and again), then freezes what exists and
-    collects again (planning and the steps); a recipe run inside a caller's process (here pytest's) leaves the
-    caller's collector alone: nothing of its heap is frozen for the command."""
-    import gc
-
-    from tests.helpers import run_command
-
-    record = tmp_path / "passes.json"
-    r = run_command("tests.gc_passes", record, "recipes.full_finetune", "flavor=cpu", "max_steps=2", "logger=stdout",
-                    "sample_max_new_tokens=0", f"output_dir={tmp_path / 'run'}")
-    got = json.loads(record.read_text())
-    assert r.returncode == 0 and got["code"] == 0, r.stdout + r.stderr
-    assert got["enabled"] and got["passes"], got  # the steps collected
-    assert all(count > 0 for count in got["passes"]), got["passes"][:5]  # none before the imports were frozen
-
-    frozen = gc.get_freeze_count()
-    refused = run_recipe("flavor=cpu", "no_such_key=1")  # in this process
-    assert refused.returncode == 2 and gc.isenabled() and gc.get_freeze_count() == frozen

@@ -18,10 +18,10 @@ if __name__ == "__main__":
 
     if "-h" in args or "--help" in args:
         load_config(recipe, args)  # prints the usage and exits before any recipe's imports (torch, torchtune: 5 s)
-    from moai_recipes.launch.entry import TRAINING_RECIPES, command
+    from moai_recipes.launch.entry import TRAINING_RECIPES, main
 
     if recipe in TRAINING_RECIPES:
-        sys.exit(command(recipe, args))
+        sys.exit(main(recipe, args))
     code = importlib.import_module(f"moai_recipes.recipes.{recipe}").main(args)
     if recipe == "plan":
         short.end(code)

@@ -32,7 +32,6 @@ from moai_recipes.errors import (
     exit_on_user_error,
 )
 from moai_recipes.flavors import Flavor, resolve_flavor
-from moai_recipes.launch import collector
 from moai_recipes.launch.registry import new_job_id, registered
 from moai_recipes.models.sources import model_source, resolve_model_dir
 
@@ -40,14 +39,6 @@ if TYPE_CHECKING:
     from moai_recipes.launch.worker import Job
 
 TRAINING_RECIPES = ("full_finetune", "lora_finetune", "dpo", "grpo")  # what `train(cfg, flavor, world)` moai_recipes.recipes has
-
-
-def command(recipe: str, argv: list[str] | None = None) -> int:
-    """`main` as this process's own command (the recipes/ modules' `python -m`, `moai run`): its imports made
-    without cyclic collection until the training stack is in (launch/collector.py). Not for a caller running
-    recipes in its own process, whose garbage would be frozen with them."""
-    collector.pause()
-    return main(recipe, argv)
 
 
 @exit_on_user_error
@@ -118,7 +109,6 @@ def launch(job: "Job") -> int:
     # would walk it all for nothing (0.5 s after the workers end; train/process.py freezes the workers' too), and
     # a forked worker shares it untouched.
     gc.freeze()
-    collector.imports_done()  # this process's own command: collection resumes (launch/collector.py)
     failures = starts = 0
     with tempfile.TemporaryDirectory(prefix="moai-job-") as folder:
         while True:

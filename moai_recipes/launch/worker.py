@@ -36,7 +36,6 @@ from moai_recipes.errors import (
 )
 from moai_recipes.files import write_json
 from moai_recipes.flavors import Device, Flavor
-from moai_recipes.launch import collector
 from moai_recipes.launch.registry import registered
 from moai_recipes.train.world import join_world, stop_with_launcher
 
@@ -70,7 +69,6 @@ def run(job: Job, given: env.GivenWorld | None) -> int:
     if job.launcher is not None:  # first: a launcher killed while we import must not leave us training
         stop_with_launcher(job.launcher)
     train = importlib.import_module(f"moai_recipes.recipes.{job.recipe}").train
-    collector.imports_done()  # a launcher's (one process) or a bare worker's imports: launch/collector.py
     restarts = max(job.restarts, env.restart_count())  # ours, or torchrun's
     while True:
         with join_world(job.flavor, given, restarts=restarts) as world:
@@ -117,7 +115,6 @@ def leave_user_error(job_file: Path, error: UserError) -> None:
 
 @exit_on_user_error
 def main(argv: list[str]) -> int:
-    collector.pause()  # a bare worker's imports: until run() imported the recipe
     (path,) = argv
     job = Job.read(Path(path))
     shared_by_worker(job.cfg.output_dir)  # the folder stays held while this worker lives, its launcher gone or not
